@@ -1,0 +1,33 @@
+# Sourced by train.sh and test.sh: create or reuse .venv and activate it.
+# torch==2.13.0 goes in first and is pinned through a constraints file, so no later
+# requirement can pull a different (multi-GB CUDA) build over it.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VEOMNI_VENV:-$REPO_ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.veomni-installed"
+
+# Two launches at once (e.g. two nodes' train.sh on one machine) must not both install.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[venv] creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+
+if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ]; then
+    echo "[venv] installing torch==2.13.0, then the project (one-time, ~2 min)" >&2
+    python -m pip install --quiet --upgrade pip >&2
+    python -m pip install --quiet "torch==2.13.0" >&2
+    constraints="$VENV/torch-constraint.txt"
+    python -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+    python -m pip install --quiet -c "$constraints" -e "$REPO_ROOT[dev]" >&2
+    touch "$STAMP"
+fi
+flock -u 9
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+export TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}"

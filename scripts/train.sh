@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Train from a recipe:  bash scripts/train.sh RECIPE.yaml [--dry-run] [--section.key VALUE ...]
+#
+# Creates/reuses .venv, validates the recipe (and prepares bundled data) before any worker
+# starts, then launches one process per GPU (NCCL), or NPROC_PER_NODE processes (default 2)
+# on CPU (gloo). Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node.
+# --dry-run prints the resolved config, layout, parameter count, FLOPs/token and memory per
+# rank, then exits; add --world-size N (and --gpus) to plan for a cluster you are not on.
+set -euo pipefail
+if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+RECIPE="$1"; shift
+
+GPUS=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [ "$GPUS" -gt 0 ]; then DEFAULT_NPROC=$GPUS; else DEFAULT_NPROC=2; fi
+NPROC_PER_NODE="${NPROC_PER_NODE:-$DEFAULT_NPROC}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+WORLD=$((NNODES * NPROC_PER_NODE))
+GPU_FLAG=()
+[ "$GPUS" -gt 0 ] && GPU_FLAG=(--gpus)
+
+DRY_RUN=0
+for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY_RUN=1; done
+
+python -m veomni.launch "$RECIPE" --launcher-world-size "$WORLD" "${GPU_FLAG[@]}" "$@"
+[ "$DRY_RUN" = 1 ] && exit 0
+
+echo "[train.sh] $NNODES node(s) x $NPROC_PER_NODE process(es), $([ "$GPUS" -gt 0 ] && echo "GPU/NCCL" || echo "CPU/gloo")" >&2
+if [ "$NNODES" = 1 ]; then
+    RDZV=(--standalone)
+else
+    RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="${RDZV_ID:-veomni}"
+          --node-rank="$NODE_RANK")
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}"
+exec torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" "${RDZV[@]}" \
+    -m veomni.train.run "$RECIPE" "$@"

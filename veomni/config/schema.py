@@ -1,0 +1,117 @@
+"""Typed schema of a run: one dataclass per YAML section.
+
+Every field has a default so a recipe only states what differs. The ``model`` section is open
+(its keys are checked against the registered model's own config dataclass), every other
+section is closed: an unknown key is an error, reported with file, line and nearest key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""
+    """Folder of webdataset ``.tar`` shards, a ``.jsonl`` file, or a folder of ``.jsonl`` files."""
+    eval_path: str | None = None
+    """Held-out split in the same formats; eval is skipped when unset."""
+    prepare: str | None = None
+    """Builder script run once before training when a data path is missing; called as
+    ``python PREPARE --train-out TRAIN_PATH --eval-out EVAL_PATH``."""
+    format: Literal["auto", "webdataset", "jsonl"] = "auto"
+    text_key: str = "txt"
+    """Key of the text field: the member suffix in webdataset shards, the JSON key in jsonl."""
+    tokenizer: str = ""
+    """Folder loadable by ``transformers.AutoTokenizer.from_pretrained`` (offline)."""
+    max_seq_len: int = 1024
+    """Longest sample; longer documents are cut into consecutive chunks of this length."""
+    tokens_per_micro_batch: int = 4096
+    """Token budget of one packed micro-batch (dynamic batch size)."""
+    num_workers: int = 0
+    shuffle: bool = True
+    max_bad_fraction: float = 0.01
+    """Bad records are skipped and counted; above this fraction the run stops."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """HSDP replica groups (parameters replicated across groups, sharded within)."""
+    dp_shard: int = -1
+    """FSDP shard group size; -1 takes every rank not used by another dimension."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 params with fp32 reduction on GPU, fp32 on CPU."""
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """selective keeps matmul/attention outputs and recomputes the cheap element-wise ops."""
+    compile: bool = False
+    """torch.compile each block (the plan's ``blocks``)."""
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "outputs/run"
+    max_steps: int = 100
+    seed: int = 42
+    grad_accum: int = 1
+    """Micro-batches per rank per optimizer step."""
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """0 disables clipping (the norm is still reported)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    eval_interval: int = 0
+    """Steps between evaluations on ``data.eval_path``; 0 evaluates only at the end."""
+    eval_batches: int = 8
+    sample_prompt: str | None = None
+    """If set, greedy-decode a continuation of this prompt after training and print it."""
+    sample_tokens: int = 48
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Steps between saves; 0 saves only at the end."""
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint in output_dir, if any), ``none``, or a path."""
+    keep_last: int = 2
+    async_save: bool = False
+    save_final: bool = True
+    init_from_hf: str | None = None
+    """Hugging Face folder to initialise weights from when not resuming."""
+
+
+@dataclass
+class LogConfig:
+    interval: int = 1
+    wandb: bool = False
+    """Logs to wandb; offline unless WANDB_API_KEY is set."""
+    wandb_project: str = "veomni-zoo"
+    tensorboard: bool = False
+    progress_bar: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """``arch`` picks a registered model; the remaining keys belong to its config dataclass."""
+
+    arch: str = "llm"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)

@@ -1,0 +1,45 @@
+"""The one ordered parallel recipe applied to a plain model.
+
+Order matters: pipeline split (later) -> sequence/expert injection (later) -> activation
+checkpointing -> compile -> FSDP. Checkpointing and compile wrap the block's forward, and FSDP
+must see the final module tree so its hooks sit outside both.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from veomni.config.schema import ParallelConfig
+from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
+from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from veomni.parallel.mesh import ParallelMeshes
+from veomni.parallel.plan import ParallelPlan, match_modules
+
+logger = logging.getLogger(__name__)
+
+
+def apply_compile(model: nn.Module, plan: ParallelPlan) -> None:
+    """Compile each block in place (``Module.compile`` keeps parameter names unchanged)."""
+    blocks = match_modules(model, plan.blocks)
+    for _, block in blocks:
+        block.compile()
+    logger.info("torch.compile on %d blocks", len(blocks))
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str) -> nn.Module:
+    plan: ParallelPlan = model.parallel_plan()
+    if not match_modules(model, plan.blocks):
+        raise ValueError(f"{type(model).__name__}.parallel_plan() blocks {plan.blocks} match no module")
+    apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model, plan)
+    return apply_fsdp(
+        model,
+        plan,
+        meshes.fsdp,
+        mixed_precision_policy(cfg.mixed_precision, device_type),
+        reshard_after_forward=cfg.reshard_after_forward,
+        cpu_offload=cfg.cpu_offload,
+    )

@@ -1,0 +1,43 @@
+"""FSDP2: shard every plan block, then the root; HSDP when the mesh is 2-D."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from veomni.parallel.plan import ParallelPlan, match_modules
+
+logger = logging.getLogger(__name__)
+
+
+def mixed_precision_policy(mode: str, device_type: str) -> MixedPrecisionPolicy:
+    """``auto`` is bf16 compute with fp32 gradient reduction on GPU and plain fp32 on CPU,
+    where bf16 backward is emulated and several times slower."""
+    if mode == "bf16" or (mode == "auto" and device_type == "cuda"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    plan: ParallelPlan,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    blocks = match_modules(model, plan.blocks)
+    for _, block in blocks:
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
+    # The root keeps its parameters (embeddings, final norm, head) gathered after forward:
+    # backward needs them right away, so resharding would only add an all-gather.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
+    logger.info("FSDP2 applied to %d blocks + root over mesh %s", len(blocks), mesh)
+    return model

@@ -1,0 +1,62 @@
+"""The declaration a model makes about its own structure.
+
+Models return a ``ParallelPlan`` from ``parallel_plan()``; the engine reads it and applies
+parallelism from outside. This module must stay free of ``torch.distributed`` because models
+import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Module paths by role, as globs over ``named_modules()`` names.
+
+    Glob syntax: ``*`` matches one path segment (never a dot), ``**`` any number of segments,
+    so ``layers.*`` matches ``layers.0`` but not ``layers.0.attn``.
+
+    blocks:    repeated blocks; the unit of FSDP sharding, activation checkpointing, compile
+               and pipeline cutting.
+    experts:   grouped-expert modules whose weights shard on the leading expert dim.
+    attention: attention modules exposing an ``attn_fn`` injection point; their inputs carry
+               a sequence dim that sequence parallelism may split.
+    stages:    ordered top-level pieces (embed, blocks container, head) for pipelines.
+    encoders:  sub-models of an omni model, each with its own plan.
+    """
+
+    blocks: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ()
+    stages: tuple[str, ...] = ()
+    encoders: dict[str, "ParallelPlan"] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=256)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    parts = re.split(r"(\*\*|\*)", pattern)
+    body = "".join(".*" if p == "**" else "[^.]*" if p == "*" else re.escape(p) for p in parts)
+    return re.compile(f"^{body}$")
+
+
+def module_path_matches(name: str, pattern: str) -> bool:
+    """True when a dotted module path matches a plan glob (see ``ParallelPlan``)."""
+    return _glob_regex(pattern).match(name) is not None
+
+
+def match_modules(root: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Return ``(name, module)`` for every submodule whose path matches one of ``patterns``.
+
+    Order follows ``named_modules()`` (definition order), which is what FSDP wrapping and
+    pipeline cutting need.
+    """
+    return [
+        (name, module)
+        for name, module in root.named_modules()
+        if name and any(module_path_matches(name, p) for p in patterns)
+    ]
