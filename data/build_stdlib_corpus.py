@@ -1,0 +1,130 @@
+"""Build an offline text corpus from the running Python's standard library.
+
+Why this corpus: it is real, varied text (code plus prose) that every machine already has, so
+training and tests need no download. Documents are the stdlib ``.py`` sources (no tests, no
+site-packages, nothing over 200 kB) and the ``pydoc_data`` documentation topics.
+
+Output: webdataset tar shards (~8 MB each, samples ``{"__key__", "txt"}``) in ``--train-out``
+and ``--eval-out`` (~2% of the shuffled documents), each with a ``manifest.json`` written last.
+Each split is written to a temporary sibling folder and renamed into place, so an interrupted
+run never leaves a folder that looks complete. When both manifests exist the script says
+"cached" and exits.
+
+    python data/build_stdlib_corpus.py --train-out data/cache/stdlib/train --eval-out data/cache/stdlib/eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import webdataset
+
+SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+MAX_FILE_BYTES = 200_000
+SHARD_BYTES = 8_000_000
+EVAL_FRACTION = 0.02
+MANIFEST = "manifest.json"
+
+
+def stdlib_documents() -> list[tuple[str, str]]:
+    """(name, text) for every stdlib source file and pydoc topic, in a stable order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for filename in sorted(filenames):
+            path = Path(dirpath) / filename
+            if path.suffix != ".py" or path.stat().st_size > MAX_FILE_BYTES:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text.strip():
+                docs.append(("stdlib/" + path.relative_to(root).as_posix(), text))
+    from pydoc_data.topics import topics
+
+    docs.extend((f"topic/{name}", text) for name, text in sorted(topics.items()) if text.strip())
+    return docs
+
+
+def sample_key(index: int, name: str) -> str:
+    """A webdataset key: unique, and free of dots (webdataset splits key and suffix at the first dot)."""
+    return f"{index:06d}_" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+def is_complete(out: Path) -> bool:
+    """A split is complete once its manifest exists: the manifest is written last."""
+    return (out / MANIFEST).is_file()
+
+
+def clear_stale(out: Path) -> None:
+    """Remove an old output folder, but only if it holds nothing this script would not write."""
+    if not out.exists():
+        return
+    foreign = [p.name for p in out.iterdir() if p.suffix != ".tar" and p.name != MANIFEST]
+    if foreign:
+        sys.exit(f"{out} holds files this script did not write ({foreign[:3]}); remove it first")
+    shutil.rmtree(out)
+
+
+def write_split(docs: list[tuple[str, str]], out: Path, first_index: int) -> dict:
+    """Write one split into a temp folder, add the manifest, then rename it to ``out``."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    total_bytes = 0
+    with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxsize=SHARD_BYTES, verbose=0) as writer:
+        for offset, (name, text) in enumerate(docs):
+            writer.write({"__key__": sample_key(first_index + offset, name), "txt": text})
+            total_bytes += len(text.encode("utf-8"))
+            if (offset + 1) % 200 == 0:
+                print(f"  {out.name}: {offset + 1} documents, {total_bytes / 1e6:.1f} MB", flush=True)
+    shards = len(list(tmp.glob("*.tar")))
+    manifest = {
+        "documents": len(docs),
+        "bytes": total_bytes,
+        "shards": shards,
+        "python": sys.version.split()[0],
+        "source": "python stdlib .py files + pydoc_data topics",
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    clear_stale(out)
+    tmp.rename(out)
+    print(f"{out}: {len(docs)} documents, {total_bytes / 1e6:.1f} MB in {shards} shard(s)", flush=True)
+    return manifest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train-out", required=True, type=Path)
+    parser.add_argument("--eval-out", required=True, type=Path)
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args()
+
+    if is_complete(args.train_out) and is_complete(args.eval_out):
+        print(f"cached: {args.train_out} and {args.eval_out} are complete")
+        return
+    start = time.perf_counter()
+    docs = stdlib_documents()
+    random.Random(args.seed).shuffle(docs)
+    n_eval = max(1, round(EVAL_FRACTION * len(docs)))
+    print(
+        f"{len(docs)} documents from Python {sys.version.split()[0]}; {n_eval} held out for eval", flush=True
+    )
+    write_split(docs[n_eval:], args.train_out, first_index=n_eval)
+    write_split(docs[:n_eval], args.eval_out, first_index=0)
+    print(f"done in {time.perf_counter() - start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

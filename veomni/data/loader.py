@@ -1,0 +1,276 @@
+"""Packed, resumable text loader: documents -> tokens -> padding-free micro-batches.
+
+Every data-parallel rank and loader worker is one *consumer* ``c`` of ``C = dp_size * workers``
+(``c = dp_rank * workers + worker_id``). All consumers read the same deterministic per-epoch
+document stream and consumer ``c`` keeps documents ``i`` with ``i % C == c``: a record-level
+split that needs no shard metadata and no communication. Each kept document is tokenized, gets
+``eos_token_id`` appended, is cut into chunks of ``max_seq_len`` and packed greedily into
+micro-batches of at most ``tokens_per_micro_batch`` tokens (see :mod:`veomni.data.packing`).
+
+Resume is exact: the dataset state is the position of the first sample not yet yielded
+(epoch, document index, token offset inside that document) plus record counters. The state
+travels through torchdata's ``StatefulDataLoader`` protocol, so ``loader.state_dict()`` after k
+batches, loaded into a freshly built loader with the same layout, yields batch k+1 onwards.
+Skipped documents are read but never tokenized. For a different layout see
+:func:`merge_loader_states`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from veomni.config.schema import DataConfig
+from veomni.data.packing import chunk_document, greedy_pack, pack_samples
+from veomni.data.sources import ReadStats, iter_texts, resolve_files
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "veomni.packed_text.v1"
+MERGED_KEY = "veomni_merged_data_position"
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a consumer's stream resumes: the first sample not yet yielded, plus counters.
+
+    ``records_in_epoch`` / ``bad_in_epoch`` count the records read in this epoch before
+    ``next_doc`` (for reporting: a resumed reader recounts them while re-reading).
+    """
+
+    epoch: int = 0
+    next_doc: int = 0
+    token_offset: int = 0
+    records_prior_epochs: int = 0
+    bad_prior_epochs: int = 0
+    records_in_epoch: int = 0
+    bad_in_epoch: int = 0
+
+
+class PackedTextDataset(IterableDataset):
+    """Iterable of packed micro-batch dicts for one consumer; implements torchdata's state protocol."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        path: str,
+        split: str,
+        tokenizer: PreTrainedTokenizerBase,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ) -> None:
+        self.fmt, self.files = resolve_files(path, cfg.format)
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; documents need an end-of-text token")
+        self.cfg = cfg
+        self.split = split
+        self.tokenizer = tokenizer
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self._start = Position()
+        self._pos = Position()
+        self._end = Position(epoch=1)  # eval's position after its pass; _samples adds the counters
+
+    def _consumer(self) -> tuple[int, int]:
+        """(this consumer's index, number of consumers), worker-aware."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self.dp_rank * workers + worker, self.dp_size * workers
+
+    def _epoch_files(self, epoch: int) -> list[Path]:
+        """Shard order of one epoch: shuffled with seed and epoch for training, sorted otherwise."""
+        files = list(self.files)
+        if self.split == "train" and self.cfg.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(files)
+        return files
+
+    def _samples(self, start: Position) -> Iterator[tuple[list[int], Position]]:
+        """This consumer's chunks from ``start`` on, each tagged with its own position."""
+        consumer, consumers = self._consumer()
+        eos = self.tokenizer.eos_token_id
+        prior_records, prior_bad = start.records_prior_epochs, start.bad_prior_epochs
+        begin = start
+        epoch = start.epoch
+        while self.split == "train" or epoch == 0:
+            stats = ReadStats()
+            texts = iter_texts(
+                self._epoch_files(epoch),
+                self.fmt,
+                self.cfg.text_key,
+                self.cfg.max_bad_fraction,
+                stats,
+                warn=consumer == 0,
+            )
+            produced = False
+            for index, text in enumerate(texts):
+                if index < begin.next_doc or index % consumers != consumer:
+                    continue
+                produced = True
+                ids = self.tokenizer.encode(text, add_special_tokens=False) + [eos]
+                offset0 = begin.token_offset if index == begin.next_doc else 0
+                counters = (prior_records, prior_bad, stats.records - 1, stats.bad)  # as of this document
+                for offset, chunk in chunk_document(ids, self.cfg.max_seq_len, offset0):
+                    yield chunk, Position(epoch, index, offset, *counters)
+            if self.split == "train" and begin.next_doc == 0 and not produced:
+                raise ValueError(
+                    f"consumer {consumer} of {consumers} got no document in a whole epoch of "
+                    f"{self.files[0].parent}: fewer documents than dp ranks x workers"
+                )
+            prior_records += stats.records
+            prior_bad += stats.bad
+            epoch += 1
+            begin = Position(epoch)
+        self._end = Position(epoch, 0, 0, prior_records, prior_bad)
+
+    def __iter__(self) -> Iterator[dict]:
+        """Start at the loaded position (once), else at the beginning; eval is one pass, train loops."""
+        start, self._start = self._start, Position()
+        self._pos = start
+        return self._batches(start)
+
+    def _batches(self, start: Position) -> Iterator[dict]:
+        for samples, next_position in greedy_pack(self._samples(start), self.cfg.tokens_per_micro_batch):
+            self._pos = next_position if next_position is not None else self._end
+            yield pack_samples(samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        consumer, consumers = self._consumer()
+        return {"format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers, **asdict(self._pos)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
+        consumer, consumers = self._consumer()
+        if (state["consumer"], state["num_consumers"]) != (consumer, consumers):
+            raise ValueError(
+                f"loader state of consumer {state['consumer']}/{state['num_consumers']} loaded into consumer "
+                f"{consumer}/{consumers}: the dp size or num_workers changed; use merge_loader_states"
+            )
+        self._start = self._pos = Position(**{f.name: state[f.name] for f in fields(Position)})
+
+    def start_from(self, merged: dict[str, Any]) -> None:
+        """Begin the next iteration at a layout-independent position from :func:`merge_loader_states`."""
+        self._start = self._pos = Position(**{f.name: merged[f.name] for f in fields(Position)})
+
+
+class PackedDataLoader(StatefulDataLoader):
+    """StatefulDataLoader that also accepts the layout-independent state of :func:`merge_loader_states`."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if MERGED_KEY in state_dict:
+            super().load_state_dict({})
+            self.dataset.start_from(state_dict[MERGED_KEY])
+            return
+        expected = self.dataset.dp_size * max(self.num_workers, 1)
+        for state in _dataset_states(state_dict):
+            if state["num_consumers"] != expected:
+                raise ValueError(
+                    f"loader state was saved with {state['num_consumers']} consumers (dp ranks x workers), this "
+                    f"loader has {expected}; convert the old ranks' states with merge_loader_states"
+                )
+        super().load_state_dict(state_dict)
+
+
+def _dataset_states(obj: Any) -> list[dict[str, Any]]:
+    """Every dataset state nested anywhere in a loader state (torchdata's layout is internal)."""
+    if isinstance(obj, dict):
+        if obj.get("format") == STATE_FORMAT:
+            return [obj]
+        return [s for value in obj.values() for s in _dataset_states(value)]
+    if isinstance(obj, (list, tuple)):
+        return [s for value in obj for s in _dataset_states(value)]
+    return []
+
+
+def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Turn the per-rank loader states of an old run (any dp size / workers) into one start position.
+
+    Rule: every consumer has yielded all its documents before its own ``next_doc``, so every
+    document before the smallest ``(epoch, next_doc)`` over all old consumers was consumed by
+    someone. The merged state starts all new consumers there (token offset 0), so no document
+    is skipped; the documents between that position and each old consumer's own position are
+    seen again (a few per old consumer when their documents were of similar length; the spread
+    grows when document lengths fell unevenly). Counters come from the earliest consumer.
+    Pass the states of *all* old ranks; any new layout loads the result with
+    ``loader.load_state_dict(merged)``.
+    """
+    found = [s for state in states for s in _dataset_states(state)]
+    if not found:
+        raise ValueError("no packed-text dataset state found in the given loader states")
+    consumers = {s["num_consumers"] for s in found}
+    seen = {s["consumer"] for s in found}
+    if len(consumers) != 1 or seen != set(range(consumers.pop())):
+        raise ValueError(
+            f"incomplete or mixed loader states: consumers {sorted(seen)} of {sorted(consumers)}; "
+            "pass the states of every rank of the old run"
+        )
+    earliest = min(found, key=lambda s: (s["epoch"], s["next_doc"]))
+    position = replace(Position(**{f.name: earliest[f.name] for f in fields(Position)}), token_offset=0)
+    return {MERGED_KEY: asdict(position)}
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Load a tokenizer folder offline; fail clearly when it is missing or has no eos token."""
+    folder = Path(path)
+    if (
+        not path
+        or not (folder / "tokenizer.json").is_file()
+        and not (folder / "tokenizer_config.json").is_file()
+    ):
+        raise FileNotFoundError(f"tokenizer folder {path!r} not found (expected tokenizer.json inside)")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {path!r} defines no eos_token")
+    return tokenizer
+
+
+def build_dataloader(
+    cfg: DataConfig,
+    split: str,
+    tokenizer: PreTrainedTokenizerBase,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+) -> PackedDataLoader:
+    """Loader of packed micro-batch dicts for one data-parallel rank.
+
+    ``split="train"`` reads ``cfg.train_path`` and loops over epochs forever; ``"eval"`` reads
+    ``cfg.eval_path`` once, in order (each new ``iter()`` starts over). Every rank must use the
+    same ``seed`` and files so that all ranks agree on the document order.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    path = cfg.train_path if split == "train" else cfg.eval_path
+    if not path:
+        raise ValueError(f"data.{split}_path is not set")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
+    if not 0 < cfg.max_seq_len <= cfg.tokens_per_micro_batch:
+        raise ValueError(
+            f"need 0 < max_seq_len ({cfg.max_seq_len}) <= tokens_per_micro_batch "
+            f"({cfg.tokens_per_micro_batch})"
+        )
+    dataset = PackedTextDataset(cfg, path, split, tokenizer, dp_rank, dp_size, seed)
+    if cfg.num_workers > 0:
+        # Workers are forked; HF tokenizers would otherwise warn and turn its thread pool off in each one.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logger.info(
+        "%s data: %d %s file(s) from %s, rank %d/%d, %d worker(s)",
+        split,
+        len(dataset.files),
+        dataset.fmt,
+        path,
+        dp_rank,
+        dp_size,
+        cfg.num_workers,
+    )
+    return PackedDataLoader(dataset, batch_size=None, num_workers=cfg.num_workers)

@@ -1,0 +1,80 @@
+"""Packing token samples into padding-free micro-batches.
+
+A micro-batch is one row of concatenated samples with per-sample boundaries (``cu_seqlens``,
+restarting ``position_ids``), so attention never crosses samples and no compute goes to padding.
+Rows vary in length up to a token budget (dynamic batch size) instead of a fixed batch shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import accumulate
+from typing import TypeVar
+
+import torch
+
+IGNORE_INDEX = -100
+Tag = TypeVar("Tag")
+
+
+def chunk_document(ids: Sequence[int], max_len: int, start: int = 0) -> Iterator[tuple[int, Sequence[int]]]:
+    """Yield ``(offset, ids[offset:offset + max_len])`` for consecutive chunks from ``start``.
+
+    The offset lets a resumed reader continue inside a partly consumed document.
+    """
+    if max_len <= 0:
+        raise ValueError(f"max_len must be positive, got {max_len}")
+    for offset in range(start, len(ids), max_len):
+        yield offset, ids[offset : offset + max_len]
+
+
+def greedy_pack(
+    samples: Iterable[tuple[Sequence[int], Tag]], budget: int
+) -> Iterator[tuple[list[Sequence[int]], Tag | None]]:
+    """Fill micro-batches in stream order up to ``budget`` tokens.
+
+    ``samples`` yields ``(token_ids, tag)``; a sample that does not fit starts the next
+    micro-batch (order is kept, nothing is split or padded). Yields ``(batch, next_tag)`` where
+    ``next_tag`` is the tag of the first sample *not* in ``batch`` (``None`` once the stream is
+    exhausted): the position a resumed reader must restart from.
+    """
+    batch: list[Sequence[int]] = []
+    used = 0
+    for ids, tag in samples:
+        if not 0 < len(ids) <= budget:
+            raise ValueError(f"sample of {len(ids)} tokens cannot be packed into a budget of {budget}")
+        if batch and used + len(ids) > budget:
+            yield batch, tag
+            batch, used = [], 0
+        batch.append(ids)
+        used += len(ids)
+    if batch:
+        yield batch, None
+
+
+def pack_samples(samples: Sequence[Sequence[int]]) -> dict:
+    """Build the micro-batch dict of one packed row from a list of token lists.
+
+    Keys: ``input_ids``, ``labels`` (next token within the same sample, else -100),
+    ``position_ids`` (restart at 0 per sample), ``cu_seqlens`` (int32, ``[0, ..., T]``),
+    ``max_seqlen`` and ``num_samples``.
+    """
+    if not samples or any(len(s) == 0 for s in samples):
+        raise ValueError("pack_samples needs at least one sample and no empty ones")
+    input_ids: list[int] = []
+    labels: list[int] = []
+    position_ids: list[int] = []
+    for sample in samples:
+        input_ids.extend(sample)
+        labels.extend(sample[1:])
+        labels.append(IGNORE_INDEX)
+        position_ids.extend(range(len(sample)))
+    lengths = [len(s) for s in samples]
+    return {
+        "input_ids": torch.tensor(input_ids, dtype=torch.long),
+        "labels": torch.tensor(labels, dtype=torch.long),
+        "position_ids": torch.tensor(position_ids, dtype=torch.long),
+        "cu_seqlens": torch.tensor([0, *accumulate(lengths)], dtype=torch.int32),
+        "max_seqlen": max(lengths),
+        "num_samples": len(samples),
+    }

@@ -1,0 +1,161 @@
+"""Document readers: text records from webdataset tar shards or jsonl files.
+
+A corpus is a list of files (tar shards or jsonl files). Reading yields the good documents'
+text in file order; a bad record (missing text key, undecodable bytes, broken JSON line) or a
+corrupt/truncated shard is skipped, counted and logged, so one damaged file does not stop a long
+run. Only when the skipped fraction of a pass exceeds ``max_bad_fraction`` does reading raise
+:class:`BadDataError`, because then the data itself is wrong and training on it would be silent
+garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("webdataset", "jsonl")
+MIN_RECORDS_FOR_EARLY_CHECK = 1000
+"""The bad fraction is checked after each file once this many records were read (a few bad
+records among the first dozen say little), and always at the end of a pass."""
+
+
+class BadDataError(RuntimeError):
+    """Too large a fraction of the records could not be read."""
+
+
+@dataclass
+class ReadStats:
+    """Counts of one pass over the files; ``records`` includes the bad ones."""
+
+    records: int = 0
+    bad: int = 0
+    bad_by_file: Counter = field(default_factory=Counter)
+
+
+def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[Path]]:
+    """Return ``(format, sorted files)`` for a folder of ``*.tar`` / ``*.jsonl`` or a single file.
+
+    ``auto`` picks webdataset when the path holds tar shards, else jsonl. Raises
+    ``FileNotFoundError`` naming the path when it is missing or holds no data files.
+    """
+    if fmt not in ("auto", *FORMATS):
+        raise ValueError(f"unknown data format {fmt!r}; expected auto, webdataset or jsonl")
+    root = Path(path)
+    if not path or not root.exists():
+        raise FileNotFoundError(f"data path {path!r} does not exist")
+    suffix_of = {"webdataset": ".tar", "jsonl": ".jsonl"}
+    if root.is_file():
+        found = {name: [root] for name, suffix in suffix_of.items() if root.suffix == suffix}
+    else:
+        found = {name: sorted(root.glob(f"*{suffix}")) for name, suffix in suffix_of.items()}
+    candidates = list(FORMATS) if fmt == "auto" else [fmt]
+    for name in candidates:
+        if found.get(name):
+            return name, found[name]
+    wanted = " or ".join(suffix_of[name] for name in candidates)
+    raise FileNotFoundError(f"data path {path!r} holds no {wanted} files")
+
+
+def _tar_samples(file: Path) -> Iterator[dict]:
+    """Samples of one tar shard, grouped by key with webdataset's own tar iteration."""
+    with open(file, "rb") as stream:
+        members = ({**member, "__url__": str(file)} for member in tar_file_iterator(stream))
+        yield from group_by_keys(members, keys=base_plus_ext)
+
+
+def _tar_texts(file: Path, text_key: str) -> Iterator[str | None]:
+    """Text of each sample; ``None`` for a bad record."""
+    for sample in _tar_samples(file):
+        raw = sample.get(text_key)
+        if raw is None:
+            logger.debug("%s: sample %s has no %r member", file, sample.get("__key__"), text_key)
+            yield None
+            continue
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            logger.debug("%s: sample %s is not utf-8", file, sample.get("__key__"))
+            yield None
+
+
+def _jsonl_texts(file: Path, text_key: str) -> Iterator[str | None]:
+    """Text of each non-blank line; ``None`` for a bad record."""
+    with open(file, "rb") as stream:
+        for line_no, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line.decode("utf-8"))[text_key]
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+                logger.debug("%s:%d: bad jsonl record", file, line_no)
+                yield None
+                continue
+            yield text if isinstance(text, str) else None
+
+
+def _check_bad_fraction(stats: ReadStats, max_bad_fraction: float, file: Path, end_of_pass: bool) -> None:
+    if not stats.records or (not end_of_pass and stats.records < MIN_RECORDS_FOR_EARLY_CHECK):
+        return
+    if stats.bad / stats.records > max_bad_fraction:
+        worst, worst_count = stats.bad_by_file.most_common(1)[0]
+        raise BadDataError(
+            f"{stats.bad} of {stats.records} records were bad ({stats.bad / stats.records:.1%} > "
+            f"max_bad_fraction {max_bad_fraction:.1%}); worst file {worst} ({worst_count} bad), "
+            f"last file read {file}"
+        )
+
+
+def iter_texts(
+    files: list[Path],
+    fmt: str,
+    text_key: str,
+    max_bad_fraction: float,
+    stats: ReadStats,
+    warn: bool = True,
+) -> Iterator[str]:
+    """Yield the non-empty text of every good record of ``files`` in order, counting into ``stats``.
+
+    A file that cannot be opened or ends mid-record counts as one bad record; the records read
+    before the damage are kept. ``warn=False`` logs skips at debug level (every data-parallel
+    consumer reads the same files, so only one of them needs to warn).
+    """
+    read_file = _tar_texts if fmt == "webdataset" else _jsonl_texts
+    log = logger.warning if warn else logger.debug
+    for file in files:
+        bad_before, records_before = stats.bad, stats.records
+        try:
+            for text in read_file(file, text_key):
+                stats.records += 1
+                if text is None:
+                    stats.bad += 1
+                    stats.bad_by_file[str(file)] += 1
+                elif text:
+                    yield text
+        except Exception as error:  # noqa: BLE001 - any damage in one file must not stop the run
+            stats.records += 1
+            stats.bad += 1
+            stats.bad_by_file[str(file)] += 1
+            log(
+                "%s: unreadable after %d record(s), skipping the rest (%s: %s)",
+                file,
+                stats.records - records_before - 1,
+                type(error).__name__,
+                error,
+            )
+        if stats.bad > bad_before:
+            log(
+                "%s: skipped %d bad record(s); %d of %d bad so far in this pass",
+                file,
+                stats.bad - bad_before,
+                stats.bad,
+                stats.records,
+            )
+        _check_bad_fraction(stats, max_bad_fraction, file, end_of_pass=file == files[-1])
