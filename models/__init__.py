@@ -1,0 +1,3 @@
+"""The model zoo. Importing this package registers every model family."""
+
+from . import llm  # noqa: F401  (registers "llm")

@@ -1,0 +1,170 @@
+"""Mapping between ``DecoderLM`` and HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``.
+
+Pure functions over configs and state dicts: no file IO (``veomni.checkpoint.hf_io`` does
+that), no model instances. Name mapping (``i`` = layer index):
+
+    embed_tokens                  <-> model.embed_tokens
+    layers.i.attn_norm            <-> model.layers.i.input_layernorm
+    layers.i.attn.{q,k,v,o}_proj  <-> model.layers.i.self_attn.{q,k,v,o}_proj   (+ .bias)
+    layers.i.attn.{q,k}_norm      <-> model.layers.i.self_attn.{q,k}_norm
+    layers.i.mlp_norm             <-> model.layers.i.post_attention_layernorm
+    layers.i.mlp.{gate,up,down}_proj <-> model.layers.i.mlp.{gate,up,down}_proj
+    norm                          <-> model.norm
+    lm_head                       <-> lm_head   (absent from HF exports when tied)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .config import LLMConfig
+
+hf_model_types = ("llama", "qwen2", "qwen3")
+
+_HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+# (our regex, HF template); applied to the name before its final ".weight" / ".bias".
+_RULES = (
+    (r"embed_tokens", "model.embed_tokens"),
+    (r"norm", "model.norm"),
+    (r"lm_head", "lm_head"),
+    (r"layers\.(\d+)\.attn_norm", r"model.layers.\1.input_layernorm"),
+    (r"layers\.(\d+)\.mlp_norm", r"model.layers.\1.post_attention_layernorm"),
+    (r"layers\.(\d+)\.attn\.([qkvo]_proj|[qk]_norm)", r"model.layers.\1.self_attn.\2"),
+    (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)", r"model.layers.\1.mlp.\2"),
+)
+# The inverse of _RULES.
+_INVERSE = (
+    (r"model\.embed_tokens", "embed_tokens"),
+    (r"model\.norm", "norm"),
+    (r"lm_head", "lm_head"),
+    (r"model\.layers\.(\d+)\.input_layernorm", r"layers.\1.attn_norm"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm", r"layers.\1.mlp_norm"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)", r"layers.\1.attn.\2"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)", r"layers.\1.mlp.\2"),
+)
+# Buffers some older HF checkpoints carry; they hold no learned state.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _rename(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+    module, _, leaf = name.rpartition(".")
+    for pattern, template in rules:
+        if re.fullmatch(pattern, module):
+            return f"{re.sub(pattern, template, module)}.{leaf}"
+    raise KeyError(f"no HF mapping for parameter {name!r}")
+
+
+def _get(hf_config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(hf_config, Mapping):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
+
+
+def _rope_from_hf(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(theta, scaling)`` from transformers 5 ``rope_parameters`` or the older two fields."""
+    params = _get(hf_config, "rope_parameters")
+    if params is None:
+        params = dict(_get(hf_config, "rope_scaling") or {})
+        params["rope_theta"] = _get(hf_config, "rope_theta", 10000.0)
+    params = dict(params)
+    theta = float(params.pop("rope_theta"))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return theta, (None if rope_type == "default" else params)
+
+
+def config_from_hf(hf_config: Any) -> LLMConfig:
+    """``LLMConfig`` from an HF config object (or its ``config.json`` dict); rejects what we lack."""
+    family = _get(hf_config, "model_type")
+    if family not in hf_model_types:
+        raise ValueError(f"HF model_type {family!r} is not one of {hf_model_types}")
+    if _get(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"only SwiGLU with silu is supported, got hidden_act={_get(hf_config, 'hidden_act')!r}"
+        )
+    if _get(hf_config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported")
+    if family != "qwen2" and _get(hf_config, "attention_bias", False):
+        raise ValueError(f"{family} attention_bias=True (bias on o_proj) is not supported")
+    if _get(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported")
+    theta, scaling = _rope_from_hf(hf_config)
+    num_heads = _get(hf_config, "num_attention_heads")
+    cfg = LLMConfig(
+        vocab_size=_get(hf_config, "vocab_size"),
+        hidden_size=_get(hf_config, "hidden_size"),
+        intermediate_size=_get(hf_config, "intermediate_size"),
+        num_layers=_get(hf_config, "num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=_get(hf_config, "num_key_value_heads") or num_heads,
+        head_dim=_get(hf_config, "head_dim"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=_get(hf_config, "rms_norm_eps", 1e-6),
+        tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        max_position_embeddings=_get(hf_config, "max_position_embeddings", 4096),
+        init_std=_get(hf_config, "initializer_range", 0.02),
+        family=family,
+    )
+    cfg.validate()
+    return cfg
+
+
+def config_to_hf(cfg: LLMConfig) -> Any:
+    """The transformers config (Llama/Qwen2/Qwen3 by ``cfg.family``) describing the same model."""
+    import transformers
+
+    cfg.validate()
+    config_name, model_name = _HF_CLASSES[cfg.family]
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    kwargs: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.dim_per_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "rope_parameters": rope,
+        "architectures": [model_name],
+    }
+    if cfg.family != "qwen2":
+        kwargs["attention_bias"] = False
+    return getattr(transformers, config_name)(**kwargs)
+
+
+def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: LLMConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from an HF one. Tied models get ``lm_head.weight`` = the embedding."""
+    sd = {
+        _rename(name, _INVERSE): tensor
+        for name, tensor in hf_sd.items()
+        if not name.endswith(_IGNORED_HF_SUFFIXES)
+    }
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed_tokens.weight"]
+    elif "lm_head.weight" not in sd:
+        raise KeyError("untied model but the HF state dict has no lm_head.weight")
+    return sd
+
+
+def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: LLMConfig) -> dict[str, torch.Tensor]:
+    """The HF state dict of ours; no ``lm_head.weight`` when embeddings are tied."""
+    return {
+        _rename(name, _RULES): tensor
+        for name, tensor in sd.items()
+        if not (cfg.tie_embeddings and name == "lm_head.weight")
+    }

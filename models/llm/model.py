@@ -1,0 +1,181 @@
+"""Dense decoder-only LM (Llama / Qwen2 / Qwen3) over packed, padding-free rows.
+
+Plain single-device PyTorch: the engine applies parallelism from outside through
+``parallel_plan()`` and the ``attn_fn`` injection point of every ``Attention``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veomni.ops.attention import SeqInfo, varlen_attention
+from veomni.ops.norm import RMSNorm
+from veomni.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from veomni.parallel.plan import ParallelPlan
+
+from .config import LLMConfig
+
+CHECKPOINTING_MODES = ("none", "selective", "full")
+
+
+class Attention(nn.Module):
+    """GQA self-attention; optional q/k biases (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn_fn = varlen_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, cos, sin)
+        out = self.attn_fn(q, k, v, seq)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, seq)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """Token ids of one packed row [T] -> next-token logits [T, vocab]."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        """Packed forward: samples are delimited by ``cu_seqlens`` (int32 [n+1]); no batch dim."""
+        seq = SeqInfo(cu_seqlens, int(max_seqlen))
+        x = self.embed_tokens(input_ids)
+        inv_freq = rope_inv_freq(
+            self.config.dim_per_head, self.config.rope_theta, self.config.rope_scaling, device=x.device
+        )
+        cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, seq)
+        return self.lm_head(self.norm(x))
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Blocks are ``layers.0``, ``layers.1``, ... (``*`` matches one path segment)."""
+        return ParallelPlan(
+            blocks=("layers.*",),
+            attention=("layers.*.attn",),
+            stages=("embed_tokens", "layers", "norm", "lm_head"),
+        )
+
+    @torch.no_grad()
+    def init_weights(self, seed_generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) for linears and embeddings, zero biases, ones for norms.
+
+        Reproducible: the same generator state (or global seed when None) gives the same
+        weights, in ``named_modules()`` order. The generator must live on the parameters' device.
+        """
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, std, generator=seed_generator)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def num_params(self) -> int:
+        """Distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def _matmul_params(self) -> int:
+        """Weights that take part in a matmul per token: every linear incl. lm_head, no embedding."""
+        cfg = self.config
+        q_dim, kv_dim = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
+        attn = cfg.hidden_size * (2 * q_dim + 2 * kv_dim)
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+        return cfg.num_layers * (attn + mlp) + cfg.hidden_size * cfg.vocab_size
+
+    def training_flops(self, seq_lens: Sequence[int]) -> float:
+        """Model FLOPs of forward + backward for one packed micro-batch of these sample lengths.
+
+        ``6 * matmul_params * tokens`` (lm_head included, embedding lookup excluded, biases and
+        element-wise ops ignored) plus attention scores and weighted values,
+        ``12 * layers * heads * head_dim * sum(len^2)``. Attention is counted as if it were
+        non-causal (the PaLM / MFU convention), so MFU is comparable across implementations.
+        """
+        cfg = self.config
+        tokens = sum(seq_lens)
+        attention = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * sum(n * n for n in seq_lens)
+        return float(6 * self._matmul_params() * tokens + attention)
+
+    def activation_bytes_per_token(self, bytes_per_elem: int, checkpointing: str) -> float:
+        """Estimated activation memory saved for backward, per token, for the whole model.
+
+        With h = hidden, q = heads*head_dim, kv = kv_heads*head_dim, i = intermediate, per block:
+          none:      4h + 2q + 2kv + 4i (+ q + kv with qk_norm): both norms' inputs and outputs,
+                     q/k/v after RoPE, attention output, SwiGLU gate, up, silu(gate), product.
+          selective: 2h + 2q + 2kv + 2i: block input, mid-block residual and the matmul /
+                     attention outputs; norms and SwiGLU element-wise ops are recomputed.
+          full:      h per block (its input), plus one block's "none" set live during recompute.
+        Plus the head, for every mode: final norm input and output (2h) and the logits with the
+        softmax the loss keeps (2 * vocab). Small fp32 statistics (rstd, logsumexp) are ignored.
+        """
+        if checkpointing not in CHECKPOINTING_MODES:
+            raise ValueError(f"checkpointing must be one of {CHECKPOINTING_MODES}, got {checkpointing!r}")
+        cfg = self.config
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
+        block_none = 4 * h + 2 * q + 2 * kv + 4 * i + (q + kv if cfg.qk_norm else 0)
+        per_block = {
+            "none": cfg.num_layers * block_none,
+            "selective": cfg.num_layers * (2 * h + 2 * q + 2 * kv + 2 * i),
+            "full": cfg.num_layers * h + block_none,
+        }[checkpointing]
+        head = 2 * h + 2 * cfg.vocab_size
+        return float(bytes_per_elem * (per_block + head))

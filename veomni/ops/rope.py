@@ -1,0 +1,73 @@
+"""Rotary position embeddings, rotate-half convention (HF Llama/Qwen).
+
+Frequencies are recomputed from ``(head_dim, theta, scaling)`` on every call instead of being
+kept in a buffer: it costs ``head_dim / 2`` elements, and a model built on the meta device and
+materialised later has no buffer to forget to re-initialise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling: dict | None) -> None:
+    """Raise ``ValueError`` unless ``scaling`` is None or a complete, supported HF rope dict."""
+    if scaling is None:
+        return
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling of type 'llama3' is missing keys {missing}")
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, with HF's "llama3" smoothing when asked."""
+    check_rope_scaling(scaling)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "llama3":
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape [*position_ids.shape, head_dim], computed in fp32, cast to ``dtype``."""
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate packed ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] by per-token ``cos/sin`` [T, D]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
