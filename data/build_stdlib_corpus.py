@@ -16,6 +16,7 @@ run never leaves a folder that looks complete. When both manifests exist the scr
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import random
@@ -110,19 +111,30 @@ def main() -> None:
     parser.add_argument("--eval-out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
-
     if is_complete(args.train_out) and is_complete(args.eval_out):
         print(f"cached: {args.train_out} and {args.eval_out} are complete")
         return
+    # Several launchers (e.g. two nodes on one machine) may prepare at once: one builds, the
+    # others wait for it and then find the cache complete.
+    args.train_out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.train_out.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(args.train_out) and is_complete(args.eval_out):
+            print(f"cached: {args.train_out} and {args.eval_out} are complete")
+            return
+        build(args.train_out, args.eval_out, args.seed)
+
+
+def build(train_out: Path, eval_out: Path, seed: int) -> None:
     start = time.perf_counter()
     docs = stdlib_documents()
-    random.Random(args.seed).shuffle(docs)
+    random.Random(seed).shuffle(docs)
     n_eval = max(1, round(EVAL_FRACTION * len(docs)))
     print(
         f"{len(docs)} documents from Python {sys.version.split()[0]}; {n_eval} held out for eval", flush=True
     )
-    write_split(docs[n_eval:], args.train_out, first_index=n_eval)
-    write_split(docs[:n_eval], args.eval_out, first_index=0)
+    write_split(docs[n_eval:], train_out, first_index=n_eval)
+    write_split(docs[:n_eval], eval_out, first_index=0)
     print(f"done in {time.perf_counter() - start:.1f}s")
 
 

@@ -208,7 +208,41 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
         value = getattr(getattr(cfg, section), name)
         if isinstance(value, str) and value and not os.path.isabs(value):
             setattr(getattr(cfg, section), name, str(Path(value).resolve()))
+    _check_ranges(cfg, values)
     return cfg
+
+
+def _check_ranges(cfg: RunConfig, values: dict[tuple[str, ...], _Value]) -> None:
+    """Cross-field and range rules the types alone cannot express."""
+
+    def where(*key: str) -> str:
+        item = values.get(key)
+        return f"{item.origin}: {'.'.join(key)}" if item else ".".join(key) + " (default)"
+
+    rules = [
+        (cfg.train.max_steps >= 1, ("train", "max_steps"), "must be >= 1"),
+        (cfg.train.grad_accum >= 1, ("train", "grad_accum"), "must be >= 1"),
+        (cfg.train.lr > 0, ("train", "lr"), "must be > 0"),
+        (0 <= cfg.train.min_lr_ratio <= 1, ("train", "min_lr_ratio"), "must be in [0, 1]"),
+        (cfg.train.warmup_steps >= 0, ("train", "warmup_steps"), "must be >= 0"),
+        (cfg.train.max_grad_norm >= 0, ("train", "max_grad_norm"), "must be >= 0 (0 disables clipping)"),
+        (cfg.train.eval_batches >= 1, ("train", "eval_batches"), "must be >= 1"),
+        (cfg.checkpoint.keep_last >= 1, ("checkpoint", "keep_last"), "must be >= 1"),
+        (cfg.checkpoint.interval >= 0, ("checkpoint", "interval"), "must be >= 0 (0 saves at the end only)"),
+        (cfg.data.max_seq_len >= 2, ("data", "max_seq_len"), "must be >= 2"),
+        (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),
+        (0 <= cfg.data.max_bad_fraction <= 1, ("data", "max_bad_fraction"), "must be in [0, 1]"),
+        (cfg.data.tokens_per_micro_batch >= cfg.data.max_seq_len, ("data", "tokens_per_micro_batch"),
+         f"({cfg.data.tokens_per_micro_batch}) must be >= data.max_seq_len ({cfg.data.max_seq_len}) "
+         "so that every sample fits a micro-batch"),
+    ]
+    max_positions = cfg.model.options.get("max_position_embeddings")
+    if max_positions is not None:
+        rules.append((cfg.data.max_seq_len <= max_positions, ("data", "max_seq_len"),
+                      f"({cfg.data.max_seq_len}) exceeds model.max_position_embeddings ({max_positions})"))
+    for ok, key, message in rules:
+        if not ok:
+            raise ConfigError(f"{where(*key)} {message}")
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -32,6 +33,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from veomni.config.schema import DataConfig
 from veomni.data.packing import chunk_document, greedy_pack, pack_samples
 from veomni.data.sources import ReadStats, iter_texts, resolve_files
+
+# torchdata 0.11 calls a torch API that torch 2.13 deprecates, once per iterator; not ours to fix.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,190 @@
+"""Distributed checkpoints that a crash can never corrupt.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step_00000100/            a published, complete checkpoint
+        .metadata, *.distcp   model + optimizer + scheduler + trainer state (DCP, resharding)
+        rank_00000.pt ...     per-rank state: data-loader position and RNG
+        complete.json         written last, before the rename; marks the folder complete
+    .step_00000200.tmp/       a save in progress (ignored by resume, removed on the next save)
+
+Every rank writes into the ``.tmp`` folder; rank 0 writes ``complete.json`` and renames the
+folder only after all ranks have finished, so ``step_*`` folders are always whole. Old
+checkpoints beyond ``keep_last`` are removed only after the new one is published.
+
+Model and optimizer state go through ``torch.distributed.checkpoint`` with full FQNs, so a
+checkpoint loads at any world size or FSDP layout. Loader and RNG state are per rank; on a
+world-size change the loader positions are merged (see ``veomni.data.loader``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed before publishing; earlier checkpoints are intact."""
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+COMPLETE_MARKER = "complete.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def resolve_resume(resume: str, root: Path) -> Path | None:
+    """``auto`` -> newest complete checkpoint or None; ``none`` -> None; else the path, checked."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(root)
+        return found[-1][1] if found else None
+    path = Path(resume)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(
+            f"checkpoint.resume={resume}: not a complete checkpoint (no {COMPLETE_MARKER}); "
+            f"complete ones under {root}: {[p.name for _, p in list_checkpoints(root)] or 'none'}"
+        )
+    return path
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    tmp: Path
+    future: Future | None
+
+
+class CheckpointManager:
+    """Saves and restores the whole training state; one instance per rank."""
+
+    def __init__(self, root: Path, keep_last: int, async_save: bool, layout: dict[str, Any]) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self._pending: _PendingSave | None = None
+        # Async saves run collectives from a background thread: they get their own gloo
+        # group so they never interleave with the training collectives.
+        self._async_group = dist.new_group(backend="gloo") if async_save else None
+
+    # ----- save -------------------------------------------------------------------------
+    def save(self, step: int, model, optimizer, app_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        """Write a checkpoint for ``step``. ``app_state`` is identical on all ranks
+        (scheduler, counters); ``rank_state`` differs per rank (loader, RNG)."""
+        self.wait()
+        tmp = self.root / f".{step_dir_name(step)}.tmp"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer),
+            "app": app_state,
+        }
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            self._pending = _PendingSave(step, tmp, future)
+        else:
+            try:
+                dcp.save(state, checkpoint_id=str(tmp))
+            except CheckpointException as exc:  # a BaseException in DCP; make it an ordinary error
+                raise CheckpointSaveError(
+                    f"saving the checkpoint of step {step} failed ({exc}); nothing was published and the "
+                    f"previous checkpoints under {self.root} are untouched"
+                ) from exc
+            self._pending = _PendingSave(step, tmp, None)
+            self._publish()
+
+    def poll(self) -> None:
+        """Publish a finished async save without blocking (call once per step)."""
+        if self._pending and self._pending.future is not None and self._pending.future.done():
+            self._publish()
+
+    def wait(self) -> None:
+        """Block until any save in flight is published (before the next save and at exit)."""
+        if self._pending is not None:
+            self._publish()
+
+    def _publish(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending.future is not None:
+            pending.future.result()
+        # The DCP save finishes with a gather to rank 0, so once rank 0's save returned every
+        # rank's shards are on disk; the barrier also covers the per-rank files.
+        group = self._async_group if pending.future is not None else None
+        dist.barrier(group=group)
+        if self.rank == 0:
+            meta = {"step": pending.step, **self.layout}
+            (pending.tmp / COMPLETE_MARKER).write_text(json.dumps(meta, indent=1))
+            final = self.root / step_dir_name(pending.step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(pending.tmp, final)
+            self._prune()
+            logger.info("checkpoint published: %s", final)
+        dist.barrier(group=group)
+
+    def _prune(self) -> None:
+        found = list_checkpoints(self.root)
+        for _, path in found[: max(0, len(found) - self.keep_last)]:
+            shutil.rmtree(path, ignore_errors=True)
+        for stale in self.root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    # ----- load -------------------------------------------------------------------------
+    def load(self, path: Path, model, optimizer, app_state: dict[str, Any]) -> tuple[dict, list[dict] | None]:
+        """Restore model/optimizer in place and ``app_state`` values; return
+        (saved layout, per-rank states of the saved run, or None if unreadable)."""
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer),
+            "app": app_state,
+        }
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+        meta = json.loads((path / COMPLETE_MARKER).read_text())
+        rank_files = sorted(path.glob("rank_*.pt"))
+        rank_states = [torch.load(f, weights_only=False) for f in rank_files]
+        logger.info("resumed from %s (saved at step %d, layout %s)", path, meta["step"], meta)
+        return meta, rank_states

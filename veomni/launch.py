@@ -1,0 +1,115 @@
+"""Pre-flight for ``scripts/train.sh``: everything that can be checked before workers start.
+
+    python -m veomni.launch RECIPE.yaml --world-size N [--dry-run] [--section.key VALUE ...]
+
+Exit status 0: the run may start (data prepared if needed); with ``--dry-run`` the resolved
+config and the estimates are printed instead. Exit status 2: the recipe is wrong, and the
+message says where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from veomni.config.loader import ConfigError, dump_config, load_config
+from veomni.config.schema import RunConfig
+from veomni.parallel.mesh import LayoutError, ParallelDims
+
+
+def _check_data(cfg: RunConfig, prepare: bool) -> list[str]:
+    """Missing inputs as messages; runs ``data.prepare`` first when allowed."""
+    paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
+    missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
+    if not cfg.data.train_path:
+        return ["data.train_path is not set"]
+    if missing and cfg.data.prepare and prepare:
+        script = Path(cfg.data.prepare)
+        if not script.is_file():
+            return [f"data.prepare: script not found: {script}"]
+        cmd = [sys.executable, str(script), "--train-out", cfg.data.train_path]
+        if cfg.data.eval_path:
+            cmd += ["--eval-out", cfg.data.eval_path]
+        print(f"[launch] preparing data: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True)
+        missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
+    problems = [
+        f"{k}: path does not exist: {p}" + ("" if cfg.data.prepare else " (and no data.prepare builder is set)")
+        for k, p in missing.items()
+    ]
+    if not cfg.data.tokenizer or not Path(cfg.data.tokenizer).is_dir():
+        problems.append(f"data.tokenizer: tokenizer folder not found: {cfg.data.tokenizer or '(unset)'}")
+    return problems
+
+
+def _check_tokenizer_fits(cfg: RunConfig) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+    vocab = cfg.model.options.get("vocab_size")
+    if vocab is not None and len(tokenizer) > vocab:
+        return [f"model.vocab_size={vocab} is smaller than the tokenizer's {len(tokenizer)} tokens "
+                f"({cfg.data.tokenizer}); raise model.vocab_size"]
+    return []
+
+
+def _validate_model(cfg: RunConfig) -> list[str]:
+    import torch
+
+    from models.registry import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model.arch, cfg.model.options)
+    except (ValueError, TypeError) as exc:
+        return [f"model: {exc}"]
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="veomni.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe")
+    parser.add_argument("--launcher-world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="with --dry-run: plan for this many ranks instead of this machine's")
+    parser.add_argument("--gpus", action="store_true", help="the workers run (or, with --dry-run, would run) on GPUs")
+    parser.add_argument("--dry-run", action="store_true")
+    args, overrides = parser.parse_known_args(argv)
+    if args.world_size is not None and not args.dry_run:
+        print("config error: --world-size only plans a --dry-run; set NNODES and NPROC_PER_NODE to change "
+              "the real world size", file=sys.stderr)
+        return 2
+    world_size = args.world_size or args.launcher_world_size
+    try:
+        cfg = load_config(args.recipe, overrides)
+        dims = ParallelDims.resolve(cfg.parallel, world_size)
+    except (ConfigError, LayoutError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    problems = _validate_model(cfg)
+    if args.dry_run:
+        from veomni.train.estimate import estimate, format_report
+
+        print("# resolved config\n" + dump_config(cfg))
+        for problem in problems + _check_data(cfg, prepare=False):
+            print(f"warning: {problem}")
+        if problems:
+            return 2
+        device = f"{world_size} x {'GPU (bf16 compute)' if args.gpus else 'CPU (fp32)'}"
+        print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device))
+        return 0
+    problems += _check_data(cfg, prepare=True)
+    if not problems:
+        problems += _check_tokenizer_fits(cfg)
+    if problems:
+        for problem in problems:
+            print(f"config error: {problem}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

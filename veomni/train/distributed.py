@@ -1,0 +1,52 @@
+"""Process-group start-up: device and backend picked at run time (NCCL on GPUs, gloo on CPU)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    if preference in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(preference: str = "auto", timeout_s: int = 600) -> torch.device:
+    """Join (or, for a plain ``python`` run, create a 1-rank) process group; return the device."""
+    device = pick_device(preference)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        # Several ranks share the CPU: split its cores so they do not oversubscribe it, unless
+        # the launcher already decided (OMP_NUM_THREADS).
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        threads = os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(int(threads))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def all_reduce_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM, group=None,
+                      device: torch.device | None = None) -> list[float]:
+    """One collective for several scalars (each one would cost a round trip)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor.tolist()

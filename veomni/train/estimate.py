@@ -1,0 +1,84 @@
+"""Static estimates for ``--dry-run``: parameters, FLOPs per token and per-rank memory.
+
+The model is built on the meta device, so the estimate costs no memory even for full-size
+recipes. Memory per rank (bytes):
+
+- parameters, gradients: fp32 master copies, sharded over ``dp_shard``;
+- optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none);
+- gathered parameters: FSDP holds the root's parameters (embeddings, head; kept gathered) plus
+  two blocks (the current one and the prefetched next) unsharded in the compute dtype;
+- activations: the model's own per-token estimate for the checkpointing mode, times the
+  micro-batch token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.registry import build_model
+from veomni.config.schema import RunConfig
+from veomni.parallel.mesh import ParallelDims
+from veomni.parallel.plan import match_modules
+
+GiB = 2**30
+
+
+@dataclass
+class Estimate:
+    total_params: int
+    flops_per_token: float
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    gathered_gb: float
+    activations_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        return self.params_gb + self.grads_gb + self.optimizer_gb + self.gathered_gb + self.activations_gb
+
+
+def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
+    with torch.device("meta"):
+        _, model = build_model(cfg.model.arch, cfg.model.options)
+    total = sum(p.numel() for p in model.parameters())
+    seq = cfg.data.max_seq_len
+    flops_per_token = model.training_flops([seq]) / seq
+    compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
+                          (cfg.parallel.mixed_precision == "auto" and compute_on_gpu)) else 4
+    blocks = match_modules(model, model.parallel_plan().blocks)
+    block_params = sorted((sum(p.numel() for p in b.parameters()) for _, b in blocks), reverse=True)
+    root_params = total - sum(block_params)
+    shard = dims.dp_shard
+    optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
+    activations = model.activation_bytes_per_token(compute_bytes, cfg.parallel.activation_checkpointing)
+    return Estimate(
+        total_params=total,
+        flops_per_token=flops_per_token,
+        params_gb=4 * total / shard / GiB,
+        grads_gb=4 * total / shard / GiB,
+        optimizer_gb=optimizer_states * 4 * total / shard / GiB,
+        gathered_gb=compute_bytes * (root_params + sum(block_params[:2])) / GiB,
+        activations_gb=activations * cfg.data.tokens_per_micro_batch / GiB,
+    )
+
+
+def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
+    lines = [
+        f"layout        {dims.describe()}",
+        f"devices       {device_desc}",
+        f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
+        f"model FLOPs   {est.flops_per_token / 1e9:.3f} GFLOP per token (forward+backward, seq {cfg.data.max_seq_len})",
+        f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} tokens x "
+        f"{dims.dp_size} dp ranks = {cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size:,} tokens",
+        "memory / rank (estimate, GiB):",
+        f"  parameters (fp32, 1/{dims.dp_shard})     {est.params_gb:10.2f}",
+        f"  gradients  (fp32, 1/{dims.dp_shard})     {est.grads_gb:10.2f}",
+        f"  optimizer  ({cfg.train.optimizer})              {est.optimizer_gb:10.2f}",
+        f"  gathered params (root + 2 blocks) {est.gathered_gb:10.2f}",
+        f"  activations (AC={cfg.parallel.activation_checkpointing}){'':<9}{est.activations_gb:10.2f}",
+        f"  total                             {est.total_gb:10.2f}",
+    ]
+    return "\n".join(lines)

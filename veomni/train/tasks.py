@@ -1,0 +1,45 @@
+"""Tasks turn a batch into a summed loss and the number of tokens it is summed over.
+
+Returning the *sum* (not the mean) lets the trainer divide by the global token count of the
+whole step, so the result does not depend on how the batch is split across ranks and
+micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor
+    """Sum of per-token losses (differentiable)."""
+    num_tokens: int
+    """Tokens the sum runs over."""
+
+
+class Task(Protocol):
+    def count_tokens(self, batch: dict) -> int: ...
+
+    def __call__(self, model: nn.Module, batch: dict) -> LossOutput: ...
+
+
+class LanguageModelingTask:
+    """Next-token cross entropy on a packed row; labels already shifted, -100 = no target."""
+
+    def count_tokens(self, batch: dict) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
+        logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"])
+        loss_sum = F.cross_entropy(
+            logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return LossOutput(loss_sum=loss_sum, num_tokens=self.count_tokens(batch))

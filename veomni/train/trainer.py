@@ -1,0 +1,214 @@
+"""The one training loop: every task, every parallel layout.
+
+Set-up (process group, mesh, model, parallel recipe, optimizer, data, resume), then steps of
+``grad_accum`` packed micro-batches per data-parallel rank (the step math is in ``step.py``),
+periodic eval and checkpoints, metrics, and a greedy sample at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from models.registry import build_model
+from veomni.checkpoint.manager import CheckpointManager, resolve_resume
+from veomni.config.loader import config_to_dict, dump_config
+from veomni.config.schema import RunConfig
+from veomni.data.loader import build_dataloader, load_tokenizer, merge_loader_states
+from veomni.parallel.apply import parallelize
+from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.train.distributed import all_reduce_values, init_distributed
+from veomni.train.generate import greedy_decode
+from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
+from veomni.train.optim import build_optimizer, build_scheduler
+from veomni.train.reporting import MetricsReporter
+from veomni.train.step import clip_and_step, forward_backward
+from veomni.train.tasks import LanguageModelingTask, Task
+
+logger = logging.getLogger(__name__)
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, task: Task | None = None) -> None:
+        self.cfg = cfg
+        self.device = init_distributed(cfg.train.device)
+        self.rank = dist.get_rank()
+        self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
+        self.meshes = build_mesh(self.dims, self.device.type)
+        self.dp_group = self.meshes.dp.get_group()
+        self.output_dir = Path(cfg.train.output_dir)
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+        logger.info("layout: %s", self.dims.describe())
+
+        torch.manual_seed(cfg.train.seed)
+        self.model_config, model = build_model(cfg.model.arch, cfg.model.options)
+        model.init_weights()
+        self.resume_path = resolve_resume(cfg.checkpoint.resume, self.output_dir / "checkpoints")
+        if cfg.checkpoint.init_from_hf and self.resume_path is None:
+            self._load_hf_weights(model, cfg.checkpoint.init_from_hf)
+        self.model = parallelize(model, cfg.parallel, self.meshes, self.device.type)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.task = task or LanguageModelingTask()
+
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.train_loader = build_dataloader(cfg.data, "train", self.tokenizer, self.meshes.dp_rank,
+                                             self.dims.dp_size, cfg.train.seed)
+        self.step = 0
+        self.tokens_seen = 0
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+            layout={"world_size": self.dims.world_size, "dp_size": self.dims.dp_size,
+                    "num_workers": cfg.data.num_workers},
+        )
+        if self.resume_path is not None:
+            self._resume(self.resume_path)
+        self._train_iter: Iterator[dict] = iter(self.train_loader)
+        self._timer = StepTimer()
+        self._last_saved_step = self.step if self.resume_path is not None else -1
+
+        peak, how = device_peak_flops(self.device)
+        self.peak_flops = all_reduce_values([peak], group=self.dp_group)[0] / self.dims.dp_size
+        logger.info("MFU peak: %s", how)
+        self.reporter = MetricsReporter(self.output_dir, cfg.log, config_to_dict(cfg), cfg.train.max_steps,
+                                        self.step, enabled=self.rank == 0)
+
+    # ----- state ------------------------------------------------------------------------
+    def _load_hf_weights(self, model: torch.nn.Module, path: str) -> None:
+        from veomni.checkpoint.hf_io import load_hf_pretrained
+
+        _, _, state_dict = load_hf_pretrained(path)
+        model.load_state_dict(state_dict, strict=True)
+        logger.info("initialised weights from Hugging Face folder %s", path)
+
+    def _app_state(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen}
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {
+            "dp_rank": self.meshes.dp_rank,
+            "loader": self.train_loader.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+
+    def save_checkpoint(self) -> None:
+        self.checkpoints.save(self.step, self.model, self.optimizer, self._app_state(), self._rank_state())
+        self._last_saved_step = self.step
+
+    def _resume(self, path: Path) -> None:
+        app_state = self._app_state()
+        meta, rank_states = self.checkpoints.load(path, self.model, self.optimizer, app_state)
+        self.scheduler.load_state_dict(app_state["scheduler"])
+        self.step = int(app_state["step"])
+        self.tokens_seen = int(app_state["tokens_seen"])
+        same_layout = meta["dp_size"] == self.dims.dp_size and meta["num_workers"] == self.cfg.data.num_workers
+        if same_layout:
+            mine = next(s for s in rank_states if s["dp_rank"] == self.meshes.dp_rank)
+            self.train_loader.load_state_dict(mine["loader"])
+            rng = mine["rng"]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        else:
+            logger.warning("data-parallel layout changed (dp %d -> %d): data loader positions merged",
+                           meta["dp_size"], self.dims.dp_size)
+            self.train_loader.load_state_dict(merge_loader_states([s["loader"] for s in rank_states]))
+
+    # ----- steps ------------------------------------------------------------------------
+    def _next_micro_batches(self) -> list[dict[str, Any]]:
+        return [_to_device(next(self._train_iter), self.device) for _ in range(self.cfg.train.grad_accum)]
+
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches; returns global metrics."""
+        metrics = forward_backward(self.model, self.task, micro_batches, self.dp_group, self.dims.dp_size)
+        metrics.update(clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm))
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if not self.cfg.data.eval_path:
+            return None
+        self.model.eval()
+        loader = build_dataloader(self.cfg.data, "eval", self.tokenizer, self.meshes.dp_rank,
+                                  self.dims.dp_size, self.cfg.train.seed)
+        it = iter(loader)
+        loss_sum, tokens = 0.0, 0
+        for _ in range(self.cfg.train.eval_batches):
+            batch = next(it, None)
+            # Ranks may run out at different times; all must run the same number of
+            # forwards or FSDP's all-gathers would hang.
+            if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=self.dp_group)[0] == 0:
+                break
+            out = self.task(self.model, _to_device(batch, self.device))
+            loss_sum += float(out.loss_sum)
+            tokens += out.num_tokens
+        self.model.train()
+        total_loss, total_tokens = all_reduce_values([loss_sum, tokens], group=self.dp_group)
+        return total_loss / total_tokens if total_tokens else None
+
+    def run_step(self) -> dict[str, float]:
+        """One optimizer step plus what follows it: metrics, eval and checkpoint when due."""
+        cfg = self.cfg
+        metrics = self.train_step(self._next_micro_batches())
+        self.step += 1
+        self.tokens_seen += metrics["tokens"]
+        elapsed = self._timer.lap()
+        peak_mem, slowest = all_reduce_values([peak_memory_gb(self.device), elapsed], op=dist.ReduceOp.MAX,
+                                              group=self.dp_group)
+        world = self.dims.world_size
+        metrics.update(
+            tokens_per_s=metrics["tokens"] / slowest,
+            tokens_per_s_per_device=metrics["tokens"] / slowest / world,
+            mfu=metrics["flops"] / slowest / world / self.peak_flops,
+            peak_mem_gb=peak_mem, step_time_s=slowest, tokens_seen=self.tokens_seen,
+        )
+        if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+            metrics["eval_loss"] = self.evaluate()
+        self.reporter.log(self.step, metrics)
+        self.checkpoints.poll()
+        if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+            self.save_checkpoint()
+        self._timer.lap()  # eval and checkpoint time is not charged to the next step
+        return metrics
+
+    def train(self) -> list[dict[str, float]]:
+        """Run to ``max_steps`` and finish; returns this run's per-step metrics."""
+        if self.step == 0:
+            logger.info("training %d steps from scratch", self.cfg.train.max_steps)
+        self._timer = StepTimer()
+        history = []
+        while self.step < self.cfg.train.max_steps:
+            history.append(self.run_step())
+        self.finish()
+        return history
+
+    def finish(self) -> None:
+        cfg = self.cfg
+        eval_loss = self.evaluate()
+        if eval_loss is not None:
+            self.reporter.log(self.step, {"eval_loss": eval_loss})
+        if cfg.checkpoint.save_final and self._last_saved_step != self.step:
+            self.save_checkpoint()
+        self.checkpoints.wait()
+        if cfg.train.sample_prompt:
+            prompt = self.tokenizer.encode(cfg.train.sample_prompt)
+            out = greedy_decode(self.model, prompt, cfg.train.sample_tokens, self.device,
+                                self.tokenizer.eos_token_id)
+            if self.rank == 0:
+                text = self.tokenizer.decode(out)
+                logger.info("sample (greedy) for prompt %r:\n%s%s", cfg.train.sample_prompt,
+                            cfg.train.sample_prompt, text)
+        self.reporter.close()
