@@ -42,9 +42,11 @@ class _Value:
     base_dir: Path  # for resolving relative paths
 
 
-def _closest(key: str, valid: list[str]) -> str:
+def _closest(key: str, valid: list[str], prefix: str = "") -> str:
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+    if match:
+        return f"; did you mean '{prefix}{match[0]}'?"
+    return f"; valid keys: {', '.join(prefix + v for v in sorted(valid))}"
 
 
 def _flatten_yaml(path: Path) -> dict[tuple[str, ...], _Value]:
@@ -193,13 +195,13 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
         if section == "model" and name != "arch":
             if name not in model_fields:
                 valid = ["arch", *model_fields]
-                raise ConfigError(f"{item.origin}: unknown key '{dotted}' for model arch '{arch}'{_closest(name, valid)}")
+                raise ConfigError(f"{item.origin}: unknown key '{dotted}' for model arch '{arch}'{_closest(name, valid, 'model.')}")
             cfg.model.options[name] = _coerce(item.value, model_fields[name], where)
             continue
         section_obj = getattr(cfg, section)
         section_hints = typing.get_type_hints(type(section_obj))
         if name not in section_hints:
-            raise ConfigError(f"{item.origin}: unknown key '{dotted}'{_closest(name, list(section_hints))}")
+            raise ConfigError(f"{item.origin}: unknown key '{dotted}'{_closest(name, list(section_hints), section + '.')}")
         value = _coerce(item.value, section_hints[name], where)
         if (section, name) in PATH_KEYS and isinstance(value, str):
             value = str((item.base_dir / os.path.expanduser(value)).resolve())

@@ -1,0 +1,95 @@
+"""The user-facing commands, run as a user runs them: ``bash scripts/train.sh ...``."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "recipes" / "quickstart" / "tiny_llm.yaml"
+SMALL = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_layers", "2",
+         "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.head_dim", "16",
+         "--data.tokens_per_micro_batch", "512", "--data.max_seq_len", "256",
+         "--train.eval_batches", "1", "--train.sample_tokens", "6"]
+
+
+def train_sh(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "NPROC_PER_NODE": "2", **(env or {})}
+    return subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--train.max_step", "3"], r"--train\.max_step: unknown key 'train\.max_step'; did you mean 'train\.max_steps'"),
+    (["--train.lr", "fast"], r"--train\.lr: train\.lr: expected a number, got 'fast'"),
+    (["--parallel.dp_replicate", "3"], r"dp_replicate=3 does not divide the world size 2"),
+    (["--data.train_path", "/nonexistent/shards", "--data.prepare", "null"],
+     r"data\.train_path: path does not exist: /nonexistent/shards"),
+    (["--model.num_kv_heads", "3"], r"num_heads \(8\) must be a multiple of num_kv_heads \(3\)"),
+], ids=["unknown-key", "wrong-type", "indivisible", "missing-data", "bad-model"])
+def test_bad_config_fails_fast_without_workers(args, needle):
+    start = time.monotonic()
+    result = train_sh(str(QUICKSTART), *args)
+    assert result.returncode == 2, result.stderr
+    assert re.search(needle, result.stderr), result.stderr
+    assert "process(es)" not in result.stderr, "workers were launched"
+    assert time.monotonic() - start < 60
+
+
+def test_unknown_key_in_file_names_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(QUICKSTART.read_text().replace("  grad_accum: 1", "  grad_acum: 1"))
+    result = train_sh(str(recipe))
+    line = QUICKSTART.read_text().splitlines().index("  grad_accum: 1") + 1
+    assert result.returncode == 2 and f"r.yaml:{line}" in result.stderr and "grad_accum" in result.stderr
+
+
+def test_qwen3_8b_dry_run_parameter_count():
+    result = train_sh(str(REPO / "recipes" / "qwen3" / "qwen3_8b.yaml"), "--dry-run", "--world-size", "64", "--gpus")
+    assert result.returncode == 0, result.stderr
+    count = int(re.search(r"parameters\s+([\d,]+)", result.stdout).group(1).replace(",", ""))
+    assert abs(count - 8.19e9) / 8.19e9 < 0.01  # Qwen3-8B: 8.19B parameters
+    assert "dp_shard=64" in result.stdout and "GFLOP per token" in result.stdout
+    assert re.search(r"total\s+[\d.]+", result.stdout)
+
+
+def test_quickstart_recipe_trains_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    result = train_sh(str(QUICKSTART), "--train.max_steps", "3", "--train.output_dir", str(out),
+                      "--checkpoint.interval", "2", "--train.eval_interval", "0", "--train.sample_tokens", "6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for field in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tokens_per_s_per_device",
+                  "mfu", "peak_mem_gb"):
+        assert field in steps[-1], field
+    assert any("eval_loss" in r for r in records)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+    assert (out / "config.yaml").is_file()
+    assert "sample" in result.stderr and "def read_config(path):" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine_train_together(tmp_path):
+    out = tmp_path / "run"
+    env = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "RDZV_ID": f"test-{os.getpid()}"}
+    args = ["bash", str(REPO / "scripts" / "train.sh"), str(QUICKSTART), *SMALL, "--train.max_steps", "2",
+            "--train.output_dir", str(out), "--checkpoint.interval", "0"]
+    nodes = [subprocess.Popen(args, cwd=REPO, env={**os.environ, **env, "NODE_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)[-4000:]
+    meta = json.loads((out / "checkpoints" / "step_00000002" / "complete.json").read_text())
+    assert meta["world_size"] == 2

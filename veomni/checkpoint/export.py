@@ -1,0 +1,73 @@
+"""Export a training checkpoint to a Hugging Face folder (config.json + safetensors + tokenizer).
+
+    bash scripts/export_hf.sh OUTPUT_DIR/checkpoints/step_00001000 EXPORT_DIR
+
+Runs in one process without a process group: DCP reads the sharded checkpoint whatever world
+size or FSDP layout wrote it. The model config comes from the run's resolved
+``config.yaml`` (two folders up from the checkpoint), unless ``--config`` names another.
+The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(EXPORT_DIR)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from models.registry import build_model
+from veomni.checkpoint.hf_io import save_hf_pretrained
+from veomni.checkpoint.manager import COMPLETE_MARKER
+from veomni.config.loader import load_config
+from veomni.logging_setup import setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def load_checkpoint_weights(checkpoint: Path, config_path: Path | None = None):
+    """``(run config, model config, full state dict)`` of a checkpoint, on CPU."""
+    if not (checkpoint / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE_MARKER})")
+    config_path = config_path or checkpoint.parent.parent / "config.yaml"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"run config not found at {config_path}; pass --config RUN/config.yaml")
+    run_cfg = load_config(config_path)
+    with torch.device("meta"):
+        model_cfg, model = build_model(run_cfg.model.arch, run_cfg.model.options)
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    return run_cfg, model_cfg, state["model"]
+
+
+def export(checkpoint: Path, out_dir: Path, config_path: Path | None = None, with_tokenizer: bool = True) -> Path:
+    run_cfg, model_cfg, state_dict = load_checkpoint_weights(checkpoint, config_path)
+    tokenizer = Path(run_cfg.data.tokenizer) if with_tokenizer and run_cfg.data.tokenizer else None
+    save_hf_pretrained(run_cfg.model.arch, model_cfg, state_dict, out_dir, tokenizer_dir=tokenizer)
+    logger.info("exported %s -> %s (%s family%s)", checkpoint, out_dir, getattr(model_cfg, "family", "?"),
+                ", with tokenizer" if tokenizer else "")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="export_hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a step_* folder under OUTPUT_DIR/checkpoints")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--config", type=Path, default=None, help="run config (default: OUTPUT_DIR/config.yaml)")
+    parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer files")
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        export(args.checkpoint, args.out_dir, args.config, not args.no_tokenizer)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
