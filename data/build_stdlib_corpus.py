@@ -4,8 +4,14 @@ Why this corpus: it is real, varied text (code plus prose) that every machine al
 training and tests need no download. Documents are the stdlib ``.py`` sources (no tests, no
 site-packages, nothing over 200 kB) and the ``pydoc_data`` documentation topics.
 
+Documents are then cut at blank lines into pieces of about ``PIECE_CHARS`` characters and the
+pieces shuffled: a stdlib file averages ~4k tokens, so without this a micro-batch would hold one
+or two files and the per-step loss would swing with whichever file it was. The eval split holds
+out whole files (~2%) before cutting, so no eval text is seen in training.
+
 Output: webdataset tar shards (~8 MB each, samples ``{"__key__", "txt"}``) in ``--train-out``
-and ``--eval-out`` (~2% of the shuffled documents), each with a ``manifest.json`` written last.
+and ``--eval-out``, each with a ``manifest.json`` written last (it records ``FORMAT_VERSION``;
+a cache of another version is rebuilt).
 Each split is written to a temporary sibling folder and renamed into place, so an interrupted
 run never leaves a folder that looks complete. When both manifests exist the script says
 "cached" and exits.
@@ -33,7 +39,9 @@ SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 MAX_FILE_BYTES = 200_000
 SHARD_BYTES = 8_000_000
 EVAL_FRACTION = 0.02
+PIECE_CHARS = 2000
 MANIFEST = "manifest.json"
+FORMAT_VERSION = 3
 
 
 def stdlib_documents() -> list[tuple[str, str]]:
@@ -58,14 +66,33 @@ def stdlib_documents() -> list[tuple[str, str]]:
     return docs
 
 
+def split_into_pieces(name: str, text: str, target: int = PIECE_CHARS) -> list[tuple[str, str]]:
+    """Cut at blank lines into pieces of at least ``target`` characters (the last may be shorter);
+    a paragraph is never split, so code blocks and sentences stay whole."""
+    pieces, current = [], []
+    size = 0
+    for paragraph in re.split(r"\n\s*\n", text):
+        current.append(paragraph)
+        size += len(paragraph) + 2
+        if size >= target:
+            pieces.append("\n\n".join(current))
+            current, size = [], 0
+    if current and "\n\n".join(current).strip():
+        pieces.append("\n\n".join(current))
+    return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces)]
+
+
 def sample_key(index: int, name: str) -> str:
     """A webdataset key: unique, and free of dots (webdataset splits key and suffix at the first dot)."""
     return f"{index:06d}_" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
 
 
 def is_complete(out: Path) -> bool:
-    """A split is complete once its manifest exists: the manifest is written last."""
-    return (out / MANIFEST).is_file()
+    """A split is complete once its manifest (written last) exists and has the current format."""
+    try:
+        return json.loads((out / MANIFEST).read_text()).get("format_version") == FORMAT_VERSION
+    except (OSError, ValueError):
+        return False
 
 
 def clear_stale(out: Path) -> None:
@@ -88,7 +115,7 @@ def write_split(docs: list[tuple[str, str]], out: Path, first_index: int) -> dic
         for offset, (name, text) in enumerate(docs):
             writer.write({"__key__": sample_key(first_index + offset, name), "txt": text})
             total_bytes += len(text.encode("utf-8"))
-            if (offset + 1) % 200 == 0:
+            if (offset + 1) % 2000 == 0:
                 print(f"  {out.name}: {offset + 1} documents, {total_bytes / 1e6:.1f} MB", flush=True)
     shards = len(list(tmp.glob("*.tar")))
     manifest = {
@@ -96,6 +123,7 @@ def write_split(docs: list[tuple[str, str]], out: Path, first_index: int) -> dic
         "bytes": total_bytes,
         "shards": shards,
         "python": sys.version.split()[0],
+        "format_version": FORMAT_VERSION,
         "source": "python stdlib .py files + pydoc_data topics",
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -128,13 +156,27 @@ def main() -> None:
 def build(train_out: Path, eval_out: Path, seed: int) -> None:
     start = time.perf_counter()
     docs = stdlib_documents()
-    random.Random(seed).shuffle(docs)
+    rng = random.Random(seed)
+    rng.shuffle(docs)
     n_eval = max(1, round(EVAL_FRACTION * len(docs)))
     print(
-        f"{len(docs)} documents from Python {sys.version.split()[0]}; {n_eval} held out for eval", flush=True
+        f"{len(docs)} files from Python {sys.version.split()[0]}; {n_eval} held out for eval", flush=True
     )
-    write_split(docs[n_eval:], train_out, first_index=n_eval)
-    write_split(docs[:n_eval], eval_out, first_index=0)
+    # Exact duplicates (the stdlib repeats some text across files) are dropped, so no eval
+    # piece is also a train piece.
+    seen: set[str] = set()
+    splits = {}
+    for split, files in (("eval", docs[:n_eval]), ("train", docs[n_eval:])):
+        pieces = []
+        for name, text in files:
+            for piece_name, piece in split_into_pieces(name, text):
+                if piece not in seen:
+                    seen.add(piece)
+                    pieces.append((piece_name, piece))
+        rng.shuffle(pieces)
+        splits[split] = pieces
+    write_split(splits["train"], train_out, first_index=len(splits["eval"]))
+    write_split(splits["eval"], eval_out, first_index=0)
     print(f"done in {time.perf_counter() - start:.1f}s")
 
 

@@ -18,23 +18,31 @@ def _losses(history):
     return [m["loss"] for m in history]
 
 
+def _config(tmp, async_save=False):
+    cfg = tiny_run_config(Path(tmp))
+    cfg.checkpoint.async_save = async_save
+    return cfg
+
+
 def _uninterrupted(rank, world, tmp):
     return _losses(Trainer(tiny_run_config(Path(tmp))).train())
 
 
-def _crash_after_3_then_resume(rank, world, tmp):
-    first = Trainer(tiny_run_config(Path(tmp)))
+def _crash_after_3_then_resume(rank, world, tmp, async_save):
+    first = Trainer(_config(tmp, async_save))
     before = [first.run_step()["loss"] for _ in range(3)]  # checkpoint.interval=3 saves here
+    first.checkpoints.wait()  # an async save must be published before the "crash"
     del first  # the process "dies" here: no finish(), no final save
-    second = Trainer(tiny_run_config(Path(tmp)))
+    second = Trainer(_config(tmp, async_save))
     assert second.step == 3
     return before, _losses(second.train())
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_continues_with_identical_losses(tmp_path, world):
+@pytest.mark.parametrize("world, async_save", [(1, False), (2, False), (2, True)],
+                         ids=["1rank", "2ranks", "2ranks-async"])
+def test_resume_continues_with_identical_losses(tmp_path, world, async_save):
     full = run_distributed(_uninterrupted, world, str(tmp_path / "a"))[0]
-    before, after = run_distributed(_crash_after_3_then_resume, world, str(tmp_path / "b"))[0]
+    before, after = run_distributed(_crash_after_3_then_resume, world, str(tmp_path / "b"), async_save)[0]
     assert len(full) == 6 and len(after) == 3
     assert before == full[:3]
     assert after == full[3:], "resumed losses differ from the uninterrupted run"
@@ -122,3 +130,21 @@ def test_keep_last_and_incomplete_folders(tmp_path):
     assert resolve_resume("auto", root).name == "step_00000006"
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         resolve_resume(str(root / "step_00000009"), root)
+
+
+def _preempted(rank, world, tmp):
+    import signal
+
+    trainer = Trainer(tiny_run_config(Path(tmp), max_steps=50))
+    trainer.run_step()
+    if rank == 1:
+        signal.raise_signal(signal.SIGTERM)  # as a scheduler would, to one rank
+    history = trainer.train()
+    return len(history), trainer.step, trainer.preempted
+
+
+def test_sigterm_checkpoints_and_stops_all_ranks(tmp_path):
+    results = run_distributed(_preempted, 2, str(tmp_path))
+    assert results == [(1, 2, True), (1, 2, True)]  # both ranks stop after the same step
+    found = list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert [step for step, _ in found] == [2]

@@ -6,6 +6,7 @@ equal the single-process run on all samples (fp32).
 """
 
 import pytest
+import torch
 
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_records_close, run_steps, sample_lengths
@@ -44,11 +45,13 @@ def reference():
     (4, ParallelConfig(dp_replicate=2)),
     (2, ParallelConfig(activation_checkpointing="full")),
     (2, ParallelConfig(activation_checkpointing="selective", reshard_after_forward=False)),
-], ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-ac-full", "fsdp2-ac-selective"])
-def test_parallel_matches_single_process(reference, world, parallel):
-    results = run_distributed(_sharded, world, parallel)
+    (2, ParallelConfig(compile=True)),
+], ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-ac-full", "fsdp2-ac-selective", "fsdp2-compile"])
+def test_parallel_matches_single_process(reference, world, parallel, tmp_path):
+    # compile: a private inductor cache, so the test measures a cold compile and leaves nothing behind
+    results = run_distributed(_sharded, world, parallel, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     for got in results:
-        assert_records_close(reference, got)
+        assert_records_close(reference, got, atol=1e-5 if parallel.compile else 1e-6)
 
 
 def _accumulated(rank, world, pieces):
@@ -69,3 +72,12 @@ def test_grad_accumulation_4x1_equals_1x4(reference):
 def test_grad_accumulation_across_ranks(reference):
     for got in run_distributed(_accumulated, 2, 2):
         assert_records_close(reference, got)
+
+
+def test_bf16_mixed_precision_stays_close_to_fp32(reference):
+    """bf16 parameters with fp32 reduction (the GPU default), here on CPU: close, not equal."""
+    got = run_distributed(_sharded, 2, ParallelConfig(mixed_precision="bf16"))[0]
+    for a, b in zip(reference["loss"], got["loss"]):
+        assert abs(a - b) < 2e-3
+    for name, grad in reference["grads"][0].items():
+        torch.testing.assert_close(got["grads"][0][name], grad, atol=3e-3, rtol=5e-2, msg=name)

@@ -71,8 +71,11 @@ class TrainConfig:
     """Steps between evaluations on ``data.eval_path``; 0 evaluates only at the end."""
     eval_batches: int = 8
     sample_prompt: str | None = None
-    """If set, greedy-decode a continuation of this prompt after training and print it."""
+    """If set, print a continuation of this prompt after training."""
     sample_tokens: int = 48
+    sample_temperature: float = 0.8
+    """0 decodes greedily; otherwise top-k sampling at this temperature (seeded by train.seed)."""
+    sample_top_k: int = 40
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 

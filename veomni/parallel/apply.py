@@ -35,11 +35,14 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model, plan)
+    offload = cfg.cpu_offload and device_type != "cpu"
+    if cfg.cpu_offload and not offload:
+        logger.info("parallel.cpu_offload ignored: the model already lives in CPU memory")
     return apply_fsdp(
         model,
         plan,
         meshes.fsdp,
         mixed_precision_policy(cfg.mixed_precision, device_type),
         reshard_after_forward=cfg.reshard_after_forward,
-        cpu_offload=cfg.cpu_offload,
+        cpu_offload=offload,
     )

@@ -66,19 +66,23 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
 
 
 def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
+    step_tokens = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
+    memory = [
+        (f"parameters (fp32, 1/{dims.dp_shard})", est.params_gb),
+        (f"gradients (fp32, 1/{dims.dp_shard})", est.grads_gb),
+        (f"optimizer ({cfg.train.optimizer}, 1/{dims.dp_shard})", est.optimizer_gb),
+        ("gathered params (root + 2 blocks)", est.gathered_gb),
+        (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
+        ("total", est.total_gb),
+    ]
     lines = [
         f"layout        {dims.describe()}",
         f"devices       {device_desc}",
         f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
         f"model FLOPs   {est.flops_per_token / 1e9:.3f} GFLOP per token (forward+backward, seq {cfg.data.max_seq_len})",
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} tokens x "
-        f"{dims.dp_size} dp ranks = {cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size:,} tokens",
+        f"{dims.dp_size} dp ranks = {step_tokens:,} tokens",
         "memory / rank (estimate, GiB):",
-        f"  parameters (fp32, 1/{dims.dp_shard})     {est.params_gb:10.2f}",
-        f"  gradients  (fp32, 1/{dims.dp_shard})     {est.grads_gb:10.2f}",
-        f"  optimizer  ({cfg.train.optimizer})              {est.optimizer_gb:10.2f}",
-        f"  gathered params (root + 2 blocks) {est.gathered_gb:10.2f}",
-        f"  activations (AC={cfg.parallel.activation_checkpointing}){'':<9}{est.activations_gb:10.2f}",
-        f"  total                             {est.total_gb:10.2f}",
+        *(f"  {name:<42}{value:10.2f}" for name, value in memory),
     ]
     return "\n".join(lines)

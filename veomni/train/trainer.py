@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +25,7 @@ from veomni.data.loader import build_dataloader, load_tokenizer, merge_loader_st
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.train.distributed import all_reduce_values, init_distributed
-from veomni.train.generate import greedy_decode
+from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.optim import build_optimizer, build_scheduler
 from veomni.train.reporting import MetricsReporter
@@ -77,12 +79,21 @@ class Trainer:
         self._train_iter: Iterator[dict] = iter(self.train_loader)
         self._timer = StepTimer()
         self._last_saved_step = self.step if self.resume_path is not None else -1
+        self._last_eval_step = -1
+        self.preempted = False
+        self._signal_received: int | None = None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
         peak, how = device_peak_flops(self.device)
         self.peak_flops = all_reduce_values([peak], group=self.dp_group)[0] / self.dims.dp_size
         logger.info("MFU peak: %s", how)
         self.reporter = MetricsReporter(self.output_dir, cfg.log, config_to_dict(cfg), cfg.train.max_steps,
                                         self.step, enabled=self.rank == 0)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Preemption: finish the current step, checkpoint, exit (ranks agree in run_step)."""
+        self._signal_received = signum
 
     # ----- state ------------------------------------------------------------------------
     def _load_hf_weights(self, model: torch.nn.Module, path: str) -> None:
@@ -166,8 +177,10 @@ class Trainer:
         self.step += 1
         self.tokens_seen += metrics["tokens"]
         elapsed = self._timer.lap()
-        peak_mem, slowest = all_reduce_values([peak_memory_gb(self.device), elapsed], op=dist.ReduceOp.MAX,
-                                              group=self.dp_group)
+        # The stop flag rides on this all-reduce so every rank learns of a signal at the same step.
+        peak_mem, slowest, stop = all_reduce_values(
+            [peak_memory_gb(self.device), elapsed, float(self._signal_received is not None)],
+            op=dist.ReduceOp.MAX, group=self.dp_group)
         world = self.dims.world_size
         metrics.update(
             tokens_per_s=metrics["tokens"] / slowest,
@@ -177,9 +190,11 @@ class Trainer:
         )
         if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
             metrics["eval_loss"] = self.evaluate()
+            self._last_eval_step = self.step
         self.reporter.log(self.step, metrics)
         self.checkpoints.poll()
-        if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+        self.preempted = stop > 0
+        if self.preempted or (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
             self.save_checkpoint()
         self._timer.lap()  # eval and checkpoint time is not charged to the next step
         return metrics
@@ -190,25 +205,34 @@ class Trainer:
             logger.info("training %d steps from scratch", self.cfg.train.max_steps)
         self._timer = StepTimer()
         history = []
-        while self.step < self.cfg.train.max_steps:
+        while self.step < self.cfg.train.max_steps and not self.preempted:
             history.append(self.run_step())
-        self.finish()
+        if self.preempted:
+            logger.warning("stopped by a signal after step %d; checkpoint saved, resume with the same command",
+                           self.step)
+            self.checkpoints.wait()
+            self.reporter.close()
+        else:
+            self.finish()
         return history
 
     def finish(self) -> None:
         cfg = self.cfg
-        eval_loss = self.evaluate()
-        if eval_loss is not None:
-            self.reporter.log(self.step, {"eval_loss": eval_loss})
+        if self._last_eval_step != self.step:
+            eval_loss = self.evaluate()
+            if eval_loss is not None:
+                self.reporter.log(self.step, {"eval_loss": eval_loss})
         if cfg.checkpoint.save_final and self._last_saved_step != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()
         if cfg.train.sample_prompt:
             prompt = self.tokenizer.encode(cfg.train.sample_prompt)
-            out = greedy_decode(self.model, prompt, cfg.train.sample_tokens, self.device,
-                                self.tokenizer.eos_token_id)
+            out = sample_tokens(self.model, prompt, cfg.train.sample_tokens, self.device,
+                                self.tokenizer.eos_token_id, cfg.train.sample_temperature, cfg.train.sample_top_k,
+                                seed=cfg.train.seed)
             if self.rank == 0:
-                text = self.tokenizer.decode(out)
-                logger.info("sample (greedy) for prompt %r:\n%s%s", cfg.train.sample_prompt,
-                            cfg.train.sample_prompt, text)
+                how = f"T={cfg.train.sample_temperature}, top-k {cfg.train.sample_top_k}" \
+                    if cfg.train.sample_temperature > 0 else "greedy"
+                logger.info("sample (%s) after %d steps:\n%s%s", how, self.step, cfg.train.sample_prompt,
+                            self.tokenizer.decode(out))
         self.reporter.close()

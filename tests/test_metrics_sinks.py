@@ -1,0 +1,25 @@
+"""Metrics reach every sink: metrics.jsonl always, TensorBoard and wandb (offline) on request."""
+
+import json
+from pathlib import Path
+
+from tests.dist_harness import run_distributed
+from tests.trainer_utils import tiny_run_config
+from veomni.train.trainer import Trainer
+
+
+def _train(rank, world, tmp):
+    cfg = tiny_run_config(Path(tmp), max_steps=2)
+    cfg.log.tensorboard = True
+    cfg.log.wandb = True
+    Trainer(cfg).train()
+
+
+def test_jsonl_tensorboard_and_offline_wandb(tmp_path):
+    run_distributed(_train, 2, str(tmp_path), env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    out = tmp_path / "out"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert 0 < records[0]["mfu"] < 1 and records[0]["tokens_per_s_per_device"] * 2 == records[0]["tokens_per_s"]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((out / "wandb").glob("offline-run-*"))
