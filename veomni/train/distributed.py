@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,10 @@ def init_distributed(preference: str = "auto", timeout_s: int = 600) -> torch.de
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29512")
+    if "MASTER_PORT" not in os.environ:  # a plain 1-process run: any free port will do
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "nccl"

@@ -23,6 +23,7 @@ from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.data.loader import build_dataloader, load_tokenizer, merge_loader_states
 from veomni.parallel.apply import parallelize
+from veomni.parallel.materialize import build_sharded
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.train.distributed import all_reduce_values, init_distributed
 from veomni.train.generate import sample_tokens
@@ -53,13 +54,15 @@ class Trainer:
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         logger.info("layout: %s", self.dims.describe())
 
-        torch.manual_seed(cfg.train.seed)
-        self.model_config, model = build_model(cfg.model.arch, cfg.model.options)
-        model.init_weights()
         self.resume_path = resolve_resume(cfg.checkpoint.resume, self.output_dir / "checkpoints")
-        if cfg.checkpoint.init_from_hf and self.resume_path is None:
-            self._load_hf_weights(model, cfg.checkpoint.init_from_hf)
-        self.model = parallelize(model, cfg.parallel, self.meshes, self.device.type)
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_sharded(
+            build=self._build_plain_model,
+            initialise=self._initialise,
+            parallelize=lambda m: parallelize(m, cfg.parallel, self.meshes, self.device.type),
+            device=self.device,
+        )
+        torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.task = task or LanguageModelingTask()
@@ -96,12 +99,20 @@ class Trainer:
         self._signal_received = signum
 
     # ----- state ------------------------------------------------------------------------
-    def _load_hf_weights(self, model: torch.nn.Module, path: str) -> None:
-        from veomni.checkpoint.hf_io import load_hf_pretrained
+    def _build_plain_model(self) -> torch.nn.Module:
+        self.model_config, model = build_model(self.cfg.model.arch, self.cfg.model.options)
+        return model
 
-        _, _, state_dict = load_hf_pretrained(path)
-        model.load_state_dict(state_dict, strict=True)
-        logger.info("initialised weights from Hugging Face folder %s", path)
+    def _initialise(self, model: torch.nn.Module) -> None:
+        """Rank 0's full copy: seeded init, or Hugging Face weights for a fresh run."""
+        model.init_weights()
+        path = self.cfg.checkpoint.init_from_hf
+        if path and self.resume_path is None:
+            from veomni.checkpoint.hf_io import load_hf_pretrained
+
+            _, _, state_dict = load_hf_pretrained(path)
+            model.load_state_dict(state_dict, strict=True)
+            logger.info("initialised weights from Hugging Face folder %s", path)
 
     def _app_state(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen}

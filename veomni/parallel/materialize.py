@@ -1,0 +1,41 @@
+"""Build a sharded model without any rank holding more than its shards (rank 0 aside).
+
+Rank 0 builds the full model on CPU and initialises it (seeded, or from Hugging Face
+weights); every rank builds the same model on the meta device, applies the parallel recipe,
+allocates only its own shards, and receives their values from rank 0 by broadcast. Peak
+host memory is one full model on rank 0 and one shard elsewhere, and the weights are
+exactly those of a single-process run with the same seed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+
+def build_sharded(
+    build: Callable[[], nn.Module],
+    initialise: Callable[[nn.Module], None],
+    parallelize: Callable[[nn.Module], nn.Module],
+    device: torch.device,
+) -> nn.Module:
+    """``build()`` makes the plain model; ``initialise`` fills a CPU copy (rank 0 only);
+    ``parallelize`` applies the recipe to the meta copy on every rank."""
+    full_state = {}
+    if dist.get_rank() == 0:
+        with torch.device("cpu"):
+            reference = build()
+        initialise(reference)
+        full_state = reference.state_dict()
+    with torch.device("meta"):
+        model = build()
+    model = parallelize(model)
+    model.to_empty(device=device)
+    set_model_state_dict(
+        model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    )
+    return model
