@@ -32,6 +32,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Callable
 
 import webdataset
 
@@ -133,7 +134,13 @@ def write_split(docs: list[tuple[str, str]], out: Path, first_index: int) -> dic
     return manifest
 
 
-def main() -> None:
+def pieces(files: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The default documents: every file cut into ~2 KB pieces."""
+    return [piece for name, text in files for piece in split_into_pieces(name, text)]
+
+
+def main(documents: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] = pieces) -> None:
+    """Build (once) the splits, with ``documents`` turning held-out/train files into documents."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--train-out", required=True, type=Path)
     parser.add_argument("--eval-out", required=True, type=Path)
@@ -150,10 +157,11 @@ def main() -> None:
         if is_complete(args.train_out) and is_complete(args.eval_out):
             print(f"cached: {args.train_out} and {args.eval_out} are complete")
             return
-        build(args.train_out, args.eval_out, args.seed)
+        build(args.train_out, args.eval_out, args.seed, documents)
 
 
-def build(train_out: Path, eval_out: Path, seed: int) -> None:
+def build(train_out: Path, eval_out: Path, seed: int,
+          documents: Callable[[list[tuple[str, str]]], list[tuple[str, str]]]) -> None:
     start = time.perf_counter()
     docs = stdlib_documents()
     rng = random.Random(seed)
@@ -167,14 +175,13 @@ def build(train_out: Path, eval_out: Path, seed: int) -> None:
     seen: set[str] = set()
     splits = {}
     for split, files in (("eval", docs[:n_eval]), ("train", docs[n_eval:])):
-        pieces = []
-        for name, text in files:
-            for piece_name, piece in split_into_pieces(name, text):
-                if piece not in seen:
-                    seen.add(piece)
-                    pieces.append((piece_name, piece))
-        rng.shuffle(pieces)
-        splits[split] = pieces
+        unique = []
+        for doc_name, text in documents(files):
+            if text not in seen:
+                seen.add(text)
+                unique.append((doc_name, text))
+        rng.shuffle(unique)
+        splits[split] = unique
     write_split(splits["train"], train_out, first_index=len(splits["eval"]))
     write_split(splits["eval"], eval_out, first_index=0)
     print(f"done in {time.perf_counter() - start:.1f}s")

@@ -10,6 +10,7 @@ from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.parallel.sequence import shard_batch
 from veomni.train.step import clip_and_step, forward_backward
 from veomni.train.tasks import LanguageModelingTask
 
@@ -49,7 +50,9 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: ParallelConfig | None = None,
               lr: float = 0.5) -> dict:
-    """Train with SGD on this rank's micro-batches (step -> micro-batch -> samples) and record,
+    """Train with SGD on this rank's micro-batches (step -> micro-batch -> samples; under
+    sequence parallelism every rank of an SP group passes the same samples and keeps its
+    slice) and record,
     per step, the global loss and the full gradients; then the final parameters.
 
     SGD keeps the comparison exact: AdamW amplifies 1e-8 rounding in near-zero gradients.
@@ -60,10 +63,11 @@ def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: Par
     model = parallelize(tiny_model(), parallel or ParallelConfig(), meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     task = LanguageModelingTask()
+    sp_rank = meshes.sp.get_local_rank()
     record = {"loss": [], "grads": []}
     for micro_batches in micro_batches_per_step:
-        batches = [pack_samples(samples) for samples in micro_batches]
-        metrics = forward_backward(model, task, batches, meshes.dp.get_group(), dims.dp_size)
+        batches = [shard_batch(pack_samples(samples), sp_rank, dims.sp) for samples in micro_batches]
+        metrics = forward_backward(model, task, batches, meshes.loss.get_group(), dims.loss_size, dims.sp)
         record["loss"].append(metrics["loss"])
         record["grads"].append(full_grads(model))
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)

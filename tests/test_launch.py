@@ -93,3 +93,24 @@ def test_two_nodes_on_one_machine_train_together(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)[-4000:]
     meta = json.loads((out / "checkpoints" / "step_00000002" / "complete.json").read_text())
     assert meta["world_size"] == 2
+
+
+def test_long_context_recipe_trains_with_sequence_parallelism(tmp_path):
+    """The 32k recipe's path (sp=2 through train.sh, long-document corpus, eval, checkpoint,
+    decoding with full-sequence attention) at a CI-sized sequence length."""
+    out = tmp_path / "run"
+    result = train_sh(str(REPO / "recipes" / "long-context" / "tiny_32k.yaml"), "--data.max_seq_len", "2048",
+                      "--data.tokens_per_micro_batch", "2048", "--train.max_steps", "2",
+                      "--train.output_dir", str(out), "--train.sample_tokens", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sp=2 (Ulysses)" in result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("eval_loss" in r for r in records)
+    assert (out / "checkpoints" / "step_00000002" / "complete.json").is_file()
+
+
+def test_sp_that_does_not_divide_the_heads_fails_at_config_time():
+    result = train_sh(str(REPO / "recipes" / "long-context" / "tiny_32k.yaml"), "--parallel.sp", "4",
+                      "--model.num_heads", "6", "--model.num_kv_heads", "3", env={"NPROC_PER_NODE": "4"})
+    assert result.returncode == 2 and "process(es)" not in result.stderr
+    assert "parallel.sp=4 does not divide the 6 attention heads" in result.stderr

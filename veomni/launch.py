@@ -56,16 +56,18 @@ def _check_tokenizer_fits(cfg: RunConfig) -> list[str]:
 
 
 def _validate_model(cfg: RunConfig) -> list[str]:
+    """Build on meta (no memory): impossible model configs and parallel sizes the model cannot take."""
     import torch
 
     from models.registry import build_model
+    from veomni.parallel.sequence import check_sequence_parallel
 
     try:
         with torch.device("meta"):
-            build_model(cfg.model.arch, cfg.model.options)
+            _, model = build_model(cfg.model.arch, cfg.model.options)
+        return check_sequence_parallel(model, cfg.parallel.sp)
     except (ValueError, TypeError) as exc:
         return [f"model: {exc}"]
-    return []
 
 
 def main(argv: list[str] | None = None) -> int:

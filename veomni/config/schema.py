@@ -41,6 +41,9 @@ class ParallelConfig:
     """HSDP replica groups (parameters replicated across groups, sharded within)."""
     dp_shard: int = -1
     """FSDP shard group size; -1 takes every rank not used by another dimension."""
+    sp: int = 1
+    """Ulysses sequence-parallel group size: ranks that split each packed row; must divide
+    the attention heads. Parameters are sharded over dp_shard x sp."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 params with fp32 reduction on GPU, fp32 on CPU."""
     reshard_after_forward: bool = True

@@ -16,6 +16,7 @@ from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.parallel.sequence import apply_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
     plan: ParallelPlan = model.parallel_plan()
     if not match_modules(model, plan.blocks):
         raise ValueError(f"{type(model).__name__}.parallel_plan() blocks {plan.blocks} match no module")
+    if meshes.dims.sp > 1:
+        count = apply_sequence_parallel(model, plan, meshes.sp.get_group())
+        logger.info("Ulysses sequence parallelism (sp=%d) on %d attention modules", meshes.dims.sp, count)
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model, plan)

@@ -24,40 +24,51 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    sp: int = 1
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
         if world_size < 1:
             raise LayoutError(f"world size must be >= 1, got {world_size}")
-        if cfg.dp_replicate < 1:
-            raise LayoutError(f"parallel.dp_replicate must be >= 1, got {cfg.dp_replicate}")
-        others = cfg.dp_replicate
+        for name in ("dp_replicate", "sp"):
+            value = getattr(cfg, name)
+            if value < 1:
+                raise LayoutError(f"parallel.{name} must be >= 1, got {value}")
+            if world_size % value:
+                raise LayoutError(f"parallel.{name}={value} does not divide the world size {world_size}; "
+                                  f"pick a divisor of {world_size}")
+        others = cfg.dp_replicate * cfg.sp
         if world_size % others:
-            raise LayoutError(
-                f"parallel.dp_replicate={cfg.dp_replicate} does not divide the world size {world_size}; "
-                f"pick a divisor of {world_size}"
-            )
+            raise LayoutError(f"parallel.dp_replicate x parallel.sp = {others} does not divide the world size "
+                              f"{world_size}")
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             dp_shard = world_size // others
         if dp_shard < 1 or others * dp_shard != world_size:
             raise LayoutError(
-                f"parallel.dp_replicate ({cfg.dp_replicate}) x parallel.dp_shard ({cfg.dp_shard}) = "
-                f"{others * cfg.dp_shard} but the world size is {world_size}; set parallel.dp_shard to "
-                f"{world_size // others} or -1 (take the remaining ranks)"
+                f"parallel.dp_replicate ({cfg.dp_replicate}) x parallel.dp_shard ({cfg.dp_shard}) x parallel.sp "
+                f"({cfg.sp}) = {others * cfg.dp_shard} but the world size is {world_size}; set parallel.dp_shard "
+                f"to {world_size // others} or -1 (take the remaining ranks)"
             )
-        return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=world_size)
+        return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=world_size, sp=cfg.sp)
 
     @property
     def dp_size(self) -> int:
-        """Ranks that see different data (and over which the loss is averaged)."""
+        """Ranks that read different data."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def loss_size(self) -> int:
+        """Ranks whose token losses make up one step's loss (dp x sp); FSDP averages
+        gradients over exactly these ranks."""
+        return self.dp_size * self.sp
 
     def describe(self) -> str:
         kind = "HSDP" if self.dp_replicate > 1 else "FSDP"
+        sp = f"  sp={self.sp} (Ulysses)" if self.sp > 1 else ""
         return (
-            f"world={self.world_size}  dp_replicate={self.dp_replicate}  dp_shard={self.dp_shard}  ({kind}; "
-            f"parameters sharded {self.dp_shard}-way, replicated {self.dp_replicate}-way)"
+            f"world={self.world_size}  dp_replicate={self.dp_replicate}  dp_shard={self.dp_shard}{sp}  ({kind}; "
+            f"parameters sharded {self.dp_shard * self.sp}-way, replicated {self.dp_replicate}-way)"
         )
 
 
@@ -70,17 +81,29 @@ class ParallelMeshes:
 
     @cached_property
     def fsdp(self) -> DeviceMesh:
-        """1-D shard mesh, or the 2-D (replicate, shard) mesh that makes fully_shard do HSDP."""
+        """The shard mesh (dp_shard x sp: SP ranks hold different tokens, so they shard the
+        parameters too), 2-D with dp_replicate in front for HSDP."""
         if self.dims.dp_replicate > 1:
-            return self.root["dp_replicate", "dp_shard"]
-        return self.root["dp_shard"]
+            # A mesh of its own over the same rank order: slicing a flattened dim back out
+            # of the root mesh is deprecated.
+            return init_device_mesh(self.root.device_type,
+                                    (self.dims.dp_replicate, self.dims.dp_shard * self.dims.sp),
+                                    mesh_dim_names=("dp_replicate", "dp_shard_sp"))
+        return self.root["dp_shard", "sp"]._flatten("dp_shard_sp")
 
     @cached_property
     def dp(self) -> DeviceMesh:
-        """All data-parallel ranks flattened: data loading and loss/token reductions."""
-        if self.dims.dp_replicate > 1:
-            return self.root["dp_replicate", "dp_shard"]._flatten("dp")
-        return self.root["dp_shard"]
+        """Ranks that read different data (dp_replicate x dp_shard)."""
+        return self.root["dp_replicate", "dp_shard"]._flatten("dp")
+
+    @cached_property
+    def loss(self) -> DeviceMesh:
+        """Every rank holding part of the step's tokens (dp x sp): loss and token reductions."""
+        return self.root._flatten("loss")
+
+    @cached_property
+    def sp(self) -> DeviceMesh:
+        return self.root["sp"]
 
     @property
     def dp_rank(self) -> int:
@@ -89,6 +112,6 @@ class ParallelMeshes:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMeshes:
     root = init_device_mesh(
-        device_type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+        device_type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=("dp_replicate", "dp_shard", "sp")
     )
     return ParallelMeshes(dims=dims, root=root)

@@ -3,12 +3,12 @@
 The model is built on the meta device, so the estimate costs no memory even for full-size
 recipes. Memory per rank (bytes):
 
-- parameters, gradients: fp32 master copies, sharded over ``dp_shard``;
+- parameters, gradients: fp32 master copies, sharded over ``dp_shard x sp``;
 - optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none);
 - gathered parameters: FSDP holds the root's parameters (embeddings, head; kept gathered) plus
   two blocks (the current one and the prefetched next) unsharded in the compute dtype;
 - activations: the model's own per-token estimate for the checkpointing mode, times the
-  micro-batch token budget.
+  tokens a rank holds (the micro-batch budget, divided by ``sp`` under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     blocks = match_modules(model, model.parallel_plan().blocks)
     block_params = sorted((sum(p.numel() for p in b.parameters()) for _, b in blocks), reverse=True)
     root_params = total - sum(block_params)
-    shard = dims.dp_shard
+    shard = dims.dp_shard * dims.sp
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     activations = model.activation_bytes_per_token(compute_bytes, cfg.parallel.activation_checkpointing)
     return Estimate(
@@ -61,16 +61,17 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         grads_gb=4 * total / shard / GiB,
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2])) / GiB,
-        activations_gb=activations * cfg.data.tokens_per_micro_batch / GiB,
+        activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
     )
 
 
 def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
     step_tokens = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
+    shard = dims.dp_shard * dims.sp
     memory = [
-        (f"parameters (fp32, 1/{dims.dp_shard})", est.params_gb),
-        (f"gradients (fp32, 1/{dims.dp_shard})", est.grads_gb),
-        (f"optimizer ({cfg.train.optimizer}, 1/{dims.dp_shard})", est.optimizer_gb),
+        (f"parameters (fp32, 1/{shard})", est.params_gb),
+        (f"gradients (fp32, 1/{shard})", est.grads_gb),
+        (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
         ("gathered params (root + 2 blocks)", est.gathered_gb),
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
         ("total", est.total_gb),

@@ -1,9 +1,10 @@
 """The math of one optimizer step, shared by the trainer and the parity tests.
 
 ``forward_backward`` counts the loss tokens of the whole global step first and scales each
-micro-batch's summed loss by ``dp_size / global_tokens``: FSDP averages gradients over the
-``dp_size`` data-parallel ranks, so the resulting gradient is exactly that of the mean loss
-over every loss token of the step, however tokens were split across ranks and micro-batches.
+micro-batch's summed loss by ``loss_size / global_tokens``: FSDP averages gradients over the
+``loss_size`` ranks that hold the step's tokens (data-parallel x sequence-parallel), so the
+resulting gradient is exactly that of the mean loss over every loss token of the step,
+however tokens were split across ranks, sequence slices and micro-batches.
 """
 
 from __future__ import annotations
@@ -20,21 +21,25 @@ from veomni.train.tasks import Task
 
 
 def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str, Any]],
-                     dp_group: dist.ProcessGroup, dp_size: int) -> dict[str, float]:
-    """Accumulate gradients of the global token-mean loss; return global loss/token counts."""
+                     loss_group: dist.ProcessGroup, loss_size: int, sp_size: int = 1) -> dict[str, float]:
+    """Accumulate gradients of the global token-mean loss; return global loss/token counts.
+
+    With sequence parallelism each micro-batch is this rank's slice of a packed row whose
+    ``cu_seqlens`` describe the whole row, so model FLOPs are shared by the ``sp_size`` ranks.
+    """
     local_loss_tokens = sum(task.count_tokens(mb) for mb in micro_batches)
-    global_loss_tokens = all_reduce_values([local_loss_tokens], group=dp_group)[0]
+    global_loss_tokens = all_reduce_values([local_loss_tokens], group=loss_group)[0]
     if global_loss_tokens == 0:
         raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
-    scale = dp_size / global_loss_tokens
+    scale = loss_size / global_loss_tokens
     loss_sum = 0.0
     for mb in micro_batches:
         out = task(model, mb)
         (out.loss_sum * scale).backward()
         loss_sum += float(out.loss_sum.detach())
-    flops = sum(model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches)
+    flops = sum(model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches) / sp_size
     tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
-    total_loss, total_tokens, total_flops = all_reduce_values([loss_sum, tokens, flops], group=dp_group)
+    total_loss, total_tokens, total_flops = all_reduce_values([loss_sum, tokens, flops], group=loss_group)
     return {"loss": total_loss / global_loss_tokens, "tokens": int(total_tokens),
             "loss_tokens": int(global_loss_tokens), "flops": total_flops}
 

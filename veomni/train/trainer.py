@@ -24,6 +24,7 @@ from veomni.config.schema import RunConfig
 from veomni.data.loader import build_dataloader, load_tokenizer, merge_loader_states
 from veomni.parallel.apply import parallelize
 from veomni.parallel.materialize import build_sharded
+from veomni.parallel.sequence import full_sequence_attention, shard_batch
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.train.distributed import all_reduce_values, init_distributed
 from veomni.train.generate import sample_tokens
@@ -47,7 +48,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
         self.meshes = build_mesh(self.dims, self.device.type)
-        self.dp_group = self.meshes.dp.get_group()
+        self.loss_group = self.meshes.loss.get_group()
+        self.sp_rank = self.meshes.sp.get_local_rank()
         self.output_dir = Path(cfg.train.output_dir)
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +91,7 @@ class Trainer:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
         peak, how = device_peak_flops(self.device)
-        self.peak_flops = all_reduce_values([peak], group=self.dp_group)[0] / self.dims.dp_size
+        self.peak_flops = all_reduce_values([peak], group=self.loss_group)[0] / self.dims.loss_size
         logger.info("MFU peak: %s", how)
         self.reporter = MetricsReporter(self.output_dir, cfg.log, config_to_dict(cfg), cfg.train.max_steps,
                                         self.step, enabled=self.rank == 0)
@@ -135,9 +137,10 @@ class Trainer:
         self.scheduler.load_state_dict(app_state["scheduler"])
         self.step = int(app_state["step"])
         self.tokens_seen = int(app_state["tokens_seen"])
-        same_layout = meta["dp_size"] == self.dims.dp_size and meta["num_workers"] == self.cfg.data.num_workers
+        same_layout = (meta["world_size"], meta["dp_size"], meta["num_workers"]) == (
+            self.dims.world_size, self.dims.dp_size, self.cfg.data.num_workers)
         if same_layout:
-            mine = next(s for s in rank_states if s["dp_rank"] == self.meshes.dp_rank)
+            mine = rank_states[self.rank]
             self.train_loader.load_state_dict(mine["loader"])
             rng = mine["rng"]
             torch.set_rng_state(rng["torch"])
@@ -150,12 +153,19 @@ class Trainer:
             self.train_loader.load_state_dict(merge_loader_states([s["loader"] for s in rank_states]))
 
     # ----- steps ------------------------------------------------------------------------
+    def _local(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of a loader batch (its sequence slice under SP), on the device."""
+        if self.dims.sp > 1:
+            batch = shard_batch(batch, self.sp_rank, self.dims.sp)
+        return _to_device(batch, self.device)
+
     def _next_micro_batches(self) -> list[dict[str, Any]]:
-        return [_to_device(next(self._train_iter), self.device) for _ in range(self.cfg.train.grad_accum)]
+        return [self._local(next(self._train_iter)) for _ in range(self.cfg.train.grad_accum)]
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns global metrics."""
-        metrics = forward_backward(self.model, self.task, micro_batches, self.dp_group, self.dims.dp_size)
+        metrics = forward_backward(self.model, self.task, micro_batches, self.loss_group, self.dims.loss_size,
+                                   self.dims.sp)
         metrics.update(clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm))
         return metrics
 
@@ -172,13 +182,13 @@ class Trainer:
             batch = next(it, None)
             # Ranks may run out at different times; all must run the same number of
             # forwards or FSDP's all-gathers would hang.
-            if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=self.dp_group)[0] == 0:
+            if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=self.loss_group)[0] == 0:
                 break
-            out = self.task(self.model, _to_device(batch, self.device))
+            out = self.task(self.model, self._local(batch))
             loss_sum += float(out.loss_sum)
             tokens += out.num_tokens
         self.model.train()
-        total_loss, total_tokens = all_reduce_values([loss_sum, tokens], group=self.dp_group)
+        total_loss, total_tokens = all_reduce_values([loss_sum, tokens], group=self.loss_group)
         return total_loss / total_tokens if total_tokens else None
 
     def run_step(self) -> dict[str, float]:
@@ -191,7 +201,7 @@ class Trainer:
         # The stop flag rides on this all-reduce so every rank learns of a signal at the same step.
         peak_mem, slowest, stop = all_reduce_values(
             [peak_memory_gb(self.device), elapsed, float(self._signal_received is not None)],
-            op=dist.ReduceOp.MAX, group=self.dp_group)
+            op=dist.ReduceOp.MAX, group=self.loss_group)
         world = self.dims.world_size
         metrics.update(
             tokens_per_s=metrics["tokens"] / slowest,
@@ -238,9 +248,10 @@ class Trainer:
         self.checkpoints.wait()
         if cfg.train.sample_prompt:
             prompt = self.tokenizer.encode(cfg.train.sample_prompt)
-            out = sample_tokens(self.model, prompt, cfg.train.sample_tokens, self.device,
-                                self.tokenizer.eos_token_id, cfg.train.sample_temperature, cfg.train.sample_top_k,
-                                seed=cfg.train.seed)
+            with full_sequence_attention(self.model):  # every rank decodes the whole prompt
+                out = sample_tokens(self.model, prompt, cfg.train.sample_tokens, self.device,
+                                    self.tokenizer.eos_token_id, cfg.train.sample_temperature,
+                                    cfg.train.sample_top_k, seed=cfg.train.seed)
             if self.rank == 0:
                 how = f"T={cfg.train.sample_temperature}, top-k {cfg.train.sample_top_k}" \
                     if cfg.train.sample_temperature > 0 else "greedy"

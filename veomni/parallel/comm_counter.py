@@ -1,0 +1,35 @@
+"""Bytes each rank sends, per kind of collective: for tests and benchmarks that check the
+communication volume of a parallel recipe against its analytic formula."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class CommCounter:
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.enabled = False
+
+    def record(self, kind: str, sent_bytes: int) -> None:
+        if self.enabled:
+            self.bytes[kind] += sent_bytes
+            self.calls[kind] += 1
+
+    @contextmanager
+    def measure(self) -> Iterator["CommCounter"]:
+        """Count from zero inside the block."""
+        self.bytes.clear()
+        self.calls.clear()
+        self.enabled = True
+        try:
+            yield self
+        finally:
+            self.enabled = False
+
+
+COMM_COUNTER = CommCounter()
+"""The process-wide counter the engine's collectives report to."""

@@ -1,0 +1,158 @@
+"""Ulysses sequence parallelism, applied through the attention injection point.
+
+Each rank of an SP group holds ``T / sp`` consecutive tokens of the packed row. Around every
+attention core (the plan's ``attention`` modules) an all-to-all gathers the sequence and
+scatters the heads: attention then runs over the whole row for ``H / sp`` heads, with the
+global ``cu_seqlens``, so sample boundaries survive any split point; the inverse all-to-all
+restores the token layout. Everything else in the model is per token and runs unchanged.
+
+- Rows whose length does not divide by ``sp`` are padded at the end; padding lies past
+  ``cu_seqlens[-1]`` (attention gives it zero output) and has no label, so it changes nothing.
+- GQA: K/V heads are repeated just enough that their count divides ``sp`` and still divides
+  the query heads, keeping each query head with its own K/V head.
+- Positions: ``position_ids`` are sliced from the full row, so RoPE sees global positions.
+- Loss: each rank counts the loss tokens of its own slice, so the trainer's global-token
+  normalisation (reduced over dp x sp) needs no SP-specific term.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from veomni.ops.attention import AttentionFn, SeqInfo
+from veomni.parallel.comm_counter import COMM_COUNTER
+from veomni.parallel.plan import ParallelPlan, match_modules
+
+IGNORE_INDEX = -100
+_SLICED_KEYS = ("input_ids", "labels", "position_ids")
+
+
+def shard_batch(batch: dict[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
+    """This rank's slice of a packed row; ``cu_seqlens``/``max_seqlen`` stay global."""
+    total = batch["input_ids"].numel()
+    padded = math.ceil(total / sp_size) * sp_size
+    local = padded // sp_size
+    out = dict(batch)
+    pad_values = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": 0}
+    for key in _SLICED_KEYS:
+        value = batch[key]
+        if padded > total:
+            value = torch.cat([value, value.new_full((padded - total,), pad_values[key])])
+        out[key] = value[sp_rank * local:(sp_rank + 1) * local]
+    return out
+
+
+def kv_repeat_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """Smallest factor f such that ``num_kv_heads * f`` divides by ``sp_size`` and divides ``num_heads``."""
+    for factor in range(1, num_heads // num_kv_heads + 1):
+        kv = num_kv_heads * factor
+        if kv % sp_size == 0 and num_heads % kv == 0:
+            return factor
+    raise ValueError(f"no K/V head count fits sp={sp_size} with {num_heads} query / {num_kv_heads} K/V heads")
+
+
+def check_sequence_parallel(model: nn.Module, sp_size: int) -> list[str]:
+    """Problems that make ``sp_size`` impossible for this model (empty when it fits)."""
+    if sp_size == 1:
+        return []
+    plan: ParallelPlan = model.parallel_plan()
+    modules = match_modules(model, plan.attention)
+    if not modules:
+        return [f"parallel.sp={sp_size}: the model's plan declares no attention modules to run sequence-parallel"]
+    problems = []
+    for name, module in modules[:1]:  # all attention modules of a model share their head counts
+        heads, kv_heads = module.num_heads, module.num_kv_heads
+        if heads % sp_size:
+            problems.append(f"parallel.sp={sp_size} does not divide the {heads} attention heads of {name}; "
+                            f"use a divisor of {heads}")
+        else:
+            kv_repeat_factor(heads, kv_heads, sp_size)
+    return problems
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    sp = dist.get_world_size(group)
+    COMM_COUNTER.record("sp_all_to_all", x.numel() * x.element_size() * (sp - 1) // sp)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all along dim 0 in equal chunks. It is its own adjoint: the gradient of the
+    chunk a rank sent to rank j comes back from rank j by the same exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _Exchange.apply(x, group)
+
+
+def gather_sequence_scatter_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[T/sp, H, D] on each rank -> [T, H/sp, D] (this rank's head chunk, all tokens)."""
+    sp = dist.get_world_size(group)
+    local_tokens, heads, dim = x.shape
+    chunks = x.view(local_tokens, sp, heads // sp, dim).transpose(0, 1)  # [sp, T/sp, H/sp, D]
+    return _exchange(chunks, group).view(sp * local_tokens, heads // sp, dim)
+
+
+def gather_heads_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[T, H/sp, D] -> [T/sp, H, D]: the inverse of ``gather_sequence_scatter_heads``."""
+    sp = dist.get_world_size(group)
+    tokens, local_heads, dim = x.shape
+    received = _exchange(x.view(sp, tokens // sp, local_heads, dim), group)  # [sp(head chunk), T/sp, H/sp, D]
+    return received.transpose(0, 1).reshape(tokens // sp, sp * local_heads, dim)
+
+
+class UlyssesAttention:
+    """Wraps an attention core ``fn(q, k, v, seq)`` with the Ulysses all-to-alls."""
+
+    def __init__(self, inner: AttentionFn, group: dist.ProcessGroup, kv_repeat: int) -> None:
+        self.inner = inner
+        self.group = group
+        self.kv_repeat = kv_repeat
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        if self.kv_repeat > 1:
+            k = k.repeat_interleave(self.kv_repeat, dim=1)
+            v = v.repeat_interleave(self.kv_repeat, dim=1)
+        q, k, v = (gather_sequence_scatter_heads(t, self.group) for t in (q, k, v))
+        return gather_heads_scatter_sequence(self.inner(q, k, v, seq), self.group)
+
+
+def apply_sequence_parallel(model: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup) -> int:
+    """Replace the ``attn_fn`` of every plan attention module; returns how many."""
+    sp = dist.get_world_size(group)
+    modules = match_modules(model, plan.attention)
+    for _, module in modules:
+        module.attn_fn = UlyssesAttention(module.attn_fn, group,
+                                          kv_repeat_factor(module.num_heads, module.num_kv_heads, sp))
+    return len(modules)
+
+
+@contextmanager
+def full_sequence_attention(model: nn.Module) -> Iterator[None]:
+    """Run with the plain attention cores (every rank holding the whole sequence), e.g. for
+    generation, where all ranks decode the same prompt."""
+    wrapped = [(m, m.attn_fn) for m in model.modules() if isinstance(getattr(m, "attn_fn", None), UlyssesAttention)]
+    for module, fn in wrapped:
+        module.attn_fn = fn.inner
+    try:
+        yield
+    finally:
+        for module, fn in wrapped:
+            module.attn_fn = fn
