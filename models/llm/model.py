@@ -145,13 +145,15 @@ class DecoderLM(nn.Module):
         """Model FLOPs of forward + backward for one packed micro-batch of these sample lengths.
 
         ``6 * matmul_params * tokens`` (lm_head included, embedding lookup excluded, biases and
-        element-wise ops ignored) plus attention scores and weighted values,
-        ``12 * layers * heads * head_dim * sum(len^2)``. Attention is counted as if it were
-        non-causal (the PaLM / MFU convention), so MFU is comparable across implementations.
+        element-wise ops ignored) plus attention scores and weighted values over the causal
+        pairs, ``12 * layers * heads * head_dim * sum(len * (len + 1) / 2)``: the work a causal
+        kernel does. Counting full squares (the PaLM convention) would report more than 100%
+        MFU at long context, where attention dominates.
         """
         cfg = self.config
         tokens = sum(seq_lens)
-        attention = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * sum(n * n for n in seq_lens)
+        pairs = sum(n * (n + 1) // 2 for n in seq_lens)
+        attention = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * pairs
         return float(6 * self._matmul_params() * tokens + attention)
 
     def activation_bytes_per_token(self, bytes_per_elem: int, checkpointing: str) -> float:
