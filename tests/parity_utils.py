@@ -48,26 +48,30 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: ParallelConfig | None = None,
-              lr: float = 0.5) -> dict:
+              lr: float = 0.5, model_options: dict | None = None) -> dict:
     """Train with SGD on this rank's micro-batches (step -> micro-batch -> samples) and record,
     per step, the global loss and the full gradients; then the final parameters.
+    ``model_options`` override ``TINY_LLM`` (e.g. to make it a mixture of experts).
 
     SGD keeps the comparison exact: AdamW amplifies 1e-8 rounding in near-zero gradients.
     """
     world = dist.get_world_size()
     dims = ParallelDims.resolve(parallel or ParallelConfig(), world)
     meshes = build_mesh(dims, "cpu")
-    model = parallelize(tiny_model(), parallel or ParallelConfig(), meshes, "cpu")
+    model = parallelize(tiny_model(**(model_options or {})), parallel or ParallelConfig(), meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     task = LanguageModelingTask()
-    record = {"loss": [], "grads": []}
+    record = {"loss": [], "grads": [], "metrics": []}
     for micro_batches in micro_batches_per_step:
         batches = [pack_samples(samples) for samples in micro_batches]
         metrics = forward_backward(model, task, batches, meshes.dp.get_group(), dims.dp_size)
         record["loss"].append(metrics["loss"])
+        record["metrics"].append(metrics)
         record["grads"].append(full_grads(model))
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(model)
+    record["buffers"] = {name.replace("_checkpoint_wrapped_module.", ""): b.detach().clone()
+                         for name, b in model.named_buffers()}
     return record
 
 
@@ -81,3 +85,6 @@ def assert_records_close(ref: dict, got: dict, atol: float = 1e-6) -> None:
     for name in ref["params"]:
         torch.testing.assert_close(got["params"][name], ref["params"][name], atol=atol, rtol=1e-5,
                                    msg=f"param {name}")
+    for name in ref.get("buffers", {}):
+        torch.testing.assert_close(got["buffers"][name], ref["buffers"][name], atol=atol, rtol=0,
+                                   msg=f"buffer {name}")

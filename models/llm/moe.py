@@ -18,6 +18,7 @@ rank applies the same update without the model doing any communication.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -29,27 +30,28 @@ from veomni.ops.grouped_gemm import grouped_mm
 from .config import LLMConfig
 
 
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts stored grouped, in the HF Qwen-MoE layout.
 
     gate_up_proj [E, 2I, H] (gate rows first, then up rows) and down_proj [E, H, I]: the
-    leading expert dim is the one expert parallelism shards.
+    leading expert dim is the one expert parallelism shards. ``local_weight`` is an injection
+    point: expert parallelism sets it to return this rank's slice of a sharded weight; it is
+    applied inside ``forward`` so that it sees the weights as FSDP gathered them.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.local_weight: Callable[[torch.Tensor], torch.Tensor] = _identity
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor | None = None,
-                down: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of ``x`` sorted by expert, ``counts[e]`` rows for expert ``e``.
-
-        ``gate_up`` / ``down`` override the stored weights (expert parallelism passes the local
-        slice of a sharded parameter).
-        """
-        gate_up = self.gate_up_proj if gate_up is None else gate_up
-        down = self.down_proj if down is None else down
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x`` sorted by expert, ``counts[e]`` rows for (local) expert ``e``."""
+        gate_up, down = self.local_weight(self.gate_up_proj), self.local_weight(self.down_proj)
         gate, up = grouped_mm(x, gate_up.transpose(1, 2), counts).chunk(2, dim=-1)
         return grouped_mm(F.silu(gate) * up, down.transpose(1, 2), counts)
 
@@ -82,10 +84,6 @@ def local_dispatch(x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Ten
     y = experts(x[token], counts[:num_experts])
     y = y * weights.reshape(-1)[order, None].to(y.dtype)
     return torch.zeros_like(x).index_add(0, token, y)
-
-
-def _identity(counts: torch.Tensor) -> torch.Tensor:
-    return counts
 
 
 class Router(nn.Module):

@@ -41,6 +41,11 @@ class ParallelConfig:
     """HSDP replica groups (parameters replicated across groups, sharded within)."""
     dp_shard: int = -1
     """FSDP shard group size; -1 takes every rank not used by another dimension."""
+    ep: int = 1
+    """Expert parallelism: the experts of each MoE layer are split over groups of ``ep`` ranks
+    (carved out of ``dp_shard``; must divide it and the model's expert count). Inside a group the
+    ranks still see different data; the ``dp_shard / ep`` ranks holding the same experts shard
+    them further with FSDP."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 params with fp32 reduction on GPU, fp32 on CPU."""
     reshard_after_forward: bool = True
