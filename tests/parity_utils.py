@@ -48,17 +48,21 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: ParallelConfig | None = None,
-              lr: float = 0.5, model_options: dict | None = None) -> dict:
+              lr: float = 0.5, model_options: dict | None = None, prepare=None) -> dict:
     """Train with SGD on this rank's micro-batches (step -> micro-batch -> samples) and record,
     per step, the global loss and the full gradients; then the final parameters.
-    ``model_options`` override ``TINY_LLM`` (e.g. to make it a mixture of experts).
+    ``model_options`` override ``TINY_LLM`` (e.g. to make it a mixture of experts); ``prepare``
+    may edit the built model before it is parallelised.
 
     SGD keeps the comparison exact: AdamW amplifies 1e-8 rounding in near-zero gradients.
     """
     world = dist.get_world_size()
     dims = ParallelDims.resolve(parallel or ParallelConfig(), world)
     meshes = build_mesh(dims, "cpu")
-    model = parallelize(tiny_model(**(model_options or {})), parallel or ParallelConfig(), meshes, "cpu")
+    model = tiny_model(**(model_options or {}))
+    if prepare is not None:
+        prepare(model)
+    model = parallelize(model, parallel or ParallelConfig(), meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     task = LanguageModelingTask()
     record = {"loss": [], "grads": [], "metrics": []}

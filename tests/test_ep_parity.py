@@ -54,3 +54,24 @@ def test_expert_parallel_matches_single_process(references, world, parallel, moe
         for ref_m, got_m in zip(reference["metrics"], got["metrics"]):
             assert got_m["moe/tokens_per_expert"] == ref_m["moe/tokens_per_expert"]
             assert abs(got_m["moe/aux_loss"] - ref_m["moe/aux_loss"]) < 1e-6
+
+
+def _all_tokens_to_experts_0_and_1(model):
+    """Selection bias so every token picks experts 0 and 1: at ep=4 ranks 1-3 own no used expert
+    and receive nothing, their own tokens all leave, and experts 2-7 get no token anywhere."""
+    for layer in model.moe_layers():
+        layer.router.expert_bias[:2] = 100.0
+
+
+def _skewed(rank, world, parallel):
+    steps = [[samples[rank::world]] for samples in global_steps()[:2]]
+    return run_steps(steps, parallel, model_options=MOE["softmax"], prepare=_all_tokens_to_experts_0_and_1)
+
+
+def test_idle_ranks_and_experts_neither_hang_nor_break_parity():
+    reference = run_distributed(_skewed, 1, ParallelConfig())[0]
+    load = reference["metrics"][0]["moe/tokens_per_expert"]
+    assert all(sum(layer[2:]) == 0 and sum(layer[:2]) > 0 for layer in load)
+    for got in run_distributed(_skewed, 4, ParallelConfig(ep=4), timeout_s=120):
+        assert_records_close(reference, got, atol=2e-6)
+        assert got["grads"][0]["layers.0.mlp.experts.down_proj"][2:].abs().max() == 0

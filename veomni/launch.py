@@ -60,11 +60,17 @@ def _validate_model(cfg: RunConfig) -> list[str]:
 
     from models.registry import build_model
 
+    from veomni.parallel.expert import check_expert_layout
+
     try:
         with torch.device("meta"):
-            build_model(cfg.model.arch, cfg.model.options)
+            model_cfg, _ = build_model(cfg.model.arch, cfg.model.options)
     except (ValueError, TypeError) as exc:
         return [f"model: {exc}"]
+    try:
+        check_expert_layout(cfg.parallel.ep, getattr(model_cfg, "num_experts", 0))
+    except ValueError as exc:
+        return [str(exc)]
     return []
 
 

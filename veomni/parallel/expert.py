@@ -127,6 +127,9 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceM
     """
     experts = match_modules(model, plan.experts)
     ep = ep_mesh.size() if ep_mesh is not None else 1
+    if ep > 1 and not experts:
+        raise ValueError(f"parallel.ep={ep} but {type(model).__name__}.parallel_plan() declares no experts "
+                         "(is model.num_experts > 0?)")
     for path, module in experts:
         parent_path = path.rpartition(".")[0]
         layer = model.get_submodule(parent_path) if parent_path else model
