@@ -55,3 +55,22 @@ def test_qwen3_30b_a3b_matches_transformers_and_plans(capsys):
     out = capsys.readouterr().out
     assert "ep=8 (experts split 8-way, each slice FSDP-sharded 8-way)" in out
     assert "activated     3,353,032,704" in out
+
+
+def test_tiny_moe_recipe_trains_with_expert_parallelism(tmp_path):
+    """The recipe as a user runs it: 2 processes, experts split 2-way, metrics in the stream."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "NPROC_PER_NODE": "2"}
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "train.sh"), str(TINY), "--train.max_steps", "2",
+         "--train.output_dir", str(tmp_path / "out"), "--train.sample_prompt", "null", "--train.eval_batches", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ep=2 (experts split 2-way" in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 2 and all(len(r["moe/tokens_per_expert"]) == 4 for r in steps)
+    assert all(r["moe/aux_loss"] > 0 and r["moe/load_max_over_mean"] >= 1 for r in steps)
