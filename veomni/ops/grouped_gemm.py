@@ -40,11 +40,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fused: bo
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return F.grouped_mm(x, w, offs=offs)
     sizes = counts.tolist()
-    pieces, start = [], 0
-    for expert, size in enumerate(sizes):
-        if size:
-            pieces.append(x[start:start + size] @ w[expert])
-            start += size
+    # split/unbind (not x[a:b], w[e]): their backward is one cat/stack, where per-segment slicing
+    # would materialise a zero-filled full-size gradient per expert.
+    pieces = [a @ b for a, b, size in zip(torch.split(x, sizes), w.unbind(0), sizes) if size]
     if not pieces:
         # No rows: still a (zero) function of w, so its gradient is zeros rather than None and
         # every rank's FSDP reduce-scatter of the expert weights has something to reduce.
