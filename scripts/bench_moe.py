@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.llm.config import LLMConfig  # noqa: E402
-from models.llm.moe import MoE  # noqa: E402
-from veomni.ops import grouped_gemm  # noqa: E402
+from models.llm.config import LLMConfig
+from models.llm.moe import MoE
+from veomni.ops import grouped_gemm
 
 
 def naive_experts(moe: MoE, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

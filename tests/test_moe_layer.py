@@ -68,7 +68,7 @@ def test_capacity_factor_drops_only_overflow():
     moe.router.expert_bias[0] = 10.0  # every token wants expert 0
     out = moe(x)
     capacity = 60 * 2 // 6
-    _, _, idx, weights = moe.router(x)
+    _, _, idx, _ = moe.router(x)
     kept = moe._drop_over_capacity(idx)
     assert int((kept == 0).sum()) == capacity and int((kept >= 0).sum()) < idx.numel()
     # rows past capacity lose only their expert-0 contribution

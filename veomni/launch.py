@@ -59,7 +59,6 @@ def _validate_model(cfg: RunConfig) -> list[str]:
     import torch
 
     from models.registry import build_model
-
     from veomni.parallel.expert import check_expert_layout
 
     try:

@@ -24,7 +24,7 @@ class MoEStepStats:
         self.aux_sum = 0.0
 
     @classmethod
-    def for_model(cls, model: nn.Module, micro_batches: int) -> "MoEStepStats | None":
+    def for_model(cls, model: nn.Module, micro_batches: int) -> MoEStepStats | None:
         has_moe = callable(getattr(model, "moe_layers", None)) and model.moe_layers()
         return cls(model, micro_batches) if has_moe else None
 
