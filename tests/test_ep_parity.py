@@ -75,3 +75,32 @@ def test_idle_ranks_and_experts_neither_hang_nor_break_parity():
     for got in run_distributed(_skewed, 4, ParallelConfig(ep=4), timeout_s=120):
         assert_records_close(reference, got, atol=2e-6)
         assert got["grads"][0]["layers.0.mlp.experts.down_proj"][2:].abs().max() == 0
+
+
+def _accumulated(rank, world, parallel):
+    """Each step's samples as 2 micro-batches per rank; micro-batch i of the single process is
+    the union of every rank's micro-batch i, so the per-micro-batch balance loss is the same."""
+    steps = []
+    for samples in global_steps()[:2]:
+        halves = [samples[:4], samples[4:]]
+        steps.append([half[rank::world] for half in halves])
+    return run_steps(steps, parallel, model_options=MOE["softmax"])
+
+
+def test_gradient_accumulation_under_expert_parallelism():
+    reference = run_distributed(_accumulated, 1, ParallelConfig())[0]
+    for got in run_distributed(_accumulated, 2, ParallelConfig(ep=2)):
+        assert_records_close(reference, got, atol=2e-6)
+
+
+def _capped(rank, world, parallel):
+    steps = [[samples[rank::world]] for samples in global_steps()[:2]]
+    return run_steps(steps, parallel, model_options={**MOE["softmax"], "capacity_factor": 1.0})
+
+
+def test_capacity_dropping_is_the_same_with_and_without_expert_parallelism():
+    """Capacity is per rank and micro-batch, so EP must drop exactly what plain FSDP drops."""
+    without_ep = run_distributed(_capped, 2, ParallelConfig(ep=1))
+    with_ep = run_distributed(_capped, 2, ParallelConfig(ep=2))
+    for a, b in zip(without_ep, with_ep):
+        assert_records_close(a, b, atol=2e-6)

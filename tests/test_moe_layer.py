@@ -96,3 +96,12 @@ def test_bias_update_moves_towards_the_mean_load():
     assert delta.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0])
     assert moe.router.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0])
     assert _moe().update_bias(torch.ones(6)).abs().sum() == 0  # off by default
+
+
+def test_training_flops_count_only_activated_experts():
+    from models.llm.model import DecoderLM
+
+    moe = LLMConfig(**{**CFG, "num_experts": 64, "num_experts_per_tok": 4, "shared_expert_intermediate_size": 8})
+    dense = LLMConfig(**{**CFG, "num_experts": 0, "intermediate_size": 4 * 16 + 8})
+    router = 6 * 64 * 32 * 10  # the router's matmul, 10 tokens
+    assert DecoderLM(moe).training_flops([10]) == DecoderLM(dense).training_flops([10]) + router
