@@ -7,6 +7,7 @@ With expert parallelism the grouped-expert modules are sharded first, on their o
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
-    experts: list[nn.Module] = (),
+    experts: Sequence[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """``experts`` (already split over the EP mesh) are sharded over ``expert_mesh`` on dim 1,

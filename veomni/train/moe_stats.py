@@ -44,7 +44,8 @@ class MoEStepStats:
     def finish(self, dp_group: dist.ProcessGroup) -> dict[str, object]:
         """Reduce the step's loads over the data-parallel ranks, apply the router bias update,
         return the metrics (``moe/...``)."""
-        packed = torch.cat([self.load.flatten(), torch.tensor([self.aux_sum], dtype=torch.float64)])
+        aux = torch.tensor([self.aux_sum], dtype=torch.float64, device=self.load.device)
+        packed = torch.cat([self.load.flatten(), aux])
         dist.all_reduce(packed, group=dp_group)
         load, aux = packed[:-1].view_as(self.load), float(packed[-1])
         delta = self.model.update_router_bias(load)
