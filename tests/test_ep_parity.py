@@ -6,6 +6,7 @@ method must match the single-process run in fp32.
 """
 
 import pytest
+import torch
 
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_records_close, run_steps, sample_lengths
@@ -104,3 +105,13 @@ def test_capacity_dropping_is_the_same_with_and_without_expert_parallelism():
     with_ep = run_distributed(_capped, 2, ParallelConfig(ep=2))
     for a, b in zip(without_ep, with_ep):
         assert_records_close(a, b, atol=2e-6)
+
+
+def test_bf16_expert_parallel_stays_close_to_fp32(references):
+    """bf16 parameters with fp32 reduction (the GPU default) under EP: close, not equal."""
+    got = run_distributed(_run, 2, ParallelConfig(ep=2, mixed_precision="bf16"), "softmax")[0]
+    reference = references["softmax"]
+    for a, b in zip(reference["loss"], got["loss"]):
+        assert abs(a - b) < 2e-3
+    for name, grad in reference["grads"][0].items():
+        torch.testing.assert_close(got["grads"][0][name], grad, atol=3e-3, rtol=5e-2, msg=name)
