@@ -43,9 +43,10 @@ def references():
     (2, ParallelConfig(ep=2), "sigmoid-bias"),
     (4, ParallelConfig(ep=4), "softmax"),
     (4, ParallelConfig(ep=2), "sigmoid-bias"),
+    (8, ParallelConfig(ep=4), "sigmoid-bias"),
     (2, ParallelConfig(ep=1), "sigmoid-bias"),
     (2, ParallelConfig(ep=2, activation_checkpointing="full"), "softmax"),
-], ids=["ep2", "ep2-bias", "ep4", "ep2xfsdp2-bias", "fsdp2-bias", "ep2-ac"])
+], ids=["ep2", "ep2-bias", "ep4", "ep2xfsdp2-bias", "ep4xfsdp2-bias", "fsdp2-bias", "ep2-ac"])
 def test_expert_parallel_matches_single_process(references, world, parallel, moe):
     reference = references[moe]
     if moe == "sigmoid-bias":  # the bias must actually move, or its parity would prove nothing
