@@ -49,29 +49,37 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: ParallelConfig | None = None,
-              lr: float = 0.5) -> dict:
+              lr: float = 0.5, model_options: dict | None = None, prepare=None) -> dict:
     """Train with SGD on this rank's micro-batches (step -> micro-batch -> samples; under
     sequence parallelism every rank of an SP group passes the same samples and keeps its
     slice) and record,
     per step, the global loss and the full gradients; then the final parameters.
+    ``model_options`` override ``TINY_LLM`` (e.g. to make it a mixture of experts); ``prepare``
+    may edit the built model before it is parallelised.
 
     SGD keeps the comparison exact: AdamW amplifies 1e-8 rounding in near-zero gradients.
     """
     world = dist.get_world_size()
     dims = ParallelDims.resolve(parallel or ParallelConfig(), world)
     meshes = build_mesh(dims, "cpu")
-    model = parallelize(tiny_model(), parallel or ParallelConfig(), meshes, "cpu")
+    model = tiny_model(**(model_options or {}))
+    if prepare is not None:
+        prepare(model)
+    model = parallelize(model, parallel or ParallelConfig(), meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     task = LanguageModelingTask()
     sp_rank = meshes.sp.get_local_rank()
-    record = {"loss": [], "grads": []}
+    record = {"loss": [], "grads": [], "metrics": []}
     for micro_batches in micro_batches_per_step:
         batches = [shard_batch(pack_samples(samples), sp_rank, dims.sp) for samples in micro_batches]
         metrics = forward_backward(model, task, batches, meshes.loss.get_group(), dims.loss_size, dims.sp)
         record["loss"].append(metrics["loss"])
+        record["metrics"].append(metrics)
         record["grads"].append(full_grads(model))
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(model)
+    record["buffers"] = {name.replace("_checkpoint_wrapped_module.", ""): b.detach().clone()
+                         for name, b in model.named_buffers()}
     return record
 
 
@@ -85,3 +93,6 @@ def assert_records_close(ref: dict, got: dict, atol: float = 1e-6) -> None:
     for name in ref["params"]:
         torch.testing.assert_close(got["params"][name], ref["params"][name], atol=atol, rtol=1e-5,
                                    msg=f"param {name}")
+    for name in ref.get("buffers", {}):
+        torch.testing.assert_close(got["buffers"][name], ref["buffers"][name], atol=atol, rtol=0,
+                                   msg=f"buffer {name}")

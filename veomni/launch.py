@@ -60,14 +60,19 @@ def _validate_model(cfg: RunConfig) -> list[str]:
     import torch
 
     from models.registry import build_model
+    from veomni.parallel.expert import check_expert_layout
     from veomni.parallel.sequence import check_sequence_parallel
 
     try:
         with torch.device("meta"):
-            _, model = build_model(cfg.model.arch, cfg.model.options)
-        return check_sequence_parallel(model, cfg.parallel.sp)
+            model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
     except (ValueError, TypeError) as exc:
         return [f"model: {exc}"]
+    try:
+        check_expert_layout(cfg.parallel.ep, getattr(model_cfg, "num_experts", 0))
+        return check_sequence_parallel(model, cfg.parallel.sp)
+    except ValueError as exc:
+        return [str(exc)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Dense decoder LM, weight-compatible with HF Llama / Qwen2 / Qwen3. Registered as "llm"."""
+"""Decoder LM, dense or MoE, weight-compatible with HF Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE.
+Registered as "llm"."""
 
 from models.registry import ModelSpec, register_model
 

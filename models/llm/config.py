@@ -1,4 +1,5 @@
-"""Configuration of the dense decoder LM (Llama / Qwen2 / Qwen3 families)."""
+"""Configuration of the decoder LM: dense (Llama / Qwen2 / Qwen3) or mixture-of-experts
+(Qwen2-MoE / Qwen3-MoE, DeepSeek-V3-style routing options)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from veomni.ops.rope import check_rope_scaling
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+ROUTER_SCORING = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -35,6 +37,30 @@ class LLMConfig:
     max_position_embeddings: int = 40960
     init_std: float = 0.02
     family: str = "qwen3"
+    # ----- mixture of experts (num_experts = 0: every layer has the dense MLP) -----
+    num_experts: int = 0
+    """Routed experts per MoE layer; > 0 turns every layer's MLP into an MoE block."""
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    shared_expert_intermediate_size: int = 0
+    """Width of one shared SwiGLU expert every token goes through (0: none; Qwen2-MoE has one)."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert by sigmoid(linear(x)) as Qwen2-MoE does."""
+    router_scoring: str = "softmax"
+    """softmax (Qwen-MoE, Mixtral) or sigmoid (DeepSeek-V3) expert scores."""
+    norm_topk_prob: bool = True
+    """Renormalise the k selected scores to sum to 1."""
+    routed_scaling_factor: float = 1.0
+    router_aux_loss_coef: float = 0.0
+    """Switch/GShard load-balancing loss weight, per MoE layer (0: off)."""
+    router_z_loss_coef: float = 0.0
+    """ST-MoE router z-loss weight, per MoE layer (0: off)."""
+    router_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): per-expert selection bias moved by this much
+    per step towards the mean load (0: off)."""
+    capacity_factor: float = 0.0
+    """Per-expert capacity ``ceil(cf * tokens * k / E)``; assignments beyond it are dropped.
+    0 (default): no token is ever dropped."""
 
     @property
     def dim_per_head(self) -> int:
@@ -72,6 +98,29 @@ class LLMConfig:
             raise ValueError("rope_theta, rms_norm_eps and init_std must be > 0")
         check_rope_scaling(self.rope_scaling)
         self._validate_family()
+        if self.num_experts:
+            self._validate_moe()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def _validate_moe(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
+            )
+        if self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size < 0:
+            raise ValueError("moe_intermediate_size must be > 0 and shared_expert_intermediate_size >= 0")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate needs a shared expert: set shared_expert_intermediate_size")
+        if self.router_scoring not in ROUTER_SCORING:
+            raise ValueError(f"router_scoring must be one of {ROUTER_SCORING}, got {self.router_scoring!r}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate", "capacity_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def _validate_family(self) -> None:
         if self.family not in FAMILIES:

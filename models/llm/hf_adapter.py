@@ -1,4 +1,5 @@
-"""Mapping between ``DecoderLM`` and HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``.
+"""Mapping between ``DecoderLM`` and HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
+and their MoE variants ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``.
 
 Pure functions over configs and state dicts: no file IO (``veomni.checkpoint.hf_io`` does
 that), no model instances. Name mapping (``i`` = layer index):
@@ -11,6 +12,11 @@ that), no model instances. Name mapping (``i`` = layer index):
     layers.i.mlp.{gate,up,down}_proj <-> model.layers.i.mlp.{gate,up,down}_proj
     norm                          <-> model.norm
     lm_head                       <-> lm_head   (absent from HF exports when tied)
+  MoE layers (see ``hf_moe`` for the expert layout):
+    layers.i.mlp.router.weight    <-> model.layers.i.mlp.gate.weight
+    layers.i.mlp.experts.*        <-> model.layers.i.mlp.experts.*
+    layers.i.mlp.shared_expert.*  <-> model.layers.i.mlp.shared_expert.*  (Qwen2-MoE)
+    layers.i.mlp.shared_expert_gate <-> model.layers.i.mlp.shared_expert_gate
 """
 
 from __future__ import annotations
@@ -21,14 +27,17 @@ from typing import Any
 
 import torch
 
+from . import hf_moe
 from .config import LLMConfig
 
-hf_model_types = ("llama", "qwen2", "qwen3")
+hf_model_types = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 _HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 # (our regex, HF template); applied to the name before its final ".weight" / ".bias".
 _RULES = (
@@ -39,6 +48,9 @@ _RULES = (
     (r"layers\.(\d+)\.mlp_norm", r"model.layers.\1.post_attention_layernorm"),
     (r"layers\.(\d+)\.attn\.([qkvo]_proj|[qk]_norm)", r"model.layers.\1.self_attn.\2"),
     (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)", r"model.layers.\1.mlp.\2"),
+    (r"layers\.(\d+)\.mlp\.router", r"model.layers.\1.mlp.gate"),
+    (r"layers\.(\d+)\.mlp\.(experts|shared_expert\.(?:gate|up|down)_proj|shared_expert_gate)",
+     r"model.layers.\1.mlp.\2"),
 )
 # The inverse of _RULES.
 _INVERSE = (
@@ -49,6 +61,9 @@ _INVERSE = (
     (r"model\.layers\.(\d+)\.post_attention_layernorm", r"layers.\1.mlp_norm"),
     (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)", r"layers.\1.attn.\2"),
     (r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)", r"layers.\1.mlp.\2"),
+    (r"model\.layers\.(\d+)\.mlp\.gate", r"layers.\1.mlp.router"),
+    (r"model\.layers\.(\d+)\.mlp\.(experts|shared_expert\.(?:gate|up|down)_proj|shared_expert_gate)",
+     r"layers.\1.mlp.\2"),
 )
 # Buffers some older HF checkpoints carry; they hold no learned state.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -82,9 +97,11 @@ def _rope_from_hf(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
 
 def config_from_hf(hf_config: Any) -> LLMConfig:
     """``LLMConfig`` from an HF config object (or its ``config.json`` dict); rejects what we lack."""
-    family = _get(hf_config, "model_type")
-    if family not in hf_model_types:
-        raise ValueError(f"HF model_type {family!r} is not one of {hf_model_types}")
+    model_type = _get(hf_config, "model_type")
+    if model_type not in hf_model_types:
+        raise ValueError(f"HF model_type {model_type!r} is not one of {hf_model_types}")
+    family = model_type.removesuffix("_moe")
+    moe = hf_moe.config_fields_from_hf(hf_config, model_type) if model_type.endswith("_moe") else {}
     if _get(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(
             f"only SwiGLU with silu is supported, got hidden_act={_get(hf_config, 'hidden_act')!r}"
@@ -114,17 +131,18 @@ def config_from_hf(hf_config: Any) -> LLMConfig:
         max_position_embeddings=_get(hf_config, "max_position_embeddings", 4096),
         init_std=_get(hf_config, "initializer_range", 0.02),
         family=family,
+        **moe,
     )
     cfg.validate()
     return cfg
 
 
 def config_to_hf(cfg: LLMConfig) -> Any:
-    """The transformers config (Llama/Qwen2/Qwen3 by ``cfg.family``) describing the same model."""
+    """The transformers config (by ``cfg.family``, ``*_moe`` with experts) describing the same model."""
     import transformers
 
     cfg.validate()
-    config_name, model_name = _HF_CLASSES[cfg.family]
+    config_name, model_name = _HF_CLASSES[f"{cfg.family}_moe" if cfg.is_moe else cfg.family]
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     kwargs: dict[str, Any] = {
         "vocab_size": cfg.vocab_size,
@@ -144,16 +162,22 @@ def config_to_hf(cfg: LLMConfig) -> Any:
     }
     if cfg.family != "qwen2":
         kwargs["attention_bias"] = False
+    if cfg.is_moe:
+        kwargs.update(hf_moe.config_fields_to_hf(cfg))
     return getattr(transformers, config_name)(**kwargs)
 
 
 def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: LLMConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from an HF one. Tied models get ``lm_head.weight`` = the embedding."""
+    """Our state dict from an HF one. Tied models get ``lm_head.weight`` = the embedding;
+    MoE routers get a zero selection bias (HF Qwen-MoE has none)."""
     sd = {
         _rename(name, _INVERSE): tensor
-        for name, tensor in hf_sd.items()
+        for name, tensor in hf_moe.group_experts(hf_sd).items()
         if not name.endswith(_IGNORED_HF_SUFFIXES)
     }
+    if cfg.is_moe:
+        for layer in range(cfg.num_layers):
+            sd[f"layers.{layer}.mlp.router.expert_bias"] = torch.zeros(cfg.num_experts)
     if cfg.tie_embeddings:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]
     elif "lm_head.weight" not in sd:
@@ -162,9 +186,13 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: LLMConfig) -> dic
 
 
 def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: LLMConfig) -> dict[str, torch.Tensor]:
-    """The HF state dict of ours; no ``lm_head.weight`` when embeddings are tied."""
-    return {
-        _rename(name, _RULES): tensor
-        for name, tensor in sd.items()
-        if not (cfg.tie_embeddings and name == "lm_head.weight")
-    }
+    """The HF state dict of ours; no ``lm_head.weight`` when embeddings are tied; experts written
+    per expert. A router selection bias has no HF counterpart, so it must be zero."""
+    out = {}
+    for name, tensor in sd.items():
+        if name.endswith(".router.expert_bias"):
+            if torch.count_nonzero(tensor):
+                raise ValueError(f"{name} is non-zero: HF {cfg.family}_moe has no router bias to export it to")
+        elif not (cfg.tie_embeddings and name == "lm_head.weight"):
+            out[_rename(name, _RULES)] = tensor
+    return hf_moe.split_experts(out)

@@ -1,7 +1,8 @@
-"""Dense decoder-only LM (Llama / Qwen2 / Qwen3) over packed, padding-free rows.
+"""Decoder-only LM (Llama / Qwen2 / Qwen3, and their MoE variants) over packed, padding-free rows.
 
 Plain single-device PyTorch: the engine applies parallelism from outside through
-``parallel_plan()`` and the ``attn_fn`` injection point of every ``Attention``.
+``parallel_plan()``, the ``attn_fn`` injection point of every ``Attention`` and the
+``dispatcher`` / ``reduce_load`` injection points of every ``MoE`` (see ``moe.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from veomni.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from veomni.parallel.plan import ParallelPlan
 
 from .config import LLMConfig
+from .moe import GroupedExperts, MoE, Router
 
 CHECKPOINTING_MODES = ("none", "selective", "full")
 
@@ -52,25 +54,30 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: LLMConfig) -> None:
+    def __init__(self, cfg: LLMConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (an ``MoE`` when ``cfg.num_experts > 0``)."""
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe:
+            shared = MLP(cfg, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
+            self.mlp: nn.Module = MoE(cfg, shared)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, seq)
@@ -109,9 +116,30 @@ class DecoderLM(nn.Module):
         """Blocks are ``layers.0``, ``layers.1``, ... (``*`` matches one path segment)."""
         return ParallelPlan(
             blocks=("layers.*",),
+            experts=("layers.*.mlp.experts",) if self.config.is_moe else (),
             attention=("layers.*.attn",),
             stages=("embed_tokens", "layers", "norm", "lm_head"),
         )
+
+    # ----- mixture of experts: what the engine reads after each forward ------------------
+    def moe_layers(self) -> list[MoE]:
+        """The MoE blocks in layer order (found through any wrapper the engine added)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Sum over layers of this rank's share of the latest forward's auxiliary losses."""
+        losses = [m.last_aux for m in self.moe_layers() if m.last_aux is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def moe_load(self) -> torch.Tensor | None:
+        """[layers, experts] tokens routed to each expert by the latest forward on this rank."""
+        layers = self.moe_layers()
+        return torch.stack([m.last_load for m in layers]) if layers else None
+
+    def update_router_bias(self, global_load: torch.Tensor) -> torch.Tensor:
+        """Apply the auxiliary-loss-free bias update from the step's global [layers, experts]
+        load; returns the [layers, experts] updates applied."""
+        return torch.stack([m.update_bias(load) for m, load in zip(self.moe_layers(), global_load)])
 
     @torch.no_grad()
     def init_weights(self, seed_generator: torch.Generator | None = None) -> None:
@@ -122,7 +150,13 @@ class DecoderLM(nn.Module):
         """
         std = self.config.init_std
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, GroupedExperts):
+                for param in (module.gate_up_proj, module.down_proj):
+                    nn.init.normal_(param, 0.0, std, generator=seed_generator)
+            elif isinstance(module, Router):
+                nn.init.normal_(module.weight, 0.0, std, generator=seed_generator)
+                module.expert_bias.zero_()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, 0.0, std, generator=seed_generator)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
@@ -134,12 +168,28 @@ class DecoderLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def _matmul_params(self) -> int:
-        """Weights that take part in a matmul per token: every linear incl. lm_head, no embedding."""
+        """Weights that take part in a matmul per token: every linear incl. lm_head, no embedding.
+
+        For MoE layers only the *activated* ones: the router, the k selected experts and the
+        shared expert (the E - k other experts do no work for this token).
+        """
         cfg = self.config
         q_dim, kv_dim = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
         attn = cfg.hidden_size * (2 * q_dim + 2 * kv_dim)
-        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+        if cfg.is_moe:
+            mlp = cfg.hidden_size * (cfg.num_experts + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size
+                                     + 3 * cfg.shared_expert_intermediate_size + int(cfg.shared_expert_gate))
+        else:
+            mlp = 3 * cfg.hidden_size * cfg.intermediate_size
         return cfg.num_layers * (attn + mlp) + cfg.hidden_size * cfg.vocab_size
+
+    def activated_params(self) -> int:
+        """Parameters a token touches: all of them minus the ``E - k`` routed experts it skips
+        in every MoE layer (the "A3B" of Qwen3-30B-A3B; embeddings included, as Qwen counts)."""
+        cfg = self.config
+        skipped = cfg.num_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size \
+            * cfg.moe_intermediate_size if cfg.is_moe else 0
+        return self.num_params() - skipped
 
     def training_flops(self, seq_lens: Sequence[int]) -> float:
         """Model FLOPs of forward + backward for one packed micro-batch of these sample lengths.
@@ -172,11 +222,17 @@ class DecoderLM(nn.Module):
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING_MODES}, got {checkpointing!r}")
         cfg = self.config
         h, i = cfg.hidden_size, cfg.intermediate_size
+        if cfg.is_moe:  # the k routed experts act as one MLP of width k*I; their gathered inputs and
+            # weighted outputs (2*k*h) are extra, kept in every mode but "full"
+            i = cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+            h_moe = 2 * cfg.num_experts_per_tok * h
+        else:
+            h_moe = 0
         q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
-        block_none = 4 * h + 2 * q + 2 * kv + 4 * i + (q + kv if cfg.qk_norm else 0)
+        block_none = 4 * h + 2 * q + 2 * kv + 4 * i + (q + kv if cfg.qk_norm else 0) + h_moe
         per_block = {
             "none": cfg.num_layers * block_none,
-            "selective": cfg.num_layers * (2 * h + 2 * q + 2 * kv + 2 * i),
+            "selective": cfg.num_layers * (2 * h + 2 * q + 2 * kv + 2 * i + h_moe),
             "full": cfg.num_layers * h + block_none,
         }[checkpointing]
         head = 2 * h + 2 * cfg.vocab_size

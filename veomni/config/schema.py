@@ -44,6 +44,11 @@ class ParallelConfig:
     sp: int = 1
     """Ulysses sequence-parallel group size: ranks that split each packed row; must divide
     the attention heads. Parameters are sharded over dp_shard x sp."""
+    ep: int = 1
+    """Expert parallelism: the experts of each MoE layer are split over groups of ``ep`` ranks
+    (carved out of ``dp_shard``; must divide it and the model's expert count). Inside a group the
+    ranks still see different data; the ``dp_shard / ep`` ranks holding the same experts shard
+    them further with FSDP."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 params with fp32 reduction on GPU, fp32 on CPU."""
     reshard_after_forward: bool = True

@@ -1,8 +1,10 @@
 """The one ordered parallel recipe applied to a plain model.
 
-Order matters: pipeline split (later) -> sequence/expert injection (later) -> activation
-checkpointing -> compile -> FSDP. Checkpointing and compile wrap the block's forward, and FSDP
-must see the final module tree so its hooks sit outside both.
+Order matters: pipeline split (later) -> sequence injection (later) / expert injection ->
+activation checkpointing -> compile -> FSDP. Expert injection swaps parameters for EP-sharded
+DTensors and sets the MoE dispatchers, which checkpointing and compile must then capture;
+checkpointing and compile wrap the block's forward, and FSDP must see the final module tree
+so its hooks sit outside both.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
+from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.plan import ParallelPlan, match_modules
@@ -36,6 +39,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
     if meshes.dims.sp > 1:
         count = apply_sequence_parallel(model, plan, meshes.sp.get_group())
         logger.info("Ulysses sequence parallelism (sp=%d) on %d attention modules", meshes.dims.sp, count)
+    experts = apply_expert_parallel(model, plan, meshes.ep, meshes.loss, meshes.dims.loss_size)
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model, plan)
@@ -49,4 +53,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         mixed_precision_policy(cfg.mixed_precision, device_type),
         reshard_after_forward=cfg.reshard_after_forward,
         cpu_offload=offload,
+        experts=experts,
+        expert_mesh=meshes.ep_fsdp,
     )

@@ -1,13 +1,19 @@
-"""FSDP2: shard every plan block, then the root; HSDP when the mesh is 2-D."""
+"""FSDP2: shard every plan block, then the root; HSDP when the mesh is 2-D.
+
+With expert parallelism the grouped-expert modules are sharded first, on their own mesh
+(the ranks holding the same experts), so the blocks' FSDP units skip their weights.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from veomni.parallel.plan import ParallelPlan, match_modules
 
@@ -29,8 +35,15 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
+    """``experts`` (already split over the EP mesh) are sharded over ``expert_mesh`` on dim 1,
+    the per-expert output dim, since dim 0 is the expert dim EP already splits (as VeOmni does)."""
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for module in experts:
+        fully_shard(module, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload, shard_placement_fn=lambda _param: Shard(1))
     blocks = match_modules(model, plan.blocks)
     for _, block in blocks:
         fully_shard(
@@ -39,5 +52,5 @@ def apply_fsdp(
     # The root keeps its parameters (embeddings, final norm, head) gathered after forward:
     # backward needs them right away, so resharding would only add an all-gather.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
-    logger.info("FSDP2 applied to %d blocks + root over mesh %s", len(blocks), mesh)
+    logger.info("FSDP2 applied to %d expert groups, %d blocks + root over mesh %s", len(experts), len(blocks), mesh)
     return model

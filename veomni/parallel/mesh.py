@@ -1,8 +1,13 @@
-"""Parallel layout: sizes validated against the world size, then a named DeviceMesh.
+"""Parallel layout: sizes validated against the world size, then named DeviceMeshes.
 
 ``ParallelDims.resolve`` is pure arithmetic so the launcher can reject a bad layout before
-any worker starts; ``build_mesh`` runs inside the workers. Later recipes add dimensions
-(sp, ep, pp) here; a size-1 dimension costs nothing.
+any worker starts; ``build_mesh`` runs inside the workers. A size-1 dimension costs nothing.
+
+The root mesh is ``(dp_replicate, dp_shard, sp)``. Parameters are sharded over
+``dp_shard x sp`` (SP ranks hold different tokens, so they shard like data ranks). Expert
+parallelism splits those same ``dp_shard x sp`` ranks into ``(ep_fsdp, ep)``: consecutive
+groups of ``ep`` ranks hold all experts between them, and the ``ep_fsdp`` ranks holding the
+same experts FSDP-shard them (see ``veomni/parallel/expert.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class ParallelDims:
     dp_shard: int
     world_size: int
     sp: int = 1
+    ep: int = 1
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -50,7 +56,17 @@ class ParallelDims:
                 f"({cfg.sp}) = {others * cfg.dp_shard} but the world size is {world_size}; set parallel.dp_shard "
                 f"to {world_size // others} or -1 (take the remaining ranks)"
             )
-        return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=world_size, sp=cfg.sp)
+        shard_ranks = dp_shard * cfg.sp
+        if cfg.ep < 1 or shard_ranks % cfg.ep:
+            raise LayoutError(
+                f"parallel.ep={cfg.ep} must be >= 1 and divide the parameter-sharding ranks dp_shard x sp = "
+                f"{shard_ranks} (world size {world_size} / dp_replicate {cfg.dp_replicate}); pick a divisor of "
+                f"{shard_ranks}"
+            )
+        if cfg.ep > 1 and cfg.dp_replicate > 1:
+            raise LayoutError("parallel.ep > 1 with parallel.dp_replicate > 1 (HSDP) is not supported yet; "
+                              "set parallel.dp_replicate=1")
+        return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=world_size, sp=cfg.sp, ep=cfg.ep)
 
     @property
     def dp_size(self) -> int:
@@ -59,17 +75,25 @@ class ParallelDims:
 
     @property
     def loss_size(self) -> int:
-        """Ranks whose token losses make up one step's loss (dp x sp); FSDP averages
+        """Ranks whose token losses make up one step's loss (dp x sp); FSDP averages dense
         gradients over exactly these ranks."""
         return self.dp_size * self.sp
+
+    @property
+    def ep_fsdp(self) -> int:
+        """Ranks holding the same experts, which FSDP-shard them."""
+        return self.dp_shard * self.sp // self.ep
 
     def describe(self) -> str:
         kind = "HSDP" if self.dp_replicate > 1 else "FSDP"
         sp = f"  sp={self.sp} (Ulysses)" if self.sp > 1 else ""
-        return (
+        text = (
             f"world={self.world_size}  dp_replicate={self.dp_replicate}  dp_shard={self.dp_shard}{sp}  ({kind}; "
             f"parameters sharded {self.dp_shard * self.sp}-way, replicated {self.dp_replicate}-way)"
         )
+        if self.ep > 1:
+            text += f"  ep={self.ep} (experts split {self.ep}-way, each slice FSDP-sharded {self.ep_fsdp}-way)"
+        return text
 
 
 @dataclass
@@ -81,8 +105,7 @@ class ParallelMeshes:
 
     @cached_property
     def fsdp(self) -> DeviceMesh:
-        """The shard mesh (dp_shard x sp: SP ranks hold different tokens, so they shard the
-        parameters too), 2-D with dp_replicate in front for HSDP."""
+        """The shard mesh (dp_shard x sp), 2-D with dp_replicate in front for HSDP."""
         if self.dims.dp_replicate > 1:
             # A mesh of its own over the same rank order: slicing a flattened dim back out
             # of the root mesh is deprecated.
@@ -98,12 +121,31 @@ class ParallelMeshes:
 
     @cached_property
     def loss(self) -> DeviceMesh:
-        """Every rank holding part of the step's tokens (dp x sp): loss and token reductions."""
+        """Every rank holding part of the step's tokens (dp x sp): loss, token and expert-load
+        reductions."""
         return self.root._flatten("loss")
 
     @cached_property
     def sp(self) -> DeviceMesh:
         return self.root["sp"]
+
+    @cached_property
+    def _experts(self) -> DeviceMesh | None:
+        """(ep_fsdp, ep) over the dp_shard x sp ranks, in the root's rank order."""
+        if self.dims.ep == 1:
+            return None
+        return init_device_mesh(self.root.device_type, (self.dims.ep_fsdp, self.dims.ep),
+                                mesh_dim_names=("ep_fsdp", "ep"))
+
+    @property
+    def ep(self) -> DeviceMesh | None:
+        """The ranks that together hold every expert (None without expert parallelism)."""
+        return self._experts["ep"] if self._experts is not None else None
+
+    @property
+    def ep_fsdp(self) -> DeviceMesh | None:
+        """The ranks holding the same experts, over which FSDP shards them."""
+        return self._experts["ep_fsdp"] if self._experts is not None else None
 
     @property
     def dp_rank(self) -> int:

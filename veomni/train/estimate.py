@@ -6,7 +6,8 @@ recipes. Memory per rank (bytes):
 - parameters, gradients: fp32 master copies, sharded over ``dp_shard x sp``;
 - optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none);
 - gathered parameters: FSDP holds the root's parameters (embeddings, head; kept gathered) plus
-  two blocks (the current one and the prefetched next) unsharded in the compute dtype;
+  two blocks (the current one and the prefetched next) unsharded in the compute dtype; with
+  expert parallelism a block gathers only its ``E / ep`` local experts;
 - activations: the model's own per-token estimate for the checkpointing mode, times the
   tokens a rank holds (the micro-batch budget, divided by ``sp`` under sequence parallelism).
 """
@@ -28,6 +29,8 @@ GiB = 2**30
 @dataclass
 class Estimate:
     total_params: int
+    activated_params: int
+    """Parameters one token uses (MoE: only its k routed experts); = total for dense models."""
     flops_per_token: float
     params_gb: float
     grads_gb: float
@@ -48,19 +51,24 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     flops_per_token = model.training_flops([seq]) / seq
     compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
                           (cfg.parallel.mixed_precision == "auto" and compute_on_gpu)) else 4
-    blocks = match_modules(model, model.parallel_plan().blocks)
+    plan = model.parallel_plan()
+    blocks = match_modules(model, plan.blocks)
     block_params = sorted((sum(p.numel() for p in b.parameters()) for _, b in blocks), reverse=True)
     root_params = total - sum(block_params)
+    expert_params = sum(p.numel() for _, m in match_modules(model, plan.experts) for p in m.parameters())
+    not_local = expert_params * (1 - 1 / dims.ep) / max(1, len(blocks))  # per block, left on other EP ranks
     shard = dims.dp_shard * dims.sp
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     activations = model.activation_bytes_per_token(compute_bytes, cfg.parallel.activation_checkpointing)
+    activated = model.activated_params() if hasattr(model, "activated_params") else total
     return Estimate(
         total_params=total,
+        activated_params=activated,
         flops_per_token=flops_per_token,
         params_gb=4 * total / shard / GiB,
         grads_gb=4 * total / shard / GiB,
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
-        gathered_gb=compute_bytes * (root_params + sum(block_params[:2])) / GiB,
+        gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
     )
 
@@ -72,7 +80,8 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         (f"parameters (fp32, 1/{shard})", est.params_gb),
         (f"gradients (fp32, 1/{shard})", est.grads_gb),
         (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
-        ("gathered params (root + 2 blocks)", est.gathered_gb),
+        ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
+         est.gathered_gb),
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
         ("total", est.total_gb),
     ]
@@ -80,6 +89,7 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         f"layout        {dims.describe()}",
         f"devices       {device_desc}",
         f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
+        f"activated     {est.activated_params:,} ({est.activated_params / 1e9:.3f} B) per token",
         f"model FLOPs   {est.flops_per_token / 1e9:.3f} GFLOP per token (forward+backward, seq {cfg.data.max_seq_len})",
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} tokens x "
         f"{dims.dp_size} dp ranks = {step_tokens:,} tokens",

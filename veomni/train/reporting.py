@@ -57,7 +57,9 @@ class MetricsReporter:
             self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                                   mfu=f"{metrics['mfu']:.1%}")
         elif step % self.interval == 0 or "eval_loss" in metrics:
-            logger.info("step %d  %s", step, "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+            # lists (e.g. MoE tokens per expert, layers x experts) go to metrics.jsonl only
+            logger.info("step %d  %s", step, "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()
+                                                       if not isinstance(v, list)))
 
     def close(self) -> None:
         if self._bar is not None:

@@ -5,11 +5,18 @@ micro-batch's summed loss by ``loss_size / global_tokens``: FSDP averages gradie
 ``loss_size`` ranks that hold the step's tokens (data-parallel x sequence-parallel), so the
 resulting gradient is exactly that of the mean loss over every loss token of the step,
 however tokens were split across ranks, sequence slices and micro-batches.
+
+MoE models add their auxiliary losses (load balance, z-loss) per micro-batch. Each rank's value
+is already its share of the global micro-batch's loss (the layers normalise by globally reduced
+counts), so it is weighted ``loss_size / micro_batches``: the mean over micro-batches of the
+global auxiliary loss. After backward the step's expert loads are reduced once and the router
+biases updated (``moe_stats.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -17,11 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.train.distributed import all_reduce_values
+from veomni.train.moe_stats import MoEStepStats
 from veomni.train.tasks import Task
 
 
 def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str, Any]],
-                     loss_group: dist.ProcessGroup, loss_size: int, sp_size: int = 1) -> dict[str, float]:
+                     loss_group: dist.ProcessGroup, loss_size: int, sp_size: int = 1) -> dict[str, Any]:
     """Accumulate gradients of the global token-mean loss; return global loss/token counts.
 
     With sequence parallelism each micro-batch is this rank's slice of a packed row whose
@@ -33,26 +41,58 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
         raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
     scale = loss_size / global_loss_tokens
     loss_sum = 0.0
+    moe = MoEStepStats.for_model(model, len(micro_batches))
     for mb in micro_batches:
         out = task(model, mb)
-        (out.loss_sum * scale).backward()
+        loss = out.loss_sum * scale
+        aux = moe.aux_loss() if moe is not None else None
+        if aux is not None:
+            loss = loss + aux * (loss_size / len(micro_batches))
+        loss.backward()
+        if moe is not None:
+            moe.record()
         loss_sum += float(out.loss_sum.detach())
     flops = sum(model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches) / sp_size
     tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
     total_loss, total_tokens, total_flops = all_reduce_values([loss_sum, tokens, flops], group=loss_group)
-    return {"loss": total_loss / global_loss_tokens, "tokens": int(total_tokens),
-            "loss_tokens": int(global_loss_tokens), "flops": total_flops}
+    metrics = {"loss": total_loss / global_loss_tokens, "tokens": int(total_tokens),
+               "loss_tokens": int(global_loss_tokens), "flops": total_flops}
+    if moe is not None:
+        metrics.update(moe.finish(loss_group))
+    return metrics
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler | None, max_grad_norm: float) -> dict[str, float]:
     """Clip by the global gradient norm (0 = report only), step, zero the gradients."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf, foreach=True)
-    if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP: the norm is already global
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm(list(model.parameters()), max_grad_norm or math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr = optimizer.param_groups[0]["lr"]
     if scheduler is not None:
         scheduler.step()
     return {"grad_norm": float(grad_norm), "lr": lr}
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients that live on several meshes.
+
+    Under FSDP the gradients are DTensors; with expert parallelism the expert weights sit on
+    the (ep_fsdp, ep) mesh and the dense ones on the flat data-parallel mesh, and DTensor ops
+    cannot mix meshes. So: one norm per mesh (made global with ``full_tensor``), combined, and
+    every group scaled by the same coefficient.
+    """
+    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for param in params:
+        if param.grad is not None:
+            groups[getattr(param.grad, "device_mesh", None)].append(param)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,194 @@
+"""Mixture-of-experts feed-forward: top-k router, grouped SwiGLU experts, optional shared expert.
+
+Plain single-device PyTorch. Two injection points carry every cross-device concern, each
+with a single-device default that the engine replaces (``veomni/parallel/expert.py``):
+
+- ``dispatcher(x, expert_idx, weights, experts) -> y``: moves token rows to the experts and
+  the results back. The default sorts rows by expert and runs one grouped GEMM.
+- ``reduce_load(counts) -> counts``: sums per-expert token counts over every data-parallel
+  rank. The load-balancing loss needs the *global* load so that its value and gradient do
+  not depend on how the batch is split across ranks (identity on one device).
+
+The layer keeps the statistics of its latest forward (``last_load``, ``last_aux``) for the
+engine to read: it adds the auxiliary losses to the objective, reduces the loads once per
+step and then calls ``update_bias`` (the auxiliary-loss-free method of DeepSeek-V3), so every
+rank applies the same update without the model doing any communication.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veomni.ops.grouped_gemm import grouped_mm
+
+from .config import LLMConfig
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts stored grouped, in the HF Qwen-MoE layout.
+
+    gate_up_proj [E, 2I, H] (gate rows first, then up rows) and down_proj [E, H, I]: the
+    leading expert dim is the one expert parallelism shards. ``local_weight`` is an injection
+    point: expert parallelism sets it to return this rank's slice of a sharded weight; it is
+    applied inside ``forward`` so that it sees the weights as FSDP gathered them.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.local_weight: Callable[[torch.Tensor], torch.Tensor] = _identity
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x`` sorted by expert, ``counts[e]`` rows for (local) expert ``e``."""
+        gate_up, down = self.local_weight(self.gate_up_proj), self.local_weight(self.down_proj)
+        gate, up = grouped_mm(x, gate_up.transpose(1, 2), counts).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, down.transpose(1, 2), counts)
+
+
+class Dispatcher(Protocol):
+    def __call__(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor: ...
+
+
+def sort_by_expert(expert_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): ``order`` sorts the flattened [T*k] assignments by expert (stable, so
+    ties keep token order), ``counts`` [E] is how many land on each expert."""
+    flat = expert_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts)
+
+
+def local_dispatch(x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
+                   experts: GroupedExperts) -> torch.Tensor:
+    """Single-device dispatch: gather rows sorted by expert, grouped GEMM, weighted scatter-add.
+
+    ``expert_idx`` [T, k] may hold -1 for assignments dropped by the capacity limit.
+    """
+    num_experts = experts.gate_up_proj.shape[0]
+    k = expert_idx.shape[1]
+    kept = expert_idx >= 0
+    order, counts = sort_by_expert(expert_idx.masked_fill(~kept, num_experts), num_experts + 1)
+    order = order[: int(counts[:num_experts].sum())]  # dropped ones sort last
+    token = order // k
+    y = experts(x[token], counts[:num_experts])
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add(0, token, y)
+
+
+class Router(nn.Module):
+    """Linear scores over experts, top-k selection, optional bias used only for selection."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k = cfg.num_experts_per_tok
+        self.scoring = cfg.router_scoring
+        self.norm_topk = cfg.norm_topk_prob
+        self.scale = cfg.routed_scaling_factor
+        # DeepSeek-V3's e_score_correction_bias: steers selection only, never the weights.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [T,E], probs [T,E] fp32, expert_idx [T,k], weights [T,k] fp32)."""
+        logits = F.linear(x, self.weight)
+        if self.scoring == "softmax":
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            probs = torch.sigmoid(logits.float())
+        _, expert_idx = torch.topk(probs + self.expert_bias, self.top_k, dim=-1)
+        weights = probs.gather(1, expert_idx)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return logits, probs, expert_idx, weights * self.scale
+
+
+class MoE(nn.Module):
+    """Routed experts (+ an optional shared SwiGLU expert) replacing the dense MLP."""
+
+    def __init__(self, cfg: LLMConfig, shared_mlp: nn.Module | None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = shared_mlp
+        self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
+                                   if shared_mlp is not None and cfg.shared_expert_gate else None)
+        self.aux_loss_coef, self.z_loss_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
+        self.bias_update_rate = cfg.router_bias_update_rate
+        self.capacity_factor = cfg.capacity_factor
+        self.dispatcher: Dispatcher = local_dispatch
+        self.reduce_load = _identity
+        self.last_load: torch.Tensor | None = None
+        self.last_aux: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, probs, expert_idx, weights = self.router(x)
+        load = torch.bincount(expert_idx.reshape(-1), minlength=self.num_experts)
+        self.last_load = load
+        self.last_aux = self._aux_losses(logits, probs, load)
+        if self.capacity_factor > 0:
+            expert_idx = self._drop_over_capacity(expert_idx)
+        out = self.dispatcher(x, expert_idx, weights, self.experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, load: torch.Tensor) -> torch.Tensor | None:
+        """This rank's share of the layer's auxiliary losses, normalised by *global* counts.
+
+        Load balance (Switch / GShard): ``coef * E * sum_e f_e * P_e`` with ``f_e`` the global
+        fraction of assignments to ``e`` (no gradient) and ``P_e`` the mean router probability
+        over all global tokens. This rank contributes ``P_e``'s sum over its own tokens, so the
+        contributions of all ranks add up to the loss of the whole global micro-batch.
+        z-loss (ST-MoE): ``coef * mean_t logsumexp(logits_t)^2``, split across ranks the same way.
+        """
+        if not (self.aux_loss_coef or self.z_loss_coef):
+            return None
+        global_load = self.reduce_load(load.float())
+        global_tokens = (global_load.sum() / self.top_k).clamp_min(1.0)
+        total = logits.new_zeros((), dtype=torch.float32)
+        if self.aux_loss_coef:
+            scores = probs if self.router.scoring == "softmax" else probs / probs.sum(-1, keepdim=True)
+            fraction = global_load / (global_tokens * self.top_k)
+            total = total + self.aux_loss_coef * self.num_experts * (fraction * scores.sum(0)).sum() / global_tokens
+        if self.z_loss_coef:
+            z = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
+            total = total + self.z_loss_coef * z / global_tokens
+        return total
+
+    def _drop_over_capacity(self, expert_idx: torch.Tensor) -> torch.Tensor:
+        """Mark assignments beyond ``ceil(capacity_factor * T * k / E)`` per expert as -1,
+        first come first served in token order (capacity is per rank and micro-batch)."""
+        capacity = math.ceil(self.capacity_factor * expert_idx.numel() / self.num_experts)
+        flat = expert_idx.reshape(-1)
+        one_hot = F.one_hot(flat, self.num_experts)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+        return flat.masked_fill(position >= capacity, -1).view_as(expert_idx)
+
+    @torch.no_grad()
+    def update_bias(self, global_load: torch.Tensor) -> torch.Tensor:
+        """Auxiliary-loss-free balancing: ``bias_e += rate * sign(mean load - load_e)``.
+
+        ``global_load`` must be the load summed over the step and all ranks, so the update is
+        identical everywhere. Returns the applied update (zeros when the method is off).
+        """
+        if not self.bias_update_rate:
+            return torch.zeros_like(self.router.expert_bias)
+        load = global_load.to(self.router.expert_bias)
+        delta = self.bias_update_rate * torch.sign(load.mean() - load)
+        self.router.expert_bias.add_(delta)
+        return delta
