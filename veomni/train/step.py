@@ -4,6 +4,8 @@
 micro-batch's summed loss by ``dp_size / global_tokens``: FSDP averages gradients over the
 ``dp_size`` data-parallel ranks, so the resulting gradient is exactly that of the mean loss
 over every loss token of the step, however tokens were split across ranks and micro-batches.
+A task's extra metrics (``LossOutput.metrics``, e.g. the terms of a composite loss) ride on the
+same final all-reduce and are reported as global sum / global count.
 """
 
 from __future__ import annotations
@@ -28,15 +30,25 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
         raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
     scale = dp_size / global_loss_tokens
     loss_sum = 0.0
+    extra: dict[str, list[float]] = {}  # name -> [sum, count] of the task's extra metrics
     for mb in micro_batches:
         out = task(model, mb)
         (out.loss_sum * scale).backward()
         loss_sum += float(out.loss_sum.detach())
+        for name, (value, count) in out.metrics.items():
+            acc = extra.setdefault(name, [0.0, 0])
+            acc[0] += float(value)
+            acc[1] += count
     flops = sum(model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches)
     tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
-    total_loss, total_tokens, total_flops = all_reduce_values([loss_sum, tokens, flops], group=dp_group)
-    return {"loss": total_loss / global_loss_tokens, "tokens": int(total_tokens),
-            "loss_tokens": int(global_loss_tokens), "flops": total_flops}
+    names = sorted(extra)  # every rank runs the same task, so the same names in the same order
+    total_loss, total_tokens, total_flops, *totals = all_reduce_values(
+        [loss_sum, tokens, flops, *(v for name in names for v in extra[name])], group=dp_group)
+    metrics = {"loss": total_loss / global_loss_tokens, "tokens": int(total_tokens),
+               "loss_tokens": int(global_loss_tokens), "flops": total_flops}
+    for i, name in enumerate(names):
+        metrics[name] = totals[2 * i] / max(totals[2 * i + 1], 1)
+    return metrics
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer,
