@@ -11,15 +11,15 @@ from veomni.data.packing import pack_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.train.step import clip_and_step, forward_backward
-from veomni.train.tasks import LanguageModelingTask
+from veomni.train.tasks import task_for_model
 
 TINY_LLM = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=8, max_position_embeddings=128, family="qwen3", qk_norm=True)
 
 
-def tiny_model(seed: int = 0, **overrides):
+def tiny_model(seed: int = 0, arch: str = "llm", **overrides):
     torch.manual_seed(seed)
-    _, model = build_model("llm", {**TINY_LLM, **overrides})
+    _, model = build_model(arch, {**TINY_LLM, **overrides})
     model.init_weights()
     return model
 
@@ -48,23 +48,26 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: ParallelConfig | None = None,
-              lr: float = 0.5) -> dict:
+              lr: float = 0.5, arch: str = "llm", options: dict | None = None) -> dict:
     """Train with SGD on this rank's micro-batches (step -> micro-batch -> samples) and record,
-    per step, the global loss and the full gradients; then the final parameters.
+    per step, the global loss (and the task's extra metrics) and the full gradients; then the
+    final parameters. ``arch``/``options`` pick the model (tiny LLM dimensions by default).
 
     SGD keeps the comparison exact: AdamW amplifies 1e-8 rounding in near-zero gradients.
     """
     world = dist.get_world_size()
     dims = ParallelDims.resolve(parallel or ParallelConfig(), world)
     meshes = build_mesh(dims, "cpu")
-    model = parallelize(tiny_model(), parallel or ParallelConfig(), meshes, "cpu")
+    model = tiny_model(arch=arch, **(options or {}))
+    task = task_for_model(model)
+    model = parallelize(model, parallel or ParallelConfig(), meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    task = LanguageModelingTask()
-    record = {"loss": [], "grads": []}
+    record = {"loss": [], "grads": [], "metrics": []}
     for micro_batches in micro_batches_per_step:
         batches = [pack_samples(samples) for samples in micro_batches]
         metrics = forward_backward(model, task, batches, meshes.dp.get_group(), dims.dp_size)
         record["loss"].append(metrics["loss"])
+        record["metrics"].append({k: v for k, v in metrics.items() if k.startswith("loss_")})
         record["grads"].append(full_grads(model))
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(model)
@@ -74,6 +77,10 @@ def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: Par
 def assert_records_close(ref: dict, got: dict, atol: float = 1e-6) -> None:
     for step, (a, b) in enumerate(zip(ref["loss"], got["loss"])):
         assert abs(a - b) < atol, f"step {step}: loss {a} vs {b}"
+    for step, (ma, mb) in enumerate(zip(ref["metrics"], got["metrics"])):
+        assert ma.keys() == mb.keys(), f"step {step}: metrics {sorted(ma)} vs {sorted(mb)}"
+        for name in ma:
+            assert abs(ma[name] - mb[name]) < atol, f"step {step}: {name} {ma[name]} vs {mb[name]}"
     for step, (ga, gb) in enumerate(zip(ref["grads"], got["grads"])):
         assert ga.keys() == gb.keys()
         for name in ga:
