@@ -88,9 +88,10 @@ class GeneralizedHyperConnection(nn.Module):
 
     def write(self, out: torch.Tensor, carry: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """Block output ``out`` [T, D] -> new wide state B^T out + Â^T H', [T, n*d]."""
-        blocks = out.reshape(out.shape[0], self.m, self.d)
-        new = torch.einsum("tjm,tmd->tjd", beta, blocks) + carry
-        return new.reshape(out.shape[0], self.n * self.d)
+        tokens = out.shape[0]
+        written = torch.einsum("tjm,tmd->tjd", beta, out.reshape(tokens, self.m, self.d))
+        # the sum is the last op, so the block returns a fresh tensor, not a view (FSDP2 hooks)
+        return written.reshape(tokens, self.n * self.d) + carry.reshape(tokens, self.n * self.d)
 
     def forward(self, h: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """One hyper-connected block: read, run ``block`` at width D, write back. [T, n*d] -> [T, n*d]."""
