@@ -20,6 +20,8 @@ class Series:
     ys: list[float]
     line: bool = True
     """Connect the points (curves); False draws markers only (measurements under a fit)."""
+    color: int | None = None
+    """Index into ``COLORS``; None takes the series' position (pair a fit with its points)."""
 
 
 def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
@@ -58,7 +60,7 @@ def line_chart(path: str, title: str, xlabel: str, ylabel: str, series: list[Ser
     draw.text((width / 2 - 3 * len(xlabel) - right / 2, height - 25), xlabel, fill="black")
     draw.text((8, top - 20), ylabel, fill="black")
     for i, s in enumerate(series):
-        color = COLORS[i % len(COLORS)]
+        color = COLORS[(i if s.color is None else s.color) % len(COLORS)]
         points = [px(x, y) for x, y in zip(s.xs, s.ys)]
         if s.line and len(points) > 1:
             draw.line(points, fill=color, width=2)

@@ -1,13 +1,14 @@
 """Small-scale VWN reproduction: train the recipes/vwn/sweep_*.yaml points, tabulate and plot.
 
     bash scripts/vwn_sweep.sh [--out outputs/vwn_sweep] [--only baseline r2 ...] [--max-steps N]
+    bash scripts/vwn_sweep.sh --summarise-only [--only ...]   # table and plots of finished runs
 
 Each recipe trains in turn through ``scripts/train.sh`` (same backbone, data, schedule and
 token budget; only the virtual width differs). Then it writes, under ``--out``:
 
 - ``table.md`` and ``results.json``: per run its (m, n), r, parameters, FLOPs/token, tokens
-  seen, wall time, final train next-token loss (mean of the last 10% of steps) and the final
-  held-out next-token and next-2-token losses with their difference to the baseline; and the
+  seen, training wall time (trainer start to last metric), final train next-token loss (mean
+  of the last 10% of steps) and the final held-out next-token and next-2-token losses with their difference to the baseline; and the
   least-squares fit of each held-out loss against log2 r (baseline at r = 1), slope and R^2;
 - ``loss_vs_tokens_ntp.png`` / ``loss_vs_tokens_mtp.png``: training loss against tokens seen
   per width (moving average over 10 steps);
@@ -32,10 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _plot import Series, line_chart  # noqa: E402
+from _plot import Series, line_chart
 
-from models.registry import build_model  # noqa: E402
-from veomni.config.loader import load_config  # noqa: E402
+from models.registry import build_model
+from veomni.config.loader import load_config
 
 RUNS = ("baseline", "r1p5", "r2", "r4", "r8")
 
@@ -51,8 +52,8 @@ def describe(recipe: Path) -> dict:
             "flops_per_token": model.training_flops([seq]) / seq}
 
 
-def train(name: str, out: Path, max_steps: int | None) -> float:
-    """Train one recipe from scratch into ``out/name``; return the wall time in seconds."""
+def train(name: str, out: Path, max_steps: int | None) -> None:
+    """Train one recipe from scratch into ``out/name``."""
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = ["bash", str(REPO / "scripts" / "train.sh"), str(REPO / "recipes" / "vwn" / f"sweep_{name}.yaml"),
@@ -60,10 +61,13 @@ def train(name: str, out: Path, max_steps: int | None) -> float:
     if max_steps:
         cmd += ["--train.max_steps", str(max_steps)]
     env = {**os.environ, "NPROC_PER_NODE": os.environ.get("NPROC_PER_NODE", "1")}
-    start = time.time()
     print(f"[sweep] {name}: {' '.join(cmd[2:])}", flush=True)
     subprocess.run(cmd, check=True, env=env, cwd=REPO)
-    return time.time() - start
+
+
+def training_wall_s(run_dir: Path) -> float:
+    """Seconds from the trainer's start (it writes config.yaml) to its last metric (incl. final eval)."""
+    return (run_dir / "metrics.jsonl").stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime
 
 
 def read_metrics(path: Path) -> tuple[list[dict], dict]:
@@ -112,12 +116,14 @@ def summarise(runs: list[dict], out: Path) -> str:
             fits[key] = {"slope": slope, "intercept": intercept, "r2": r2}
             lines.append(f"\nFit {label}: loss = {slope:+.4f} * log2(r) + {intercept:.4f}, R^2 = {r2:.4f}")
         line_chart(str(out / "final_loss_vs_log2r.png"), "final held-out loss vs log2 r", "log2 r", "loss", [
-            Series("next-token", xs, [r["eval_ntp"] for r in runs], line=False),
+            Series("next-token", xs, [r["eval_ntp"] for r in runs], line=False, color=0),
             Series(f"fit {fits['eval_ntp']['slope']:+.4f}/doubling", [min(xs), max(xs)],
-                   [fits["eval_ntp"]["intercept"] + fits["eval_ntp"]["slope"] * x for x in (min(xs), max(xs))]),
-            Series("next-2-token", xs, [r["eval_mtp"] for r in runs], line=False),
+                   [fits["eval_ntp"]["intercept"] + fits["eval_ntp"]["slope"] * x for x in (min(xs), max(xs))],
+                   color=0),
+            Series("next-2-token", xs, [r["eval_mtp"] for r in runs], line=False, color=1),
             Series(f"fit {fits['eval_mtp']['slope']:+.4f}/doubling", [min(xs), max(xs)],
-                   [fits["eval_mtp"]["intercept"] + fits["eval_mtp"]["slope"] * x for x in (min(xs), max(xs))]),
+                   [fits["eval_mtp"]["intercept"] + fits["eval_mtp"]["slope"] * x for x in (min(xs), max(xs))],
+                   color=1),
         ])
     for key, label in (("curve_ntp", "next-token"), ("curve_mtp", "next-2-token")):
         line_chart(str(out / f"loss_vs_tokens_{key[-3:]}.png"), f"training {label} loss (moving avg 10 steps)",
@@ -134,16 +140,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "vwn_sweep")
     parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--max-steps", type=int, default=None, help="override every recipe's train.max_steps")
+    parser.add_argument("--summarise-only", action="store_true", help="no training: summarise finished runs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     runs = []
     for name in args.only:
-        wall = train(name, args.out, args.max_steps)
+        if not args.summarise_only:
+            train(name, args.out, args.max_steps)
         steps, last_eval = read_metrics(args.out / name / "metrics.jsonl")
         tail = steps[-max(1, len(steps) // 10):]
         runs.append({
-            "name": name, **describe(REPO / "recipes" / "vwn" / f"sweep_{name}.yaml"), "wall_s": wall,
+            "name": name, **describe(REPO / "recipes" / "vwn" / f"sweep_{name}.yaml"),
+            "wall_s": training_wall_s(args.out / name),
             "tokens_seen": steps[-1]["tokens_seen"],
             "train_ntp": sum(s["loss_ntp"] for s in tail) / len(tail),
             "eval_ntp": last_eval["eval_loss_ntp"], "eval_mtp": last_eval["eval_loss_mtp"],
