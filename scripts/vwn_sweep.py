@@ -11,7 +11,7 @@ token budget; only the virtual width differs). Then it writes, under ``--out``:
   of the last 10% of steps) and the final held-out next-token and next-2-token losses with their difference to the baseline; and the
   least-squares fit of each held-out loss against log2 r (baseline at r = 1), slope and R^2;
 - ``loss_vs_tokens_ntp.png`` / ``loss_vs_tokens_mtp.png``: training loss against tokens seen
-  per width (moving average over 10 steps);
+  per width (moving average over 10 steps, from a fifth of the token budget on);
 - ``final_loss_vs_log2r.png``: the final held-out losses against log2 r with the fitted lines.
 """
 
@@ -126,9 +126,14 @@ def summarise(runs: list[dict], out: Path) -> str:
                    color=1),
         ])
     for key, label in (("curve_ntp", "next-token"), ("curve_mtp", "next-2-token")):
-        line_chart(str(out / f"loss_vs_tokens_{key[-3:]}.png"), f"training {label} loss (moving avg 10 steps)",
-                   "tokens seen", "loss",
-                   [Series(f"{r['name']} (r={r['r']:g})", r["curve_tokens"], r[key]) for r in runs])
+        # from a fifth of the budget on: the first steps' drop from ~9 would flatten the gaps
+        series = []
+        for r in runs:
+            start = next(i for i, t in enumerate(r["curve_tokens"]) if t >= 0.2 * r["curve_tokens"][-1])
+            series.append(Series(f"{r['name']} (r={r['r']:g})", r["curve_tokens"][start:], r[key][start:]))
+        line_chart(str(out / f"loss_vs_tokens_{key[-3:]}.png"),
+                   f"training {label} loss (moving avg 10 steps, from 20% of the tokens)", "tokens seen", "loss",
+                   series)
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps({"runs": runs, "fits": fits}, indent=1))
