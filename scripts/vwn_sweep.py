@@ -7,12 +7,13 @@ Each recipe trains in turn through ``scripts/train.sh`` (same backbone, data, sc
 token budget; only the virtual width differs). Then it writes, under ``--out``:
 
 - ``table.md`` and ``results.json``: per run its (m, n), r, parameters, FLOPs/token, tokens
-  seen, training wall time (trainer start to last metric), final train next-token loss (mean
-  of the last 10% of steps) and the final held-out next-token and next-2-token losses with their difference to the baseline; and the
-  least-squares fit of each held-out loss against log2 r (baseline at r = 1), slope and R^2;
+  seen, training wall time (trainer start to last metric), the final training next-token and
+  next-2-token losses (mean of the last 10% of steps: every batch is new data, and training
+  loss is what the paper plots) and the final held-out ones, with their differences to the
+  baseline; and the least-squares fit of each against log2 r (baseline at r = 1), slope, R^2;
 - ``loss_vs_tokens_ntp.png`` / ``loss_vs_tokens_mtp.png``: training loss against tokens seen
   per width (moving average over 10 steps, from a fifth of the token budget on);
-- ``final_loss_vs_log2r.png``: the final held-out losses against log2 r with the fitted lines.
+- ``final_loss_vs_log2r.png``: the final losses against log2 r with the fitted lines.
 """
 
 from __future__ import annotations
@@ -98,33 +99,28 @@ def moving_average(values: list[float], window: int = 10) -> list[float]:
 def summarise(runs: list[dict], out: Path) -> str:
     """Write table.md, results.json and the plots; return the table text."""
     base = next((r for r in runs if r["name"] == "baseline"), None)
-    lines = ["| run | (m, n) | r | params | GFLOPs/token | tokens seen | wall s | train next-token (last 10%) "
-             "| eval next-token | Δ vs baseline | eval next-2-token | Δ vs baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = (("train_ntp", "train next-token"), ("train_mtp", "train next-2-token"),
+            ("eval_ntp", "held-out next-token"), ("eval_mtp", "held-out next-2-token"))
+    lines = ["| run | (m, n) | r | params | GFLOPs/token | tokens seen | wall s | "
+             + " | ".join(f"{label} | Δ" for _, label in keys) + " |", "|---" * (7 + 2 * len(keys)) + "|"]
     for r in runs:
-        d_ntp = f"{r['eval_ntp'] - base['eval_ntp']:+.4f}" if base else "–"
-        d_mtp = f"{r['eval_mtp'] - base['eval_mtp']:+.4f}" if base else "–"
         mn = "–" if r["name"] == "baseline" else f"({r['m']}, {r['n']})"
+        cells = [f"{r[k]:.4f} | {r[k] - base[k]:+.4f}" if base else f"{r[k]:.4f} | –" for k, _ in keys]
         lines.append(f"| {r['name']} | {mn} | {r['r']:g} | {r['params']:,} | {r['flops_per_token'] / 1e9:.4f} | "
-                     f"{r['tokens_seen']:,} | {r['wall_s']:.0f} | {r['train_ntp']:.4f} | {r['eval_ntp']:.4f} | "
-                     f"{d_ntp} | {r['eval_mtp']:.4f} | {d_mtp} |")
+                     f"{r['tokens_seen']:,} | {r['wall_s']:.0f} | " + " | ".join(cells) + " |")
     fits = {}
     if len(runs) >= 3:
         xs = [math.log2(r["r"]) for r in runs]
-        for key, label in (("eval_ntp", "next-token"), ("eval_mtp", "next-2-token")):
+        ends = [min(xs), max(xs)]
+        series = []
+        for i, (key, label) in enumerate(keys):
             slope, intercept, r2 = fit(xs, [r[key] for r in runs])
             fits[key] = {"slope": slope, "intercept": intercept, "r2": r2}
             lines.append(f"\nFit {label}: loss = {slope:+.4f} * log2(r) + {intercept:.4f}, R^2 = {r2:.4f}")
-        line_chart(str(out / "final_loss_vs_log2r.png"), "final held-out loss vs log2 r", "log2 r", "loss", [
-            Series("next-token", xs, [r["eval_ntp"] for r in runs], line=False, color=0),
-            Series(f"fit {fits['eval_ntp']['slope']:+.4f}/doubling", [min(xs), max(xs)],
-                   [fits["eval_ntp"]["intercept"] + fits["eval_ntp"]["slope"] * x for x in (min(xs), max(xs))],
-                   color=0),
-            Series("next-2-token", xs, [r["eval_mtp"] for r in runs], line=False, color=1),
-            Series(f"fit {fits['eval_mtp']['slope']:+.4f}/doubling", [min(xs), max(xs)],
-                   [fits["eval_mtp"]["intercept"] + fits["eval_mtp"]["slope"] * x for x in (min(xs), max(xs))],
-                   color=1),
-        ])
+            series += [Series(label, xs, [r[key] for r in runs], line=False, color=i),
+                       Series(f"fit {slope:+.4f}/doubling", ends, [intercept + slope * x for x in ends], color=i)]
+        line_chart(str(out / "final_loss_vs_log2r.png"), "final loss vs log2 r", "log2 r", "loss", series,
+                   size=(860, 520))
     for key, label in (("curve_ntp", "next-token"), ("curve_mtp", "next-2-token")):
         # from a fifth of the budget on: the first steps' drop from ~9 would flatten the gaps
         series = []
@@ -160,6 +156,7 @@ def main() -> None:
             "wall_s": training_wall_s(args.out / name),
             "tokens_seen": steps[-1]["tokens_seen"],
             "train_ntp": sum(s["loss_ntp"] for s in tail) / len(tail),
+            "train_mtp": sum(s["loss_mtp"] for s in tail) / len(tail),
             "eval_ntp": last_eval["eval_loss_ntp"], "eval_mtp": last_eval["eval_loss_mtp"],
             "curve_tokens": [s["tokens_seen"] for s in steps],
             "curve_ntp": moving_average([s["loss_ntp"] for s in steps]),
