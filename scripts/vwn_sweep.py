@@ -106,8 +106,9 @@ def summarise(runs: list[dict], out: Path) -> str:
     for r in runs:
         mn = "–" if r["name"] == "baseline" else f"({r['m']}, {r['n']})"
         cells = [f"{r[k]:.4f} | {r[k] - base[k]:+.4f}" if base else f"{r[k]:.4f} | –" for k, _ in keys]
-        lines.append(f"| {r['name']} | {mn} | {r['r']:g} | {r['params']:,} | {r['flops_per_token'] / 1e9:.4f} | "
-                     f"{r['tokens_seen']:,} | {r['wall_s']:.0f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['name']} | {mn} | {r['r']:g} | {r['params']:,} | "
+                     f"{r['flops_per_token'] / 1e9:.4f} | {r['tokens_seen']:,} | {r['wall_s']:.0f} | "
+                     + " | ".join(cells) + " |")
     fits = {}
     if len(runs) >= 3:
         xs = [math.log2(r["r"]) for r in runs]
@@ -118,7 +119,8 @@ def summarise(runs: list[dict], out: Path) -> str:
             fits[key] = {"slope": slope, "intercept": intercept, "r2": r2}
             lines.append(f"\nFit {label}: loss = {slope:+.4f} * log2(r) + {intercept:.4f}, R^2 = {r2:.4f}")
             series += [Series(label, xs, [r[key] for r in runs], line=False, color=i),
-                       Series(f"fit {slope:+.4f}/doubling", ends, [intercept + slope * x for x in ends], color=i)]
+                       Series(f"fit {slope:+.4f}/doubling", ends, [intercept + slope * x for x in ends],
+                              color=i)]
         line_chart(str(out / "final_loss_vs_log2r.png"), "final loss vs log2 r", "log2 r", "loss", series,
                    size=(860, 520))
     for key, label in (("curve_ntp", "next-token"), ("curve_mtp", "next-2-token")):
@@ -128,8 +130,8 @@ def summarise(runs: list[dict], out: Path) -> str:
             start = next(i for i, t in enumerate(r["curve_tokens"]) if t >= 0.2 * r["curve_tokens"][-1])
             series.append(Series(f"{r['name']} (r={r['r']:g})", r["curve_tokens"][start:], r[key][start:]))
         line_chart(str(out / f"loss_vs_tokens_{key[-3:]}.png"),
-                   f"training {label} loss (moving avg 10 steps, from 20% of the tokens)", "tokens seen", "loss",
-                   series)
+                   f"training {label} loss (moving avg 10 steps, from 20% of the tokens)", "tokens seen",
+                   "loss", series)
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps({"runs": runs, "fits": fits}, indent=1))
@@ -137,7 +139,8 @@ def summarise(runs: list[dict], out: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "vwn_sweep")
     parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--max-steps", type=int, default=None, help="override every recipe's train.max_steps")

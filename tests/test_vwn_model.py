@@ -17,9 +17,9 @@ from veomni.parallel.plan import match_modules
 from veomni.train.mtp_task import MultiTokenLMTask, next_two_token_labels
 from veomni.train.optim import build_optimizer
 
-BACKBONE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=8, max_position_embeddings=128, family="qwen3", qk_norm=True, tie_embeddings=False,
-                init_std=0.1)
+BACKBONE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, max_position_embeddings=128, family="qwen3", qk_norm=True,
+                tie_embeddings=False, init_std=0.1)
 LENGTHS = (5, 11, 3, 8)
 
 
@@ -36,7 +36,8 @@ def _vwn(**options):
 
 
 def _forward(model, batch, **kwargs):
-    return model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"], **kwargs)
+    return model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"],
+                 **kwargs)
 
 
 @pytest.mark.parametrize("m, factorized", [(1, False), (2, False), (4, True)])
@@ -116,8 +117,10 @@ def test_packed_row_equals_each_sample_alone_with_mtp():
     packed_ntp, packed_mtp = _forward(model, pack_samples(samples), mtp=True)
     alone = [_forward(model, pack_samples([s]), mtp=True) for s in samples]
     torch.testing.assert_close(packed_ntp, torch.cat([a for a, _ in alone]), atol=1e-5, rtol=1e-5)
-    valid = next_two_token_labels(pack_samples(samples)["labels"], pack_samples(samples)["cu_seqlens"]) != -100
-    torch.testing.assert_close(packed_mtp[valid], torch.cat([b for _, b in alone])[valid], atol=1e-5, rtol=1e-5)
+    packed = pack_samples(samples)
+    valid = next_two_token_labels(packed["labels"], packed["cu_seqlens"]) != -100
+    alone_mtp = torch.cat([b for _, b in alone])
+    torch.testing.assert_close(packed_mtp[valid], alone_mtp[valid], atol=1e-5, rtol=1e-5)
 
 
 def test_mtp_task_reports_both_losses_and_weights_the_sum():
@@ -141,7 +144,8 @@ def test_static_maps_do_not_decay_dynamic_parts_do():
             assert decay[id(param)] == 0.0, name
         else:
             assert decay[id(param)] == 0.1, name
-    assert sum(1 for n, _ in model.named_parameters() if n.endswith("static_alpha")) == 2 * 3  # 2 layers + MTP
+    statics = [n for n, _ in model.named_parameters() if n.endswith("static_alpha")]
+    assert len(statics) == 2 * 3  # two DGHCs in each of 2 layers and the MTP block
 
 
 def test_plan_names_hyper_connected_blocks_and_attention_cores():

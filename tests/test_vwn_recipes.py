@@ -17,7 +17,8 @@ SWEEP = ["baseline", "r1p5", "r2", "r4", "r8"]
 
 
 def test_full_size_recipe_dry_run_reports_virtual_width_overhead():
-    result = train_sh(str(REPO / "recipes" / "vwn" / "vwn_r8_4b.yaml"), "--dry-run", "--world-size", "64", "--gpus")
+    recipe = REPO / "recipes" / "vwn" / "vwn_r8_4b.yaml"
+    result = train_sh(str(recipe), "--dry-run", "--world-size", "64", "--gpus")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "r = n/m = 8 (m=8, n=64)" in out and "D'=20480" in out
@@ -28,7 +29,8 @@ def test_full_size_recipe_dry_run_reports_virtual_width_overhead():
 
 
 def test_sweep_points_differ_only_in_virtual_width():
-    configs = {name: config_to_dict(load_config(REPO / "recipes" / "vwn" / f"sweep_{name}.yaml")) for name in SWEEP}
+    configs = {name: config_to_dict(load_config(REPO / "recipes" / "vwn" / f"sweep_{name}.yaml"))
+               for name in SWEEP}
     base = configs["baseline"]
     vwn_keys = {"vwn_m", "vwn_n", "hyper_connections"}
     for name, cfg in configs.items():
@@ -61,7 +63,8 @@ def test_sweep_fit_recovers_a_log_linear_law(sweep):
 
 def test_sweep_summary_writes_table_and_plots(sweep, tmp_path):
     runs = [{"name": name, "m": 2, "n": int(2 * r), "r": r, "params": 1000, "flops_per_token": 1e6,
-             "tokens_seen": 2048, "wall_s": 1.0, "train_ntp": 5.0, "train_mtp": 5.5, "eval_ntp": 5.0 - 0.01 * i,
+             "tokens_seen": 2048, "wall_s": 1.0, "train_ntp": 5.0, "train_mtp": 5.5,
+             "eval_ntp": 5.0 - 0.01 * i,
              "eval_mtp": 6.0 - 0.02 * i, "curve_tokens": [1024, 2048], "curve_ntp": [6.0, 5.0],
              "curve_mtp": [7.0, 6.0]} for i, (name, r) in enumerate(zip(SWEEP, [1, 1.5, 2, 4, 8]))]
     table = sweep.summarise(runs, tmp_path)

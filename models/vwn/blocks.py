@@ -28,9 +28,13 @@ class VWNBlock(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = ffn if ffn is not None else MLP(cfg)
-        hc = cfg.hyper_connections
-        self.attn_hc = GeneralizedHyperConnection(cfg.hidden_size, cfg.vwn_m, cfg.vwn_n, cfg.rms_norm_eps) if hc else None
-        self.mlp_hc = GeneralizedHyperConnection(cfg.hidden_size, cfg.vwn_m, cfg.vwn_n, cfg.rms_norm_eps) if hc else None
+        def connection() -> GeneralizedHyperConnection | None:
+            if not cfg.hyper_connections:
+                return None
+            return GeneralizedHyperConnection(cfg.hidden_size, cfg.vwn_m, cfg.vwn_n, cfg.rms_norm_eps)
+
+        self.attn_hc = connection()
+        self.mlp_hc = connection()
 
     @staticmethod
     def _connect(hc: GeneralizedHyperConnection | None, h: torch.Tensor, branch) -> torch.Tensor:

@@ -84,8 +84,10 @@ class VWNConfig(LLMConfig):
                              f"size D={self.hidden_size} (integer r = n/m), with hyper_connections on")
         if self.tie_embeddings and not self.factorized_embedding and self.vwn_n != self.vwn_m:
             raise ValueError(f"tie_embeddings=true needs a D-wide embedding table, but the table is "
-                             f"D'={self.wide_dim} wide: set factorized_embedding=true or tie_embeddings=false")
+                             f"D'={self.wide_dim} wide: set factorized_embedding=true or "
+                             "tie_embeddings=false")
         if self.factorized_embedding and not self.hyper_connections:
-            raise ValueError("factorized_embedding needs hyper_connections (there is no wide state to expand to)")
+            raise ValueError("factorized_embedding needs hyper_connections "
+                             "(there is no wide state to expand to)")
         if self.mtp_loss_weight < 0:
             raise ValueError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")

@@ -43,7 +43,7 @@ def static_beta(m: int, n: int) -> torch.Tensor:
 
 
 class GeneralizedHyperConnection(nn.Module):
-    """One DGHC: ``read(h)`` gives the block input and what ``write`` needs; ``write`` folds the output back."""
+    """One DGHC: ``read`` gives the block input (and what ``write`` needs), ``write`` folds back."""
 
     STATIC = ("static_alpha", "static_beta")
     """Parameter names of the static maps (no weight decay in the paper)."""

@@ -36,7 +36,8 @@ class VWNLM(nn.Module):
         self.config = cfg
         table_dim = cfg.hidden_size if cfg.factorized_embedding else cfg.wide_dim
         self.embed_tokens = nn.Embedding(cfg.vocab_size, table_dim)
-        self.embed_expand = nn.Linear(cfg.hidden_size, cfg.wide_dim, bias=False) if cfg.factorized_embedding else None
+        self.embed_expand = (nn.Linear(cfg.hidden_size, cfg.wide_dim, bias=False)
+                             if cfg.factorized_embedding else None)
         self.layers = nn.ModuleList(VWNBlock(cfg) for _ in range(cfg.num_layers))
         self.reduce = WideReduce(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -136,7 +137,8 @@ class VWNLM(nn.Module):
         expand = hidden * wide if cfg.factorized_embedding else 0
         head = hidden * cfg.vocab_size
         parts = {
-            "backbone": float(6 * (cfg.num_layers * block + head) * tokens + cfg.num_layers * attention_per_block),
+            "backbone": float(6 * (cfg.num_layers * block + head) * tokens
+                              + cfg.num_layers * attention_per_block),
             "virtual_width": float(6 * (reduce + expand) * tokens + cfg.num_layers * hc_per_block),
             "mtp": 0.0,
         }
@@ -172,7 +174,9 @@ class VWNLM(nn.Module):
                 "selective": 2 * wide + (m + n) * d,
                 "full": 0,
             }[checkpointing]
-            extra = blocks * 2 * per_hc + (blocks * (wide - cfg.hidden_size) if checkpointing == "full" else 0)
+            extra = blocks * 2 * per_hc
+            if checkpointing == "full":
+                extra += blocks * (wide - cfg.hidden_size)
             extra += 2 * wide  # the final wide state and its GroupNorm output
             base += extra
         return float(bytes_per_elem * base)
@@ -195,7 +199,8 @@ class VWNLM(nn.Module):
         r = cfg.virtual_width_factor
         return [
             f"virtual width r = n/m = {r} (m={cfg.vwn_m}, n={cfg.vwn_n}): backbone D={cfg.hidden_size}, "
-            f"wide state D'={cfg.wide_dim} ({'factorised' if cfg.factorized_embedding else 'full'} embedding, "
+            f"wide state D'={cfg.wide_dim} "
+            f"({'factorised' if cfg.factorized_embedding else 'full'} embedding, "
             f"GroupNorm {'on' if cfg.use_group_norm else 'off'})",
             f"  parameters: backbone {backbone_params:,}; virtual width +{vw_params:,} "
             f"(+{100 * vw_params / backbone_params:.2f}%: embedding +{embed_extra:,}, hyper-connections "
