@@ -1,3 +1,4 @@
 """The model zoo. Importing this package registers every model family."""
 
 from . import llm  # noqa: F401  (registers "llm")
+from . import vwn  # noqa: F401  (registers "vwn")

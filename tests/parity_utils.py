@@ -12,15 +12,15 @@ from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.sequence import shard_batch
 from veomni.train.step import clip_and_step, forward_backward
-from veomni.train.tasks import LanguageModelingTask
+from veomni.train.tasks import task_for_model
 
 TINY_LLM = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=8, max_position_embeddings=128, family="qwen3", qk_norm=True)
 
 
-def tiny_model(seed: int = 0, **overrides):
+def tiny_model(seed: int = 0, arch: str = "llm", **overrides):
     torch.manual_seed(seed)
-    _, model = build_model("llm", {**TINY_LLM, **overrides})
+    _, model = build_model(arch, {**TINY_LLM, **overrides})
     model.init_weights()
     return model
 
@@ -49,32 +49,32 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: ParallelConfig | None = None,
-              lr: float = 0.5, model_options: dict | None = None, prepare=None) -> dict:
+              lr: float = 0.5, arch: str = "llm", options: dict | None = None, prepare=None) -> dict:
     """Train with SGD on this rank's micro-batches (step -> micro-batch -> samples; under
     sequence parallelism every rank of an SP group passes the same samples and keeps its
-    slice) and record,
-    per step, the global loss and the full gradients; then the final parameters.
-    ``model_options`` override ``TINY_LLM`` (e.g. to make it a mixture of experts); ``prepare``
-    may edit the built model before it is parallelised.
+    slice) and record, per step, the global loss, the task's loss terms (``loss_*``) and MoE
+    statistics (``moe/*``), and the full gradients; then the final parameters.
+    ``arch``/``options`` pick the model (tiny LLM dimensions by default; options can make it a
+    mixture of experts); ``prepare`` may edit the built model before it is parallelised.
 
     SGD keeps the comparison exact: AdamW amplifies 1e-8 rounding in near-zero gradients.
     """
     world = dist.get_world_size()
     dims = ParallelDims.resolve(parallel or ParallelConfig(), world)
     meshes = build_mesh(dims, "cpu")
-    model = tiny_model(**(model_options or {}))
+    model = tiny_model(arch=arch, **(options or {}))
     if prepare is not None:
         prepare(model)
+    task = task_for_model(model)
     model = parallelize(model, parallel or ParallelConfig(), meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    task = LanguageModelingTask()
     sp_rank = meshes.sp.get_local_rank()
     record = {"loss": [], "grads": [], "metrics": []}
     for micro_batches in micro_batches_per_step:
         batches = [shard_batch(pack_samples(samples), sp_rank, dims.sp) for samples in micro_batches]
         metrics = forward_backward(model, task, batches, meshes.loss.get_group(), dims.loss_size, dims.sp)
         record["loss"].append(metrics["loss"])
-        record["metrics"].append(metrics)
+        record["metrics"].append({k: v for k, v in metrics.items() if k.startswith(("loss_", "moe/"))})
         record["grads"].append(full_grads(model))
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(model)
@@ -86,6 +86,10 @@ def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: Par
 def assert_records_close(ref: dict, got: dict, atol: float = 1e-6) -> None:
     for step, (a, b) in enumerate(zip(ref["loss"], got["loss"])):
         assert abs(a - b) < atol, f"step {step}: loss {a} vs {b}"
+    for step, (ma, mb) in enumerate(zip(ref["metrics"], got["metrics"])):
+        assert ma.keys() == mb.keys(), f"step {step}: metrics {sorted(ma)} vs {sorted(mb)}"
+        for name in (n for n in ma if n.startswith("loss_")):  # moe/* statistics: tests/test_ep_parity.py
+            assert abs(ma[name] - mb[name]) < atol, f"step {step}: {name} {ma[name]} vs {mb[name]}"
     for step, (ga, gb) in enumerate(zip(ref["grads"], got["grads"])):
         assert ga.keys() == gb.keys()
         for name in ga:

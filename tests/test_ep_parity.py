@@ -30,7 +30,7 @@ def global_steps() -> list[list[list[int]]]:
 
 
 def _run(rank, world, parallel, moe):
-    return run_steps([[samples[rank::world]] for samples in global_steps()], parallel, model_options=MOE[moe])
+    return run_steps([[samples[rank::world]] for samples in global_steps()], parallel, options=MOE[moe])
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def _all_tokens_to_experts_0_and_1(model):
 
 def _skewed(rank, world, parallel):
     steps = [[samples[rank::world]] for samples in global_steps()[:2]]
-    return run_steps(steps, parallel, model_options=MOE["softmax"], prepare=_all_tokens_to_experts_0_and_1)
+    return run_steps(steps, parallel, options=MOE["softmax"], prepare=_all_tokens_to_experts_0_and_1)
 
 
 def test_idle_ranks_and_experts_neither_hang_nor_break_parity():
@@ -86,7 +86,7 @@ def _accumulated(rank, world, parallel):
     for samples in global_steps()[:2]:
         halves = [samples[:4], samples[4:]]
         steps.append([half[rank::world] for half in halves])
-    return run_steps(steps, parallel, model_options=MOE["softmax"])
+    return run_steps(steps, parallel, options=MOE["softmax"])
 
 
 def test_gradient_accumulation_under_expert_parallelism():
@@ -97,7 +97,7 @@ def test_gradient_accumulation_under_expert_parallelism():
 
 def _capped(rank, world, parallel):
     steps = [[samples[rank::world]] for samples in global_steps()[:2]]
-    return run_steps(steps, parallel, model_options={**MOE["softmax"], "capacity_factor": 1.0})
+    return run_steps(steps, parallel, options={**MOE["softmax"], "capacity_factor": 1.0})
 
 
 def test_capacity_dropping_is_the_same_with_and_without_expert_parallelism():
@@ -128,7 +128,7 @@ def even_steps() -> list[list[list[int]]]:
 def _run_sp(rank, world, parallel, moe):
     dp_world = world // parallel.sp
     dp_rank = rank // parallel.sp  # SP ranks of one group read the same samples
-    return run_steps([[samples[dp_rank::dp_world]] for samples in even_steps()], parallel, model_options=MOE[moe])
+    return run_steps([[samples[dp_rank::dp_world]] for samples in even_steps()], parallel, options=MOE[moe])
 
 
 @pytest.mark.parametrize("world, parallel", [

@@ -12,7 +12,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``weight * (x / rms(x))`` with the reduction done in fp32."""
+    """``weight * (x / rms(x))`` with the reduction done in fp32 (fp64 for float64 inputs)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32, or fp64 for float64 checks
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 

@@ -14,7 +14,7 @@ recipes. Memory per rank (bytes):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,8 @@ class Estimate:
     optimizer_gb: float
     gathered_gb: float
     activations_gb: float
+    model_lines: list[str] = field(default_factory=list)
+    """Lines the model adds about itself (optional ``report_lines(seq_len)``, e.g. VWN's overhead)."""
 
     @property
     def total_gb(self) -> float:
@@ -70,6 +72,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
+        model_lines=model.report_lines(seq) if hasattr(model, "report_lines") else [],
     )
 
 
@@ -91,6 +94,7 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
         f"activated     {est.activated_params:,} ({est.activated_params / 1e9:.3f} B) per token",
         f"model FLOPs   {est.flops_per_token / 1e9:.3f} GFLOP per token (forward+backward, seq {cfg.data.max_seq_len})",
+        *est.model_lines,
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} tokens x "
         f"{dims.dp_size} dp ranks = {step_tokens:,} tokens",
         "memory / rank (estimate, GiB):",

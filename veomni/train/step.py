@@ -11,6 +11,8 @@ is already its share of the global micro-batch's loss (the layers normalise by g
 counts), so it is weighted ``loss_size / micro_batches``: the mean over micro-batches of the
 global auxiliary loss. After backward the step's expert loads are reduced once and the router
 biases updated (``moe_stats.py``).
+A task's extra metrics (``LossOutput.metrics``, e.g. the terms of a composite loss) ride on the
+same final all-reduce and are reported as global sum / global count.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
     scale = loss_size / global_loss_tokens
     loss_sum = 0.0
     moe = MoEStepStats.for_model(model, len(micro_batches))
+    extra: dict[str, list[float]] = {}  # name -> [sum, count] of the task's extra metrics
     for mb in micro_batches:
         out = task(model, mb)
         loss = out.loss_sum * scale
@@ -52,11 +55,19 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
         if moe is not None:
             moe.record()
         loss_sum += float(out.loss_sum.detach())
+        for name, (value, count) in out.metrics.items():
+            acc = extra.setdefault(name, [0.0, 0])
+            acc[0] += float(value)
+            acc[1] += count
     flops = sum(model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches) / sp_size
     tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
-    total_loss, total_tokens, total_flops = all_reduce_values([loss_sum, tokens, flops], group=loss_group)
+    names = sorted(extra)  # every rank runs the same task, so the same names in the same order
+    total_loss, total_tokens, total_flops, *totals = all_reduce_values(
+        [loss_sum, tokens, flops, *(v for name in names for v in extra[name])], group=loss_group)
     metrics = {"loss": total_loss / global_loss_tokens, "tokens": int(total_tokens),
                "loss_tokens": int(global_loss_tokens), "flops": total_flops}
+    for i, name in enumerate(names):
+        metrics[name] = totals[2 * i] / max(totals[2 * i + 1], 1)
     if moe is not None:
         metrics.update(moe.finish(loss_group))
     return metrics

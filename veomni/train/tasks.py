@@ -7,7 +7,7 @@ micro-batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -23,6 +23,9 @@ class LossOutput:
     """Sum of per-token losses (differentiable)."""
     num_tokens: int
     """Tokens the sum runs over."""
+    metrics: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    """Extra named ``(sum, count)`` pairs to report (e.g. the terms of a composite loss); the
+    step reports each as its global sum over its global count. Not differentiated."""
 
 
 class Task(Protocol):
@@ -43,3 +46,9 @@ class LanguageModelingTask:
             logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum"
         )
         return LossOutput(loss_sum=loss_sum, num_tokens=self.count_tokens(batch))
+
+
+def task_for_model(model: nn.Module) -> Task:
+    """The model's own task if it declares one (``training_task()``), else language modelling."""
+    declare = getattr(model, "training_task", None)
+    return declare() if declare is not None else LanguageModelingTask()

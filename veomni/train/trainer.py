@@ -32,7 +32,7 @@ from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.optim import build_optimizer, build_scheduler
 from veomni.train.reporting import MetricsReporter
 from veomni.train.step import clip_and_step, forward_backward
-from veomni.train.tasks import LanguageModelingTask, Task
+from veomni.train.tasks import Task, task_for_model
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ class Trainer:
             device=self.device,
         )
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
+        self.task = task or task_for_model(self.model)  # a model may declare its task (e.g. with MTP)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.task = task or LanguageModelingTask()
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.train_loader = build_dataloader(cfg.data, "train", self.tokenizer, self.meshes.dp_rank,
@@ -170,14 +170,16 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> dict[str, float]:
+        """``eval_loss`` (the task's loss) and ``eval_<name>`` for each extra task metric; {} without eval data."""
         if not self.cfg.data.eval_path:
-            return None
+            return {}
         self.model.eval()
         loader = build_dataloader(self.cfg.data, "eval", self.tokenizer, self.meshes.dp_rank,
                                   self.dims.dp_size, self.cfg.train.seed)
         it = iter(loader)
         loss_sum, tokens = 0.0, 0
+        extra: dict[str, list[float]] = {}
         for _ in range(self.cfg.train.eval_batches):
             batch = next(it, None)
             # Ranks may run out at different times; all must run the same number of
@@ -187,9 +189,19 @@ class Trainer:
             out = self.task(self.model, self._local(batch))
             loss_sum += float(out.loss_sum)
             tokens += out.num_tokens
+            for name, (value, count) in out.metrics.items():
+                acc = extra.setdefault(name, [0.0, 0])
+                acc[0] += float(value)
+                acc[1] += count
         self.model.train()
-        total_loss, total_tokens = all_reduce_values([loss_sum, tokens], group=self.loss_group)
-        return total_loss / total_tokens if total_tokens else None
+        names = sorted(extra)
+        total_loss, total_tokens, *totals = all_reduce_values(
+            [loss_sum, tokens, *(v for name in names for v in extra[name])], group=self.loss_group)
+        if not total_tokens:
+            return {}
+        result = {"eval_loss": total_loss / total_tokens}
+        result.update({f"eval_{name}": totals[2 * i] / max(totals[2 * i + 1], 1) for i, name in enumerate(names)})
+        return result
 
     def run_step(self) -> dict[str, float]:
         """One optimizer step plus what follows it: metrics, eval and checkpoint when due."""
@@ -210,7 +222,7 @@ class Trainer:
             peak_mem_gb=peak_mem, step_time_s=slowest, tokens_seen=self.tokens_seen,
         )
         if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
-            metrics["eval_loss"] = self.evaluate()
+            metrics.update(self.evaluate())
             self._last_eval_step = self.step
         self.reporter.log(self.step, metrics)
         self.checkpoints.poll()
@@ -240,9 +252,9 @@ class Trainer:
     def finish(self) -> None:
         cfg = self.cfg
         if self._last_eval_step != self.step:
-            eval_loss = self.evaluate()
-            if eval_loss is not None:
-                self.reporter.log(self.step, {"eval_loss": eval_loss})
+            eval_metrics = self.evaluate()
+            if eval_metrics:
+                self.reporter.log(self.step, eval_metrics)
         if cfg.checkpoint.save_final and self._last_saved_step != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()

@@ -1,0 +1,51 @@
+"""Language modelling with multi-token prediction: next-token plus weighted next-2-token CE.
+
+For models whose ``forward(..., mtp=True)`` returns ``(logits, mtp_logits)``, where row i of
+``mtp_logits`` predicts token i+2 of the same sample (DeepSeek-V3 / VWN MTP of depth 1).
+
+Normalisation: the training loss is ``(sum CE_ntp + w * sum CE_mtp) / N`` with N the step's
+global count of next-token targets, the one count the step already all-reduces, so FSDP and
+gradient-accumulation parity hold unchanged. A sample of length L has L-1 next-token but L-2
+next-2-token targets, so the MTP term's effective weight is ``w * N_mtp / N`` (slightly below
+w). The reported ``loss_ntp`` and ``loss_mtp`` are exact means over their own targets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veomni.train.tasks import IGNORE_INDEX, LanguageModelingTask, LossOutput
+
+
+def next_two_token_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Targets two ahead: ``labels[i + 1]`` where i+1 is in i's sample, else -100.
+
+    ``labels`` are already shifted by one (next token within the sample, -100 at its end).
+    """
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:-1] = labels[1:]
+    out[cu_seqlens[1:].long() - 1] = IGNORE_INDEX  # a sample's last row: i+1 is another sample
+    return out
+
+
+class MultiTokenLMTask(LanguageModelingTask):
+    """Next-token CE plus ``mtp_weight`` x next-2-token CE; both reported as metrics."""
+
+    def __init__(self, mtp_weight: float) -> None:
+        self.mtp_weight = float(mtp_weight)
+
+    def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
+        logits, mtp_logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
+                                   batch["max_seqlen"], mtp=True)
+        mtp_labels = next_two_token_labels(batch["labels"], batch["cu_seqlens"])
+        ntp = F.cross_entropy(logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
+        mtp = F.cross_entropy(mtp_logits.float(), mtp_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        num_tokens = self.count_tokens(batch)
+        return LossOutput(
+            loss_sum=ntp + self.mtp_weight * mtp,
+            num_tokens=num_tokens,
+            metrics={"loss_ntp": (ntp.detach(), num_tokens),
+                     "loss_mtp": (mtp.detach(), int((mtp_labels != IGNORE_INDEX).sum()))},
+        )
