@@ -71,7 +71,7 @@ def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: Par
     sp_rank = meshes.sp.get_local_rank()
     record = {"loss": [], "grads": [], "metrics": []}
     for micro_batches in micro_batches_per_step:
-        batches = [shard_batch(pack_samples(samples), sp_rank, dims.sp) for samples in micro_batches]
+        batches = [shard_batch(task.prepare(pack_samples(samples)), sp_rank, dims.sp) for samples in micro_batches]
         metrics = forward_backward(model, task, batches, meshes.loss.get_group(), dims.loss_size, dims.sp)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({k: v for k, v in metrics.items() if k.startswith(("loss_", "moe/"))})

@@ -52,9 +52,12 @@ class VWNLM(nn.Module):
         return self.embed_expand(e) if self.embed_expand is not None else e
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, mtp: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                max_seqlen: int, mtp: bool = False,
+                next_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Packed forward. ``mtp=True`` also returns next-2-token logits: row i predicts token i+2
-        of the same sample (rows at a sample's last position are meaningless and must be masked)."""
+        of the same sample (rows at a sample's last position are meaningless and must be masked).
+        ``next_ids`` (token i+1 for row i) defaults to the row shifted by one; pass it when the
+        row is a slice of a longer one (sequence parallelism), whose next token lies outside."""
         seq = SeqInfo(cu_seqlens, int(max_seqlen))
         h = self.embed(input_ids)
         inv_freq = rope_inv_freq(self.config.dim_per_head, self.config.rope_theta, self.config.rope_scaling,
@@ -69,7 +72,8 @@ class VWNLM(nn.Module):
             raise ValueError("mtp=True needs a model built with mtp: true")
         # Token i+1 feeds row i; a sample's last row gets the next sample's first token, which
         # cannot leak: attention stays inside the sample and that row's target is masked.
-        next_ids = torch.cat([input_ids[1:], input_ids[-1:]])
+        if next_ids is None:
+            next_ids = torch.cat([input_ids[1:], input_ids[-1:]])
         return logits, self.lm_head(self.mtp(h, self.embed(next_ids), cos, sin, seq))
 
     def training_task(self) -> Task:

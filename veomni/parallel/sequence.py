@@ -30,20 +30,22 @@ from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.plan import ParallelPlan, match_modules
 
 IGNORE_INDEX = -100
-_SLICED_KEYS = ("input_ids", "labels", "position_ids")
 
 
 def shard_batch(batch: dict[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
-    """This rank's slice of a packed row; ``cu_seqlens``/``max_seqlen`` stay global."""
+    """This rank's slice of every per-token tensor of a packed row (``input_ids``, ``labels``,
+    ``position_ids`` and whatever a task's ``prepare`` added); ``cu_seqlens``/``max_seqlen``
+    stay global. Padding is -100 in label tensors (names containing "labels"), 0 elsewhere."""
     total = batch["input_ids"].numel()
     padded = math.ceil(total / sp_size) * sp_size
     local = padded // sp_size
     out = dict(batch)
-    pad_values = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": 0}
-    for key in _SLICED_KEYS:
-        value = batch[key]
+    for key, value in batch.items():
+        if key == "cu_seqlens" or not torch.is_tensor(value) or value.shape[:1] != (total,):
+            continue
         if padded > total:
-            value = torch.cat([value, value.new_full((padded - total,), pad_values[key])])
+            fill = IGNORE_INDEX if "labels" in key else 0
+            value = torch.cat([value, value.new_full((padded - total, *value.shape[1:]), fill)])
         out[key] = value[sp_rank * local:(sp_rank + 1) * local]
     return out
 

@@ -36,10 +36,20 @@ class MultiTokenLMTask(LanguageModelingTask):
     def __init__(self, mtp_weight: float) -> None:
         self.mtp_weight = float(mtp_weight)
 
+    def prepare(self, batch: dict) -> dict:
+        """Look-ahead tensors from the whole row, so a sequence-parallel slice sees its
+        neighbour's first tokens: the next-2 targets, and the next token feeding each row's MTP
+        input (the label itself, where the row has one)."""
+        labels = batch["labels"]
+        return {**batch, "mtp_labels": next_two_token_labels(labels, batch["cu_seqlens"]),
+                "mtp_next_ids": torch.where(labels == IGNORE_INDEX, batch["input_ids"], labels)}
+
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
+        if "mtp_labels" not in batch:
+            batch = self.prepare(batch)
         logits, mtp_logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
-                                   batch["max_seqlen"], mtp=True)
-        mtp_labels = next_two_token_labels(batch["labels"], batch["cu_seqlens"])
+                                   batch["max_seqlen"], mtp=True, next_ids=batch["mtp_next_ids"])
+        mtp_labels = batch["mtp_labels"]
         ntp = F.cross_entropy(logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
         mtp = F.cross_entropy(mtp_logits.float(), mtp_labels, ignore_index=IGNORE_INDEX, reduction="sum")
         num_tokens = self.count_tokens(batch)

@@ -29,6 +29,11 @@ class LossOutput:
 
 
 class Task(Protocol):
+    def prepare(self, batch: dict) -> dict:
+        """Add per-token tensors that need the whole packed row (e.g. targets that look ahead),
+        before sequence parallelism cuts the row into slices."""
+        ...
+
     def count_tokens(self, batch: dict) -> int: ...
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput: ...
@@ -36,6 +41,9 @@ class Task(Protocol):
 
 class LanguageModelingTask:
     """Next-token cross entropy on a packed row; labels already shifted, -100 = no target."""
+
+    def prepare(self, batch: dict) -> dict:
+        return batch
 
     def count_tokens(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())

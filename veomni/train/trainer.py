@@ -155,6 +155,7 @@ class Trainer:
     # ----- steps ------------------------------------------------------------------------
     def _local(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of a loader batch (its sequence slice under SP), on the device."""
+        batch = self.task.prepare(batch)
         if self.dims.sp > 1:
             batch = shard_batch(batch, self.sp_rank, self.dims.sp)
         return _to_device(batch, self.device)
