@@ -1,6 +1,8 @@
-# Sourced by train.sh and test.sh: create or reuse .venv and activate it.
+# Sourced by train.sh and test.sh: create or reuse .venv and activate it. The caller's shell
+# options are restored at the end, so sourcing it by hand leaves no `set -e` behind.
 # torch==2.13.0 goes in first and is pinned through a constraints file, so no later
 # requirement can pull a different (multi-GB CUDA) build over it.
+_VEOMNI_CALLER_OPTS="$(set +o)"
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VEOMNI_VENV:-$REPO_ROOT/.venv}"
@@ -31,3 +33,5 @@ flock -u 9
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}"
+eval "$_VEOMNI_CALLER_OPTS"
+unset _VEOMNI_CALLER_OPTS
