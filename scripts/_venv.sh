@@ -2,7 +2,9 @@
 # options are restored at the end, so sourcing it by hand leaves no `set -e` behind.
 # torch==2.13.0 goes in first and is pinned through a constraints file, so no later
 # requirement can pull a different (multi-GB CUDA) build over it.
-_VEOMNI_CALLER_OPTS="$(set +o)"
+# (Recorded here, not through $(set +o): a command substitution runs without errexit.)
+_VEOMNI_FLAGS="$-"
+if [[ -o pipefail ]]; then _VEOMNI_PIPEFAIL=1; else _VEOMNI_PIPEFAIL=0; fi
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VEOMNI_VENV:-$REPO_ROOT/.venv}"
@@ -33,5 +35,7 @@ flock -u 9
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}"
-eval "$_VEOMNI_CALLER_OPTS"
-unset _VEOMNI_CALLER_OPTS
+case "$_VEOMNI_FLAGS" in *e*) set -e ;; *) set +e ;; esac
+case "$_VEOMNI_FLAGS" in *u*) set -u ;; *) set +u ;; esac
+if [ "$_VEOMNI_PIPEFAIL" = 1 ]; then set -o pipefail; else set +o pipefail; fi
+unset _VEOMNI_FLAGS _VEOMNI_PIPEFAIL
