@@ -125,16 +125,16 @@ class VWNLM(nn.Module):
     def flops_breakdown(self, seq_lens: Sequence[int]) -> dict[str, float]:
         """Forward + backward model FLOPs of one packed micro-batch, by part.
 
-        Matmuls count ``6 * weights * tokens`` (the ``DecoderLM`` convention, attention as
-        non-causal squares, element-wise ops ignored); each DGHC adds its token-dependent map
-        matmuls (``GeneralizedHyperConnection.training_flops_per_token``).
+        Matmuls count ``6 * weights * tokens`` and attention its causal pairs (the ``DecoderLM``
+        convention; element-wise ops ignored); each DGHC adds its token-dependent map matmuls
+        (``GeneralizedHyperConnection.training_flops_per_token``).
         """
         cfg = self.config
         tokens = sum(seq_lens)
         d, wide, hidden = cfg.block_dim, cfg.wide_dim, cfg.hidden_size
         q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
         block = hidden * (2 * q + 2 * kv) + 3 * hidden * cfg.intermediate_size
-        attention_per_block = 12 * cfg.num_heads * cfg.dim_per_head * sum(n * n for n in seq_lens)
+        attention_per_block = 12 * cfg.num_heads * cfg.dim_per_head * sum(n * (n + 1) // 2 for n in seq_lens)
         hc = self.layers[0].attn_hc
         hc_per_block = 2 * hc.training_flops_per_token() * tokens if hc is not None else 0
         reduce = wide * hidden if cfg.hyper_connections else 0
