@@ -39,32 +39,33 @@ _HF_CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
-# (our regex, HF template); applied to the name before its final ".weight" / ".bias".
-_RULES = (
-    (r"embed_tokens", "model.embed_tokens"),
-    (r"norm", "model.norm"),
-    (r"lm_head", "lm_head"),
-    (r"layers\.(\d+)\.attn_norm", r"model.layers.\1.input_layernorm"),
-    (r"layers\.(\d+)\.mlp_norm", r"model.layers.\1.post_attention_layernorm"),
-    (r"layers\.(\d+)\.attn\.([qkvo]_proj|[qk]_norm)", r"model.layers.\1.self_attn.\2"),
-    (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)", r"model.layers.\1.mlp.\2"),
-    (r"layers\.(\d+)\.mlp\.router", r"model.layers.\1.mlp.gate"),
-    (r"layers\.(\d+)\.mlp\.(experts|shared_expert\.(?:gate|up|down)_proj|shared_expert_gate)",
-     r"model.layers.\1.mlp.\2"),
+# One table, both directions: (our module path, HF module path, alternatives for {p}). ``{i}`` is
+# the layer index; ``{p}`` one of the alternatives. Applied to the name before its final
+# ".weight" / ".bias".
+_NAME_MAP = (
+    ("embed_tokens", "model.embed_tokens", None),
+    ("norm", "model.norm", None),
+    ("lm_head", "lm_head", None),
+    ("layers.{i}.attn_norm", "model.layers.{i}.input_layernorm", None),
+    ("layers.{i}.mlp_norm", "model.layers.{i}.post_attention_layernorm", None),
+    ("layers.{i}.attn.{p}", "model.layers.{i}.self_attn.{p}", r"[qkvo]_proj|[qk]_norm"),
+    ("layers.{i}.mlp.{p}", "model.layers.{i}.mlp.{p}", r"gate_proj|up_proj|down_proj"),
+    ("layers.{i}.mlp.router", "model.layers.{i}.mlp.gate", None),
+    ("layers.{i}.mlp.{p}", "model.layers.{i}.mlp.{p}",
+     r"experts|shared_expert\.(?:gate|up|down)_proj|shared_expert_gate"),
 )
-# The inverse of _RULES.
-_INVERSE = (
-    (r"model\.embed_tokens", "embed_tokens"),
-    (r"model\.norm", "norm"),
-    (r"lm_head", "lm_head"),
-    (r"model\.layers\.(\d+)\.input_layernorm", r"layers.\1.attn_norm"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm", r"layers.\1.mlp_norm"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)", r"layers.\1.attn.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)", r"layers.\1.mlp.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.gate", r"layers.\1.mlp.router"),
-    (r"model\.layers\.(\d+)\.mlp\.(experts|shared_expert\.(?:gate|up|down)_proj|shared_expert_gate)",
-     r"layers.\1.mlp.\2"),
-)
+
+
+def _rule(source: str, target: str, alternatives: str | None) -> tuple[str, str]:
+    """(regex over ``source`` paths, ``re.sub`` template producing ``target`` paths)."""
+    pattern = re.escape(source).replace(re.escape("{i}"), r"(\d+)")
+    pattern = pattern.replace(re.escape("{p}"), f"({alternatives})")
+    return pattern, target.replace("{i}", r"\1").replace("{p}", r"\2")
+
+
+_RULES = tuple(_rule(ours, hf, alt) for ours, hf, alt in _NAME_MAP)
+_INVERSE = tuple(_rule(hf, ours, alt) for ours, hf, alt in _NAME_MAP)
+
 # Buffers some older HF checkpoints carry; they hold no learned state.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -67,15 +67,12 @@ def check_sequence_parallel(model: nn.Module, sp_size: int) -> list[str]:
     modules = match_modules(model, plan.attention)
     if not modules:
         return [f"parallel.sp={sp_size}: the model's plan declares no attention modules to run sequence-parallel"]
-    problems = []
-    for name, module in modules[:1]:  # all attention modules of a model share their head counts
-        heads, kv_heads = module.num_heads, module.num_kv_heads
-        if heads % sp_size:
-            problems.append(f"parallel.sp={sp_size} does not divide the {heads} attention heads of {name}; "
-                            f"use a divisor of {heads}")
-        else:
-            kv_repeat_factor(heads, kv_heads, sp_size)
-    return problems
+    name, module = modules[0]  # all attention modules of a model share their head counts
+    if module.num_heads % sp_size:
+        return [f"parallel.sp={sp_size} does not divide the {module.num_heads} attention heads of {name}; "
+                f"use a divisor of {module.num_heads}"]
+    kv_repeat_factor(module.num_heads, module.num_kv_heads, sp_size)  # raises if no K/V layout fits
+    return []
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
