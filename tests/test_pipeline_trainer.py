@@ -1,0 +1,77 @@
+"""The trainer driving pipeline schedules: same losses as one process, checkpoints that move
+between pipeline sizes, and bad pipeline settings rejected before any work."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import run_distributed
+from tests.trainer_utils import tiny_run_config
+from veomni.config.schema import ParallelConfig
+from veomni.parallel.pipeline_plan import PipelineConfigError, check_pipeline
+from veomni.train.trainer import Trainer
+
+
+def _config(tmp: str, pp: int, schedule: str = "1F1B", **train):
+    cfg = tiny_run_config(Path(tmp), grad_accum=4, **train)
+    cfg.model.options.update(num_layers=4, tie_embeddings=False)
+    cfg.parallel = ParallelConfig(pp=pp, pp_schedule=schedule)
+    return cfg
+
+
+def _train(rank, world, tmp, pp, schedule, optimizer):
+    history = Trainer(_config(tmp, pp, schedule, max_steps=3, optimizer=optimizer)).train()
+    return [m["loss"] for m in history if "loss" in m], [m["grad_norm"] for m in history if "grad_norm" in m]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_trainer_pp2_matches_one_process(tmp_path, schedule):
+    """Same seed, data and steps (SGD, clipping on): losses and clipped grad norms agree."""
+    ref_loss, ref_norm = run_distributed(_train, 1, str(tmp_path / "a"), 1, "1F1B", "sgd")[0]
+    for loss, norm in run_distributed(_train, 2, str(tmp_path / "b"), 2, schedule, "sgd"):
+        assert loss == pytest.approx(ref_loss, abs=1e-5)
+        assert norm == pytest.approx(ref_norm, abs=1e-5)
+
+
+def _losses_and_eval(rank, world, tmp, pp, max_steps):
+    trainer = Trainer(_config(tmp, pp, max_steps=max_steps))
+    history = trainer.train()
+    return [m["loss"] for m in history if "loss" in m], trainer.evaluate()["eval_loss"], trainer.step
+
+
+def _three_steps_then_stop(rank, world, tmp):
+    trainer = Trainer(_config(tmp, 2, max_steps=5))
+    for _ in range(3):  # checkpoint.interval=3 saves after the third; the run then "dies"
+        trainer.run_step()
+
+
+def test_checkpoint_moves_between_pipeline_sizes(tmp_path):
+    """Saved at pp=2 after 3 of 5 steps (AdamW), resumed at pp=1 and pp=4: the last two losses
+    and the final eval loss equal those of the uninterrupted pp=2 run."""
+    full, full_eval, _ = run_distributed(_losses_and_eval, 2, str(tmp_path / "full"), 2, 5)[0]
+    saved = tmp_path / "saved"
+    run_distributed(_three_steps_then_stop, 2, str(saved))
+    for pp in (1, 4):
+        resumed = tmp_path / f"pp{pp}"
+        shutil.copytree(saved, resumed)
+        losses, eval_loss, step = run_distributed(_losses_and_eval, pp, str(resumed), pp, 5)[0]
+        assert step == 5
+        assert losses == pytest.approx(full[3:], abs=1e-5), f"pp=2 -> pp={pp}"
+        assert eval_loss == pytest.approx(full_eval, abs=1e-5)
+
+
+@pytest.mark.parametrize("settings, grad_accum, blocks, message", [
+    (dict(pp=4), 4, 2, "only 2 blocks"),
+    (dict(pp=2, pp_schedule="1F1B"), 1, 4, "at least as many micro-batches as stages"),
+    (dict(pp=2, pp_schedule="DualPipeV"), 2, 8, "DualPipeV needs at least as many micro-batches"),
+    (dict(pp=2, pp_schedule="Interleaved1F1B"), 5, 8, "multiple of its rounds"),
+    (dict(pp=2, pp_microbatches=4), 6, 4, "do not divide into parallel.pp_microbatches=4"),
+    (dict(pp=2, pp_schedule="GPipe", pp_virtual_stages=2), 2, 4, "runs one stage per rank"),
+    (dict(pp=2, pp_schedule="ZBVZeroBubble", pp_virtual_stages=3), 2, 8, "exactly 2 stages per rank"),
+    (dict(pp=2, pp_layer_split=[1, 2]), 2, 4, "sums to 3 but the model has 4 blocks"),
+    (dict(pp=2, sp=2), 2, 4, "parallel.sp"),
+])
+def test_bad_pipeline_settings_fail_with_a_clear_message(settings, grad_accum, blocks, message):
+    with pytest.raises(PipelineConfigError, match=message):
+        check_pipeline(ParallelConfig(**settings), grad_accum, num_blocks=blocks)
