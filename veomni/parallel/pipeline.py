@@ -96,9 +96,6 @@ def cut_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     """Turn ``model`` (in place) into global stage ``stage`` of ``len(counts)``; returns it."""
     plan = model.parallel_plan()
     piece, blocks = _container(model, plan)
-    if getattr(getattr(model, "config", None), "tie_embeddings", False) and len(counts) > 1:
-        raise PipelineConfigError("tie_embeddings shares the embedding with the head, which sit on different "
-                                  "pipeline stages; set model.tie_embeddings=false or parallel.pp=1")
     start = sum(counts[:stage])
     prefix = len(piece) + 1
     kept = {name[prefix:]: block for name, block in blocks[start:start + counts[stage]]}
@@ -158,17 +155,29 @@ def empty_row(device: torch.device) -> dict[str, Any]:
             "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device=device), "max_seqlen": 1}
 
 
-def check_pipeline_task(task: Any, model: nn.Module, cfg: Any) -> None:
-    """Pipelines compute the loss from the last stage's output alone (``task.output_loss``) and
-    carry no per-layer side losses; reject what needs more, before the first step."""
-    if not hasattr(task, "output_loss"):
-        raise PipelineConfigError(f"parallel.pp={cfg.parallel.pp}: the task {type(task).__name__} has no "
-                                  "output_loss(output, labels), so it cannot run on a pipeline's last stage; "
-                                  "set parallel.pp=1")
-    if getattr(getattr(model, "config", None), "is_moe", False):
+def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int) -> None:
+    """Everything about a pipeline that can be checked on the (meta) model before any worker
+    starts: the settings against its block count, and what stage cutting cannot handle."""
+    if cfg.pp == 1:
+        return
+    _, blocks = _container(model, model.parallel_plan())
+    check_pipeline(cfg, grad_accum, num_blocks=len(blocks))
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_embeddings", False):
+        raise PipelineConfigError("model.tie_embeddings shares the embedding with the head, which sit on different "
+                                  "pipeline stages; set model.tie_embeddings=false or parallel.pp=1")
+    if getattr(config, "is_moe", False):
         raise PipelineConfigError("parallel.pp > 1 with a mixture-of-experts model is not supported yet (the "
                                   "per-layer auxiliary losses and expert loads live on every stage); set "
                                   "parallel.pp=1")
+
+
+def check_pipeline_task(task: Any, cfg: ParallelConfig) -> None:
+    """Pipelines compute the loss from the last stage's output alone (``task.output_loss``)."""
+    if cfg.pp > 1 and not hasattr(task, "output_loss"):
+        raise PipelineConfigError(f"parallel.pp={cfg.pp}: the task {type(task).__name__} has no "
+                                  "output_loss(output, labels), so it cannot run on a pipeline's last stage; "
+                                  "set parallel.pp=1")
 
 
 class Pipeline:
@@ -281,8 +290,7 @@ def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Modu
     one process (see ``materialize.py``)."""
     with torch.device("meta"):
         probe = build()
-    _, blocks = _container(probe, probe.parallel_plan())
-    check_pipeline(cfg, grad_accum, num_blocks=len(blocks))
+    check_pipeline_model(probe, cfg, grad_accum)
     counts = stage_block_counts(probe, cfg)
     indices = stage_ids(pp_mesh.get_local_rank(), cfg.pp, virtual_stages(cfg), cfg.pp_schedule)
     logger.info("pipeline %s: %d stages with %s blocks; this rank runs stages %s", cfg.pp_schedule, len(counts),

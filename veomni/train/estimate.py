@@ -88,6 +88,14 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
         ("total", est.total_gb),
     ]
+    if dims.pp > 1:  # each rank holds only its stages: the per-pipeline-rank table replaces the totals
+        from veomni.train.estimate_pipeline import pipeline_memory_lines
+
+        compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
+                              (cfg.parallel.mixed_precision == "auto" and "GPU" in device_desc)) else 4
+        memory_lines = pipeline_memory_lines(cfg, dims, compute_bytes)
+    else:
+        memory_lines = ["memory / rank (estimate, GiB):", *(f"  {name:<42}{value:10.2f}" for name, value in memory)]
     lines = [
         f"layout        {dims.describe()}",
         f"devices       {device_desc}",
@@ -97,7 +105,6 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         *est.model_lines,
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} tokens x "
         f"{dims.dp_size} dp ranks = {step_tokens:,} tokens",
-        "memory / rank (estimate, GiB):",
-        *(f"  {name:<42}{value:10.2f}" for name, value in memory),
+        *memory_lines,
     ]
     return "\n".join(lines)

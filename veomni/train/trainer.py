@@ -75,8 +75,7 @@ class Trainer:
             self.parts = [self.model]
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.task = task or task_for_model(self.model)  # a model may declare its task (e.g. with MTP)
-        if self.pipeline is not None:
-            check_pipeline_task(self.task, self.model, cfg)
+        check_pipeline_task(self.task, cfg.parallel)
         self.optimizer = build_optimizer(self.parts, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
 
