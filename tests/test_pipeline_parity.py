@@ -37,24 +37,24 @@ def split(samples: list, pieces: int) -> list[list]:
     return [samples[i * size:(i + 1) * size] for i in range(pieces)]
 
 
-def build(options: dict):
+def build(options: dict, arch: str = "llm"):
     torch.manual_seed(0)  # as tests.parity_utils.tiny_model: the constructor draws from the RNG too
-    return build_model("llm", {**TINY_LLM, **options})[1]
+    return build_model(arch, {**TINY_LLM, **options})[1]
 
 
 def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbatches: int,
-                       options: dict = OPTIONS, lr: float = 0.5) -> dict:
+                       options: dict = OPTIONS, lr: float = 0.5, arch: str = "llm") -> dict:
     """The pipelined twin of ``parity_utils.run_steps``: this rank's data share (by dp rank) cut
     into ``microbatches`` micro-batches, SGD, records of this rank's stages only."""
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     task = LanguageModelingTask()
-    pipe = build_pipeline(lambda: build(options), lambda m: m.init_weights(),
+    pipe = build_pipeline(lambda: build(options, arch), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, microbatches, meshes.pp,
                           torch.device("cpu"), task.output_loss)
     optimizer = build_optimizer(pipe.parts, TrainConfig(optimizer="sgd", lr=lr, weight_decay=0.0))
     with torch.device("meta"):
-        flops_model = build(options)
+        flops_model = build(options, arch)
     record = {"loss": [], "grads": [], "metrics": [], "grad_norm": []}
     for samples in global_steps():
         mine = samples[meshes.dp_rank::dims.dp_size]
@@ -86,9 +86,9 @@ def merged(records: list[dict]) -> dict:
     return out
 
 
-def _reference(rank, world, options):
-    rec = run_steps([[samples] for samples in global_steps()], options=options)
-    model = build(options)
+def _reference(rank, world, options, arch="llm"):
+    rec = run_steps([[samples] for samples in global_steps()], options=options, arch=arch)
+    model = build(options, arch)
     return rec, sorted(n for n, _ in model.named_parameters())
 
 
@@ -118,12 +118,45 @@ def test_pp2_explicit_uneven_split(reference):
     check(reference, run_distributed(run_pipeline_steps, 2, parallel, 2))
 
 
-def test_pp2_x_fsdp2_matches_single_process(reference):
-    parallel = ParallelConfig(pp=2, pp_schedule="Interleaved1F1B")
-    records = run_distributed(run_pipeline_steps, 4, parallel, 2)
-    check(reference, records)
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_pp2_x_fsdp2_matches_single_process(reference, schedule):
+    """4 ranks: 2 pipeline ranks, each an FSDP group of 2 reading different halves of the data;
+    ZBV also checks that deferred weight gradients reach FSDP's reduce-scatter."""
+    parallel = ParallelConfig(pp=2, pp_schedule=schedule)
+    check(reference, run_distributed(run_pipeline_steps, 4, parallel, 2))
 
 
-def test_pp4_1f1b_matches_single_process(reference):
-    parallel = ParallelConfig(pp=4, pp_schedule="1F1B")
-    check(reference, run_distributed(run_pipeline_steps, 4, parallel, 4))
+DEEP = dict(OPTIONS, num_layers=8)
+
+
+@pytest.fixture(scope="module")
+def deep_reference():
+    return run_distributed(_reference, 1, DEEP)[0]
+
+
+@pytest.mark.parametrize("schedule, microbatches", [
+    ("GPipe", 4), ("1F1B", 4), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4),
+    ("DualPipeV", 8),
+])
+def test_pp4_matches_single_process(deep_reference, schedule, microbatches):
+    """8 blocks over 4 pipeline ranks (8 stages for the two-stage-per-rank schedules)."""
+    parallel = ParallelConfig(pp=4, pp_schedule=schedule)
+    check(deep_reference, run_distributed(run_pipeline_steps, 4, parallel, microbatches, DEEP))
+
+VWN = dict(OPTIONS, vwn_m=2, vwn_n=6, factorized_embedding=True)
+"""Virtual Width Network, r = 3: stages pass the wide hyper-connection state (T, n, D/m) on."""
+
+
+@pytest.mark.parametrize("schedule, microbatches", [("1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_vwn_pp2_carries_the_wide_state(schedule, microbatches):
+    reference = run_distributed(_reference, 1, VWN, "vwn")[0]
+    parallel = ParallelConfig(pp=2, pp_schedule=schedule)
+    check(reference, run_distributed(run_pipeline_steps, 2, parallel, microbatches, VWN, 0.5, "vwn"))
+
+
+def test_vwn_with_mtp_is_rejected():
+    from veomni.parallel.pipeline import check_pipeline_model
+    from veomni.parallel.pipeline_plan import PipelineConfigError
+
+    with pytest.raises(PipelineConfigError, match="outside the pipelined container"):
+        check_pipeline_model(build({**VWN, "mtp": True}, "vwn"), ParallelConfig(pp=2), 2)

@@ -1,6 +1,7 @@
 """The trainer driving pipeline schedules: same losses as one process, checkpoints that move
 between pipeline sizes, and bad pipeline settings rejected before any work."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -75,3 +76,38 @@ def test_checkpoint_moves_between_pipeline_sizes(tmp_path):
 def test_bad_pipeline_settings_fail_with_a_clear_message(settings, grad_accum, blocks, message):
     with pytest.raises(PipelineConfigError, match=message):
         check_pipeline(ParallelConfig(**settings), grad_accum, num_blocks=blocks)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["--model.num_layers", "3", "--parallel.pp", "4"], 4, "4 pipeline stages .* only 3 blocks"),
+    (["--parallel.pp_schedule", "DualPipeV", "--train.grad_accum", "2"], 2,
+     "DualPipeV needs at least as many micro-batches as stages"),
+    (["--parallel.pp_microbatches", "3"], 2, "train.grad_accum=4 loader micro-batches do not divide"),
+    (["--model.tie_embeddings", "true"], 2, "tie_embeddings"),
+    (["--parallel.pp", "3"], 4, "parallel.pp=3 must be >= 1 and divide the world size 4"),
+])
+def test_launcher_rejects_bad_pipelines_before_any_worker(capsys, overrides, world, message):
+    from veomni.launch import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "tiny_llm_pp.yaml"
+    assert main([str(recipe), "--dry-run", "--world-size", str(world), *overrides]) == 2
+    out = capsys.readouterr()
+    assert re.search(message, out.out + out.err), out.out[-2000:] + out.err
+
+
+def test_llama3_70b_pipeline_dry_run_reports_every_stage(capsys):
+    """The full-size recipe plans at 128 GPUs: one memory line per pipeline rank, whose
+    parameters add up to the model's (every block on exactly one stage)."""
+    from veomni.launch import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "llama3" / "llama3_70b_pp.yaml"
+    assert main([str(recipe), "--dry-run", "--world-size", "128", "--gpus"]) == 0
+    out = capsys.readouterr().out
+    total = int(re.search(r"parameters\s+([\d,]+)", out).group(1).replace(",", ""))
+    assert total == 70_553_706_496  # Llama-3-70B
+    rows = re.findall(r"^\s+(\d)\s+(\d+),(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$",
+                      out, flags=re.M)
+    assert [int(r[0]) for r in rows] == list(range(8))
+    assert sum(int(r[3]) for r in rows) == 80
+    assert sum(float(r[4]) for r in rows) == pytest.approx(total / 1e9, abs=0.01)
+    assert all(float(r[9]) < 80 for r in rows), "a pipeline rank would not fit an 80 GB GPU"

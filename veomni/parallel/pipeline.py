@@ -35,13 +35,13 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from veomni.config.schema import ParallelConfig
+from veomni.data.packing import IGNORE_INDEX
 from veomni.parallel.materialize import build_sharded_parts
 from veomni.parallel.pipeline_plan import (PipelineConfigError, balanced_split, check_pipeline, microbatch_count,
                                            stage_ids, virtual_stages)
 from veomni.parallel.plan import ParallelPlan, match_modules
 
 logger = logging.getLogger(__name__)
-IGNORE_INDEX = -100
 
 
 class StageBlocks(nn.Module):

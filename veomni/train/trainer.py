@@ -261,10 +261,11 @@ class Trainer:
         self.step += 1
         self.tokens_seen += metrics["tokens"]
         elapsed = self._timer.lap()
-        # The stop flag rides on this all-reduce so every rank learns of a signal at the same step.
+        # The stop flag rides on this all-reduce so every rank learns of a signal at the same step
+        # (over the world: with pipelines the loss group leaves out the other stages).
         peak_mem, slowest, stop = all_reduce_values(
             [peak_memory_gb(self.device), elapsed, float(self._signal_received is not None)],
-            op=dist.ReduceOp.MAX, group=self.loss_group)
+            op=dist.ReduceOp.MAX)
         world = self.dims.world_size
         metrics.update(
             tokens_per_s=metrics["tokens"] / slowest,
