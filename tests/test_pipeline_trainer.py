@@ -111,3 +111,20 @@ def test_llama3_70b_pipeline_dry_run_reports_every_stage(capsys):
     assert sum(int(r[3]) for r in rows) == 80
     assert sum(float(r[4]) for r in rows) == pytest.approx(total / 1e9, abs=0.01)
     assert all(float(r[9]) < 80 for r in rows), "a pipeline rank would not fit an 80 GB GPU"
+
+
+def test_pipeline_quickstart_recipe_trains_end_to_end(tmp_path):
+    """The pp=2 quick start through train.sh (CI-sized model): steps, eval, checkpoint."""
+    import json
+
+    from tests.test_launch import SMALL, train_sh
+
+    out = tmp_path / "run"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "tiny_llm_pp.yaml"
+    result = train_sh(str(recipe), *SMALL, "--data.tokens_per_micro_batch", "256", "--train.max_steps", "2",
+                      "--train.output_dir", str(out), "--checkpoint.interval", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pp=2 (pipeline stages" in result.stderr and "1F1B: 2 stages with [1, 1] blocks" in result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("eval_loss" in r for r in records)
+    assert (out / "checkpoints" / "step_00000002" / "complete.json").is_file()
