@@ -113,16 +113,24 @@ def test_pp2_matches_single_process(reference, schedule, microbatches):
     check(reference, run_distributed(run_pipeline_steps, 2, parallel, microbatches))
 
 
+@pytest.mark.parametrize("schedule, checkpointing", [("ZBVZeroBubble", "full"), ("1F1B", "selective")])
+def test_pp2_with_activation_checkpointing(reference, schedule, checkpointing):
+    """(Selective checkpointing cannot run the zero-bubble split backward: rejected at config time.)"""
+    parallel = ParallelConfig(pp=2, pp_schedule=schedule, activation_checkpointing=checkpointing)
+    check(reference, run_distributed(run_pipeline_steps, 2, parallel, 2))
+
+
 def test_pp2_explicit_uneven_split(reference):
     parallel = ParallelConfig(pp=2, pp_schedule="1F1B", pp_layer_split=[1, 3])
     check(reference, run_distributed(run_pipeline_steps, 2, parallel, 2))
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
-def test_pp2_x_fsdp2_matches_single_process(reference, schedule):
-    """4 ranks: 2 pipeline ranks, each an FSDP group of 2 reading different halves of the data;
-    ZBV also checks that deferred weight gradients reach FSDP's reduce-scatter."""
-    parallel = ParallelConfig(pp=2, pp_schedule=schedule)
+@pytest.mark.parametrize("schedule, dp_replicate", [("1F1B", 1), ("Interleaved1F1B", 1), ("ZBVZeroBubble", 1),
+                                                    ("1F1B", 2)], ids=["1f1b", "interleaved", "zbv", "1f1b-hsdp"])
+def test_pp2_x_fsdp2_matches_single_process(reference, schedule, dp_replicate):
+    """4 ranks: 2 pipeline ranks, each an FSDP (or HSDP 2x1) group of 2 reading different halves
+    of the data; ZBV also checks that deferred weight gradients reach FSDP's reduce-scatter."""
+    parallel = ParallelConfig(pp=2, pp_schedule=schedule, dp_replicate=dp_replicate)
     check(reference, run_distributed(run_pipeline_steps, 4, parallel, 2))
 
 

@@ -56,6 +56,11 @@ def check_pipeline(cfg: ParallelConfig, grad_accum: int, num_blocks: int | None 
     if schedule in V_SCHEDULES and v != 2:
         raise PipelineConfigError(f"parallel.pp_schedule={schedule} needs exactly 2 stages per rank (a V), got "
                                   f"parallel.pp_virtual_stages={v}; set it to 2 (or 0)")
+    if schedule in SPLIT_BACKWARD_SCHEDULES and cfg.activation_checkpointing == "selective":
+        raise PipelineConfigError(
+            f"parallel.pp_schedule={schedule} runs backward in two passes (input, then weight gradients) and "
+            "selective activation checkpointing allows one backward per region; use "
+            "parallel.activation_checkpointing full or none, or a schedule without zero bubble")
     if cfg.pp_microbatches < 0:
         raise PipelineConfigError(f"parallel.pp_microbatches={cfg.pp_microbatches} must be >= 0 "
                                   "(0 = train.grad_accum)")
