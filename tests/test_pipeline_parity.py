@@ -161,14 +161,23 @@ MOE = dict(OPTIONS, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=
 """Sigmoid router with a shared expert, load-balance and z losses and aux-loss-free bias updates."""
 
 
-def _moe_reference(rank, world, dp_size, microbatches):
+def _moe_reference(rank, world, dp_size, microbatches, options=MOE, arch="llm"):
     """One process whose micro-batch i is the union of every data-parallel rank's micro-batch i
     in the pipelined run: the auxiliary losses are per (global) micro-batch."""
     steps = []
     for samples in global_steps():
         per_rank = [split(samples[r::dp_size], microbatches) for r in range(dp_size)]
         steps.append([sum((pieces[i] for pieces in per_rank), []) for i in range(microbatches)])
-    return run_steps(steps, options=MOE)
+    return run_steps(steps, options=options, arch=arch)
+
+
+def check_moe(reference, records):
+    assert all(m["moe/bias_update_abs_mean"] > 0 for m in reference["metrics"])  # the biases do move
+    got = merged(records)
+    assert_records_close(reference, got, atol=2e-6)
+    for ref_m, got_m in zip(reference["metrics"], got["metrics"]):
+        assert got_m["moe/tokens_per_expert"] == ref_m["moe/tokens_per_expert"]
+        assert abs(got_m["moe/aux_loss"] - ref_m["moe/aux_loss"]) < 1e-6
 
 
 @pytest.mark.parametrize("world, parallel", [
@@ -181,15 +190,8 @@ def test_moe_pipeline_matches_single_process(world, parallel):
     """Every stage's auxiliary losses join backward, padding of the fixed-size rows is not
     routed, each stage's router biases move from its own layers' global load, and the metrics
     gather all layers in order; pp=2 x ep=2 runs 2 pipeline ranks of 2 expert-parallel ranks."""
-    dp_size = world // parallel.pp
-    reference = run_distributed(_moe_reference, 1, dp_size, 2)[0]
-    assert all(m["moe/bias_update_abs_mean"] > 0 for m in reference["metrics"])  # the biases do move
-    records = run_distributed(run_pipeline_steps, world, parallel, 2, MOE)
-    got = merged(records)
-    assert_records_close(reference, got, atol=2e-6)
-    for ref_m, got_m in zip(reference["metrics"], got["metrics"]):
-        assert got_m["moe/tokens_per_expert"] == ref_m["moe/tokens_per_expert"]
-        assert abs(got_m["moe/aux_loss"] - ref_m["moe/aux_loss"]) < 1e-6
+    reference = run_distributed(_moe_reference, 1, world // parallel.pp, 2)[0]
+    check_moe(reference, run_distributed(run_pipeline_steps, world, parallel, 2, MOE))
 
 
 VWN = dict(OPTIONS, vwn_m=2, vwn_n=6, factorized_embedding=True)
@@ -201,6 +203,14 @@ def test_vwn_pp2_carries_the_wide_state(schedule, microbatches):
     reference = run_distributed(_reference, 1, VWN, "vwn")[0]
     parallel = ParallelConfig(pp=2, pp_schedule=schedule)
     check(reference, run_distributed(run_pipeline_steps, 2, parallel, microbatches, VWN, 0.5, "vwn"))
+
+
+def test_vwn_moe_pp2_matches_single_process():
+    """A VWN over an MoE backbone pipelines like the decoder: the wide state travels, every
+    stage's MoE losses join backward."""
+    options = {**VWN, **{k: v for k, v in MOE.items() if k not in OPTIONS}}
+    reference = run_distributed(_moe_reference, 1, 1, 2, options, "vwn")[0]
+    check_moe(reference, run_distributed(run_pipeline_steps, 2, ParallelConfig(pp=2), 2, options, 0.5, "vwn"))
 
 
 def test_vwn_with_mtp_is_rejected():
