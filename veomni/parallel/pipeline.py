@@ -18,6 +18,8 @@ as keyword inputs; only hidden states travel between stages.
 Loss. The last stage computes each micro-batch's summed token loss times ``scale`` (the caller's
 ``loss_size / global_tokens``, the same normalisation as without pipelining) and the schedule
 runs with ``scale_grads=False``, so gradients equal the one-process gradients of the step.
+MoE models also tie each stage's auxiliary losses to its output and sum its expert loads,
+through the stage-output hook ``step`` accepts (``veomni/train/moe_stats.PipelineMoEStats``).
 """
 
 from __future__ import annotations
