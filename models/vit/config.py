@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.common.encoder import HIDDEN_ACTS
+
 MERGE_MODES = ("avg", "concat")
-HIDDEN_ACTS = ("gelu", "quick_gelu")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 

@@ -14,64 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.ops.attention import SeqInfo, bidirectional_varlen_attention
-from veomni.ops.rope import apply_rope, rope_2d_cos_sin
+from models.common.encoder import EncoderBlock, init_encoder_weights
+from veomni.ops.attention import SeqInfo
+from veomni.ops.rope import rope_2d_cos_sin
 from veomni.parallel.plan import ParallelPlan
 
 from .config import ViTConfig
 from .processing import patch_positions
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-_ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": _quick_gelu}
-
-
-class VisionAttention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection, 2D RoPE on q and k."""
-
-    def __init__(self, cfg: ViTConfig) -> None:
-        super().__init__()
-        self.num_heads = self.num_kv_heads = cfg.num_heads
-        self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.attn_fn = bidirectional_varlen_attention
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rope(q, k, cos, sin)
-        out = self.attn_fn(q, k, v, seq)
-        return self.proj(out.reshape(tokens, self.num_heads * self.head_dim))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, cfg: ViTConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    """Pre-norm (LayerNorm) residual block: attention then MLP."""
-
-    def __init__(self, cfg: ViTConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = VisionAttention(cfg)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = VisionMLP(cfg)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, seq)
-        return x + self.mlp(self.norm2(x))
 
 
 class MergeAdapter(nn.Module):
@@ -99,7 +48,10 @@ class NativeResolutionViT(nn.Module):
         cfg.validate()
         self.config = cfg
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(
+            EncoderBlock(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.hidden_act, cfg.norm_eps)
+            for _ in range(cfg.num_layers)
+        )
         self.merger = MergeAdapter(cfg)
 
     def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -152,13 +104,7 @@ class NativeResolutionViT(nn.Module):
         Reproducible: the same generator state (or global seed when None) gives the same
         weights, in ``named_modules()`` order. The generator must live on the parameters' device.
         """
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, self.config.init_std, generator=seed_generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+        init_encoder_weights(self, self.config.init_std, seed_generator)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -175,7 +121,7 @@ class NativeResolutionViT(nn.Module):
         patches = int(grid.prod(dim=-1).sum())
         frame_sizes = (grid[:, 1] * grid[:, 2]).repeat_interleave(grid[:, 0])
         pairs = int((frame_sizes * frame_sizes).sum())
-        block = 4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size
+        block = EncoderBlock.matmul_params(cfg.hidden_size, cfg.intermediate_size)
         per_patch = cfg.patch_dim * cfg.hidden_size + cfg.num_layers * block
         adapter = cfg.merged_dim * cfg.adapter_width + cfg.adapter_width * cfg.out_hidden_size
         merged = patches // cfg.merge_size**2
