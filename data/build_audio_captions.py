@@ -22,7 +22,8 @@ indices ``0..E-1`` and train the following ones, so the splits never share a cli
 and, for eval, the majority-class baseline. Splits are written to a temporary sibling folder
 and renamed into place; a file lock lets concurrent launchers wait for one builder.
 
-    python data/build_audio_captions.py --train-out data/cache/audio_captions/train --eval-out data/cache/audio_captions/eval
+    python data/build_audio_captions.py --train-out data/cache/audio_captions/train \\
+        --eval-out data/cache/audio_captions/eval
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _faded(signal: np.ndarray) -> np.ndarray:
     fade = min(int(FADE_S * SAMPLE_RATE), signal.shape[0] // 2)
     ramp = np.linspace(0.0, 1.0, fade)
     signal[:fade] *= ramp
-    signal[signal.shape[0] - fade:] *= ramp[::-1]
+    signal[signal.shape[0] - fade :] *= ramp[::-1]
     return signal
 
 
@@ -105,8 +106,11 @@ def make_sound(rng: np.random.Generator) -> tuple[np.ndarray, str, str, dict]:
     elif kind == "noise":
         count = int(rng.integers(1, 4))
         amplitude = rng.uniform(0.2, 0.5)
-        sound = _events(rng, lambda: _faded(amplitude * rng.uniform(-1, 1, int(rng.uniform(0.1, 0.2) * SAMPLE_RATE))),
-                        count)
+        sound = _events(
+            rng,
+            lambda: _faded(amplitude * rng.uniform(-1, 1, int(rng.uniform(0.1, 0.2) * SAMPLE_RATE))),
+            count,
+        )
         noun = "burst" if count == 1 else "bursts"
         caption, attributes = f"{COUNT_WORDS[count]} {noun} of noise.", {"count": count}
     else:
@@ -123,10 +127,16 @@ def make_sound(rng: np.random.Generator) -> tuple[np.ndarray, str, str, dict]:
 def sample_record(index: int, seed: int) -> tuple[dict, str, str, float]:
     """The webdataset record of sample ``index``, its kind, caption and duration in seconds."""
     wave, kind, caption, attributes = make_sound(np.random.default_rng([seed, index]))
-    meta = {"messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": caption}],
-            "question_type": kind, "attributes": attributes}
-    record = {"__key__": f"audio_{index:07d}", "wav": encode_wav(wave, SAMPLE_RATE),
-              "json": json.dumps(meta).encode()}
+    meta = {
+        "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": caption}],
+        "question_type": kind,
+        "attributes": attributes,
+    }
+    record = {
+        "__key__": f"audio_{index:07d}",
+        "wav": encode_wav(wave, SAMPLE_RATE),
+        "json": json.dumps(meta).encode(),
+    }
     return record, kind, caption, wave.shape[0] / SAMPLE_RATE
 
 
@@ -161,17 +171,25 @@ def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str,
             writer.write(record)
             captions[kind][caption] += 1
             seconds += duration
-    manifest = {"samples": count, "format_version": FORMAT_VERSION, "seed": seed, "first_index": first_index,
-                "sample_rate": SAMPLE_RATE, "seconds": round(seconds, 2),
-                "shards": len(list(tmp.glob("*.tar"))),
-                "captions": {kind: dict(sorted(c.items())) for kind, c in captions.items()}}
+    manifest = {
+        "samples": count,
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "first_index": first_index,
+        "sample_rate": SAMPLE_RATE,
+        "seconds": round(seconds, 2),
+        "shards": len(list(tmp.glob("*.tar"))),
+        "captions": {kind: dict(sorted(c.items())) for kind, c in captions.items()},
+    }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     clear_stale(out)
     tmp.rename(out)
     return captions
 
 
-def majority_baseline(train: dict[str, Counter], held_out: dict[str, Counter]) -> dict[str, tuple[str, float]]:
+def majority_baseline(
+    train: dict[str, Counter], held_out: dict[str, Counter]
+) -> dict[str, tuple[str, float]]:
     """Per kind: the most common training caption and the held-out accuracy of always giving
     it when the kind is known (what a model that only tells the kinds apart reaches); and
     "overall": the most common training caption, always given."""
@@ -192,11 +210,14 @@ def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_s
     train = write_split(train_out, eval_samples, train_samples, seed)
     baseline = majority_baseline(train, held_out)
     manifest = json.loads((eval_out / MANIFEST).read_text())
-    manifest["majority_baseline"] = {kind: {"caption": c, "accuracy": acc} for kind, (c, acc) in baseline.items()}
+    manifest["majority_baseline"] = {
+        kind: {"caption": c, "accuracy": acc} for kind, (c, acc) in baseline.items()
+    }
     tmp = eval_out / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.replace(eval_out / MANIFEST)
-    print(f"{train_out}: {train_samples} clips; {eval_out}: {eval_samples} clips ({time.perf_counter() - start:.1f}s)")
+    elapsed = time.perf_counter() - start
+    print(f"{train_out}: {train_samples} clips; {eval_out}: {eval_samples} clips ({elapsed:.1f}s)")
     print("majority-caption baseline on the held-out split (per kind, and overall):")
     for kind, (caption, acc) in baseline.items():
         print(f"  {kind:<7} always {caption!r:<24} {acc:6.1%}")

@@ -34,9 +34,22 @@ def build(root: Path, seed: int = 1234) -> None:
 
 def run_builder_cli(train: Path, eval_: Path) -> str:
     result = subprocess.run(
-        [sys.executable, str(BUILDER), "--train-out", str(train), "--eval-out", str(eval_),
-         "--train-samples", "48", "--eval-samples", "16"],
-        capture_output=True, text=True, check=True, timeout=120,
+        [
+            sys.executable,
+            str(BUILDER),
+            "--train-out",
+            str(train),
+            "--eval-out",
+            str(eval_),
+            "--train-samples",
+            "48",
+            "--eval-samples",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     return result.stdout
 
@@ -84,7 +97,10 @@ def check_caption(sample: dict) -> None:
     elif kind == "chirp":
         start, end = events[0]
         third = (end - start) // 3
-        first, last = _dominant_hz(wave[start:start + third], rate), _dominant_hz(wave[end - third:end], rate)
+        first, last = (
+            _dominant_hz(wave[start : start + third], rate),
+            _dominant_hz(wave[end - third : end], rate),
+        )
         assert (first < last) == (words[1] == "rising"), caption
     else:  # noise bursts or beeps: count the events
         assert len(events) == COUNTS[words[0]], caption
@@ -117,4 +133,6 @@ def test_builder_is_deterministic_with_disjoint_truthful_splits(tmp_path) -> Non
 
     build(tmp_path / "c", seed=7)
     other = read_split(tmp_path / "c" / "eval")
-    assert other.keys() == splits["eval"].keys() and all(other[k]["wav"] != splits["eval"][k]["wav"] for k in other)
+    assert other.keys() == splits["eval"].keys() and all(
+        other[k]["wav"] != splits["eval"][k]["wav"] for k in other
+    )

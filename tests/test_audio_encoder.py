@@ -18,8 +18,15 @@ ATOL = 1e-6
 
 
 def tiny_config(**overrides) -> AudioEncoderConfig:
-    base = dict(n_mels=16, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, out_hidden_size=24,
-                init_std=0.1)
+    base = dict(
+        n_mels=16,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=64,
+        out_hidden_size=24,
+        init_std=0.1,
+    )
     return AudioEncoderConfig(**{**base, **overrides})
 
 
@@ -145,14 +152,17 @@ def test_init_is_deterministic_and_meta_build_matches() -> None:
     assert [n for n, _ in match_modules(eager, eager.parallel_plan().blocks)] == ["blocks.0", "blocks.1"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(hidden_size=30, num_heads=4), "divisible by num_heads"),
-    (dict(hidden_size=36, num_heads=4), "even"),
-    (dict(conv_strides=(2, 3)), "conv_strides"),
-    (dict(hidden_act="tanh"), "hidden_act"),
-    (dict(hop_length=500), "hop_length"),
-    (dict(n_mels=0), "n_mels"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hidden_size=30, num_heads=4), "divisible by num_heads"),
+        (dict(hidden_size=36, num_heads=4), "even"),
+        (dict(conv_strides=(2, 3)), "conv_strides"),
+        (dict(hidden_act="tanh"), "hidden_act"),
+        (dict(hop_length=500), "hop_length"),
+        (dict(n_mels=0), "n_mels"),
+    ],
+)
 def test_config_errors_name_the_field(overrides, message) -> None:
     with pytest.raises(ValueError, match=message):
         tiny_config(**overrides).validate()

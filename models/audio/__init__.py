@@ -4,5 +4,11 @@ from .config import AudioEncoderConfig
 from .model import AudioEncoder
 from .processing import decode_wav, encode_wav, num_feature_frames, waveform_to_features
 
-__all__ = ["AudioEncoder", "AudioEncoderConfig", "decode_wav", "encode_wav", "num_feature_frames",
-           "waveform_to_features"]
+__all__ = [
+    "AudioEncoder",
+    "AudioEncoderConfig",
+    "decode_wav",
+    "encode_wav",
+    "num_feature_frames",
+    "waveform_to_features",
+]

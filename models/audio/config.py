@@ -44,18 +44,35 @@ class AudioEncoderConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field(s) of the first impossible combination."""
-        for name in ("n_mels", "hidden_size", "num_layers", "num_heads", "intermediate_size", "out_hidden_size",
-                     "sample_rate", "n_fft", "hop_length"):
+        for name in (
+            "n_mels",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "out_hidden_size",
+            "sample_rate",
+            "n_fft",
+            "hop_length",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if len(self.conv_strides) != 2 or any(not isinstance(s, int) or s not in (1, 2) for s in self.conv_strides):
-            raise ValueError(f"conv_strides must be two strides of 1 or 2 (downsample 1, 2 or 4), "
-                             f"got {self.conv_strides!r}")
+        if len(self.conv_strides) != 2 or any(
+            not isinstance(s, int) or s not in (1, 2) for s in self.conv_strides
+        ):
+            raise ValueError(
+                f"conv_strides must be two strides of 1 or 2 (downsample 1, 2 or 4), "
+                f"got {self.conv_strides!r}"
+            )
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim = hidden_size / num_heads = {self.head_dim} must be even (RoPE rotates pairs)")
+            raise ValueError(
+                f"head_dim = hidden_size / num_heads = {self.head_dim} must be even (RoPE rotates pairs)"
+            )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.hop_length > self.n_fft:

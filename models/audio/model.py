@@ -32,9 +32,12 @@ class AudioEncoder(nn.Module):
         super().__init__()
         cfg.validate()
         self.config = cfg
-        self.conv1 = nn.Conv1d(cfg.n_mels, cfg.hidden_size, KERNEL, stride=cfg.conv_strides[0], padding=KERNEL // 2)
-        self.conv2 = nn.Conv1d(cfg.hidden_size, cfg.hidden_size, KERNEL, stride=cfg.conv_strides[1],
-                               padding=KERNEL // 2)
+        self.conv1 = nn.Conv1d(
+            cfg.n_mels, cfg.hidden_size, KERNEL, stride=cfg.conv_strides[0], padding=KERNEL // 2
+        )
+        self.conv2 = nn.Conv1d(
+            cfg.hidden_size, cfg.hidden_size, KERNEL, stride=cfg.conv_strides[1], padding=KERNEL // 2
+        )
         self.blocks = nn.ModuleList(
             EncoderBlock(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.hidden_act, cfg.norm_eps)
             for _ in range(cfg.num_layers)
@@ -54,7 +57,9 @@ class AudioEncoder(nn.Module):
         hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # [B, L2, d]
         x = hidden[self._valid(out_lengths, hidden.shape[1], hidden.device)]  # packed, clip after clip
         positions = torch.cat([torch.arange(n, device=x.device) for n in out_lengths.tolist()])
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, device=x.device), x.dtype)
+        cos, sin = rope_cos_sin(
+            positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, device=x.device), x.dtype
+        )
         cu_seqlens = F.pad(out_lengths.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
         seq = SeqInfo(cu_seqlens, int(out_lengths.max()))
         for block in self.blocks:
@@ -64,10 +69,14 @@ class AudioEncoder(nn.Module):
     def _checked_lengths(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
         if lengths.ndim != 1 or lengths.numel() == 0 or (lengths <= 0).any():
-            raise ValueError(f"lengths must be a non-empty 1-D tensor of positive frame counts, got {lengths.tolist()}")
+            raise ValueError(
+                f"lengths must be a non-empty 1-D tensor of positive frame counts, got {lengths.tolist()}"
+            )
         if features.ndim != 2 or features.shape != (int(lengths.sum()), self.config.n_mels):
-            raise ValueError(f"features must be [{int(lengths.sum())}, {self.config.n_mels}] (sum of lengths, n_mels), "
-                             f"got {tuple(features.shape)}")
+            raise ValueError(
+                f"features must be [{int(lengths.sum())}, {self.config.n_mels}] (sum of lengths, n_mels), "
+                f"got {tuple(features.shape)}"
+            )
         return lengths
 
     @staticmethod
@@ -112,7 +121,9 @@ class AudioEncoder(nn.Module):
         after_conv1, tokens = self._conv_lengths(lengths)
         conv1 = cfg.n_mels * KERNEL * cfg.hidden_size * int(after_conv1.sum())
         conv2 = cfg.hidden_size * KERNEL * cfg.hidden_size * int(tokens.sum())
-        per_token = cfg.num_layers * EncoderBlock.matmul_params(cfg.hidden_size, cfg.intermediate_size) \
+        per_token = (
+            cfg.num_layers * EncoderBlock.matmul_params(cfg.hidden_size, cfg.intermediate_size)
             + cfg.hidden_size * cfg.out_hidden_size
+        )
         attention = 12 * cfg.num_layers * cfg.hidden_size * int((tokens * tokens).sum())
         return float(6 * (conv1 + conv2 + per_token * int(tokens.sum())) + attention)

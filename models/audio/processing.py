@@ -19,9 +19,15 @@ from transformers.audio_utils import mel_filter_bank, spectrogram, window_functi
 
 @functools.lru_cache(maxsize=8)
 def _mel_filters(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
-    return mel_filter_bank(num_frequency_bins=n_fft // 2 + 1, num_mel_filters=n_mels, min_frequency=0.0,
-                           max_frequency=sample_rate / 2, sampling_rate=sample_rate, norm="slaney",
-                           mel_scale="slaney")
+    return mel_filter_bank(
+        num_frequency_bins=n_fft // 2 + 1,
+        num_mel_filters=n_mels,
+        min_frequency=0.0,
+        max_frequency=sample_rate / 2,
+        sampling_rate=sample_rate,
+        norm="slaney",
+        mel_scale="slaney",
+    )
 
 
 def num_feature_frames(num_samples: int, hop_length: int = 160) -> int:
@@ -43,12 +49,21 @@ def waveform_to_features(
     """
     samples = wave.detach().cpu().numpy() if torch.is_tensor(wave) else np.asarray(wave)
     if samples.ndim != 1:
-        raise ValueError(f"expected a mono waveform [samples], got shape {samples.shape}; average the channels first")
+        raise ValueError(
+            f"expected a mono waveform [samples], got shape {samples.shape}; average the channels first"
+        )
     if samples.shape[0] <= n_fft // 2:
         raise ValueError(f"a clip needs more than n_fft // 2 = {n_fft // 2} samples, got {samples.shape[0]}")
-    power = spectrogram(samples.astype(np.float64), window_function(n_fft, "hann"), frame_length=n_fft,
-                        hop_length=hop_length, power=2.0, mel_filters=_mel_filters(sample_rate, n_fft, n_mels),
-                        log_mel="log10", dtype=np.float64)  # [n_mels, frames]
+    power = spectrogram(
+        samples.astype(np.float64),
+        window_function(n_fft, "hann"),
+        frame_length=n_fft,
+        hop_length=hop_length,
+        power=2.0,
+        mel_filters=_mel_filters(sample_rate, n_fft, n_mels),
+        log_mel="log10",
+        dtype=np.float64,
+    )  # [n_mels, frames]
     power = np.maximum(power, power.max() - 8.0)
     features = torch.from_numpy(((power + 4.0) / 4.0).T.astype(np.float32)).contiguous()
     return features, features.shape[0]

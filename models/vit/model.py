@@ -74,15 +74,21 @@ class NativeResolutionViT(nn.Module):
         cfg = self.config
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.long)
         if grid_thw.ndim != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
-            raise ValueError(f"grid_thw must be [num_images, 3] (t, h, w) with at least one row, got "
-                             f"{tuple(grid_thw.shape)}")
+            raise ValueError(
+                f"grid_thw must be [num_images, 3] (t, h, w) with at least one row, got "
+                f"{tuple(grid_thw.shape)}"
+            )
         if (grid_thw <= 0).any() or (grid_thw[:, 1:] % cfg.merge_size).any():
-            raise ValueError(f"grid_thw rows need t, h, w > 0 and h, w divisible by merge_size={cfg.merge_size}, "
-                             f"got {grid_thw.tolist()}")
+            raise ValueError(
+                f"grid_thw rows need t, h, w > 0 and h, w divisible by merge_size={cfg.merge_size}, "
+                f"got {grid_thw.tolist()}"
+            )
         expected = int(grid_thw.prod(dim=1).sum())
         if patches.ndim != 2 or patches.shape != (expected, cfg.patch_dim):
-            raise ValueError(f"patches must be [{expected}, {cfg.patch_dim}] for grid_thw {grid_thw.tolist()}, "
-                             f"got {tuple(patches.shape)}")
+            raise ValueError(
+                f"patches must be [{expected}, {cfg.patch_dim}] for grid_thw {grid_thw.tolist()}, "
+                f"got {tuple(patches.shape)}"
+            )
         return grid_thw
 
     def num_output_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
