@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.audio import AudioEncoder, AudioEncoderConfig, decode_wav, encode_wav, waveform_to_features
+from models.audio import (
+    AudioEncoder,
+    AudioEncoderConfig,
+    decode_wav,
+    encode_wav,
+    wav_to_features,
+    waveform_to_features,
+)
 from veomni.parallel.plan import match_modules
 
 LENGTHS = [13, 7, 20, 1, 9]  # frames; 1 and odd lengths exercise the ceil of each stride
@@ -74,6 +81,18 @@ def test_wav_round_trip_is_within_16_bit_rounding() -> None:
     decoded, rate = decode_wav(encode_wav(wave, 16000))
     assert rate == 16000 and decoded.shape == wave.shape
     assert np.abs(decoded - wave).max() < 2 / 32768
+
+
+def test_wav_to_features_uses_the_encoder_settings_and_limits() -> None:
+    cfg = AudioEncoderConfig(n_mels=40, max_frames=60)
+    data = encode_wav(_tone(500.0, 0.5), 16000)
+    features, frames = wav_to_features(data, cfg)
+    samples, _ = decode_wav(data)
+    assert torch.equal(features, waveform_to_features(samples, 16000, n_mels=40)[0]) and frames == 51
+    with pytest.raises(ValueError, match="8000 Hz"):
+        wav_to_features(encode_wav(_tone(500.0, 0.5, rate=8000), 8000), cfg)
+    with pytest.raises(ValueError, match="max_frames=60"):
+        wav_to_features(encode_wav(_tone(500.0, 0.7), 16000), cfg)
 
 
 @pytest.mark.parametrize("strides", [(2, 2), (1, 2), (1, 1)])

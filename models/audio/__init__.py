@@ -2,7 +2,7 @@
 
 from .config import AudioEncoderConfig
 from .model import AudioEncoder
-from .processing import decode_wav, encode_wav, num_feature_frames, waveform_to_features
+from .processing import decode_wav, encode_wav, num_feature_frames, wav_to_features, waveform_to_features
 
 __all__ = [
     "AudioEncoder",
@@ -10,5 +10,6 @@ __all__ = [
     "decode_wav",
     "encode_wav",
     "num_feature_frames",
+    "wav_to_features",
     "waveform_to_features",
 ]

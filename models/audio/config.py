@@ -32,6 +32,8 @@ class AudioEncoderConfig:
     sample_rate: int = 16000
     n_fft: int = 400
     hop_length: int = 160
+    max_frames: int = 3000
+    """Longest clip in feature frames (3000 = 30 s at a 10 ms hop); longer clips are refused."""
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +56,7 @@ class AudioEncoderConfig:
             "sample_rate",
             "n_fft",
             "hop_length",
+            "max_frames",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

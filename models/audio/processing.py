@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
+from .config import AudioEncoderConfig
+
 
 @functools.lru_cache(maxsize=8)
 def _mel_filters(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
@@ -90,3 +92,20 @@ def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
         pcm = np.frombuffer(reader.readframes(reader.getnframes()), dtype="<i2")
     samples = pcm.reshape(-1, channels).mean(axis=1) / 32768.0
     return samples.astype(np.float32), rate
+
+
+def wav_to_features(data: bytes, cfg: AudioEncoderConfig) -> tuple[torch.Tensor, int]:
+    """One WAV file's bytes -> ``waveform_to_features`` with the encoder's settings.
+
+    Raises ``ValueError`` when the file's sample rate is not ``cfg.sample_rate`` (resample it
+    offline) or the clip is longer than ``cfg.max_frames`` (cut it into shorter clips).
+    """
+    samples, rate = decode_wav(data)
+    if rate != cfg.sample_rate:
+        raise ValueError(
+            f"audio sampled at {rate} Hz; the encoder expects {cfg.sample_rate} Hz (resample it first)"
+        )
+    frames = num_feature_frames(samples.shape[0], cfg.hop_length)
+    if frames > cfg.max_frames:
+        raise ValueError(f"clip of {frames} frames is longer than max_frames={cfg.max_frames}; cut it first")
+    return waveform_to_features(samples, rate, cfg.n_mels, cfg.n_fft, cfg.hop_length)
