@@ -1,8 +1,9 @@
-"""Packed variable-length causal attention.
+"""Packed variable-length attention, causal (decoders) or bidirectional (encoders).
 
 Tokens of several samples are packed into one row ``[T, H, D]``; ``SeqInfo.cu_seqlens`` holds
-the sample boundaries. Attention is causal within a sample and never crosses samples; tokens
-after ``cu_seqlens[-1]`` are padding and get a zero output without being computed.
+the sample boundaries. Attention is causal within a sample (``bidirectional_varlen_attention``:
+full within a sample) and never crosses samples; tokens after ``cu_seqlens[-1]`` are padding
+and get a zero output without being computed.
 
 The kernel is picked per call: on CUDA in half precision, a real varlen kernel
 (``torch.nn.attention.varlen.varlen_attn``, else ``flash_attn``); everywhere else an exact
@@ -34,19 +35,21 @@ class SeqInfo(NamedTuple):
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SeqInfo], torch.Tensor]
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SeqInfo, bool], torch.Tensor]
 
 
 @functools.cache
-def _cuda_varlen_kernel() -> AttentionFn | None:
-    """The first available CUDA varlen kernel (flash attention needs sm80+), or None."""
+def _cuda_varlen_kernel() -> VarlenKernel | None:
+    """The first available CUDA varlen kernel ``(q, k, v, seq, causal)`` (flash attention needs
+    sm80+), or None."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         return None
     if torch.backends.cuda.is_flash_attention_available():
         from torch.nn.attention.varlen import varlen_attn
 
-        def torch_varlen(q, k, v, seq):
+        def torch_varlen(q, k, v, seq, causal):
             cu, n = seq.cu_seqlens, seq.max_seqlen
-            return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0), enable_gqa=True)
+            return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0 if causal else -1), enable_gqa=True)
 
         return torch_varlen
     try:
@@ -54,37 +57,52 @@ def _cuda_varlen_kernel() -> AttentionFn | None:
     except ImportError:
         return None
 
-    def flash_varlen(q, k, v, seq):
+    def flash_varlen(q, k, v, seq, causal):
         cu, n = seq.cu_seqlens, seq.max_seqlen
-        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
+        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=causal)
 
     return flash_varlen
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-    """Causal attention within each packed sample: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, causal: bool = True
+) -> torch.Tensor:
+    """Attention within each packed sample: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
-    GQA: ``Hq`` must be a multiple of ``Hkv``. This is the default ``attn_fn`` of attention
-    modules; parallel recipes wrap or replace it.
+    GQA: ``Hq`` must be a multiple of ``Hkv``. This is the default ``attn_fn`` of decoder
+    attention modules; parallel recipes wrap or replace it.
     """
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         kernel = _cuda_varlen_kernel()
         if kernel is not None:
             # Varlen kernels leave padding rows uninitialised; zero them without a host sync.
             is_token = torch.arange(q.shape[0], device=q.device) < seq.cu_seqlens[-1]
-            return torch.where(is_token[:, None, None], kernel(q, k, v, seq), 0.0)
-    return sdpa_varlen_attention(q, k, v, seq)
+            return torch.where(is_token[:, None, None], kernel(q, k, v, seq, causal), 0.0)
+    return sdpa_varlen_attention(q, k, v, seq, causal=causal)
+
+
+def bidirectional_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo
+) -> torch.Tensor:
+    """Full (non-causal) attention within each packed sample, never across samples: the
+    default ``attn_fn`` of encoder attention modules (one sample = one image or video frame)."""
+    return varlen_attention(q, k, v, seq, causal=False)
 
 
 def sdpa_varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, block_diagonal: bool | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq: SeqInfo,
+    block_diagonal: bool | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Exact fallback built on ``F.scaled_dot_product_attention``.
 
-    Two strategies give the same result: one causal SDPA call per sample (no wasted compute,
-    but a Python loop), or one SDPA call over the whole row with a block-diagonal causal mask
-    (one kernel, but computes the masked-out cross-sample scores). ``block_diagonal=None``
-    picks by the rule above; tests force each path.
+    Two strategies give the same result: one SDPA call per sample (no wasted compute, but a
+    Python loop), or one SDPA call over the whole row with a block-diagonal mask (one kernel,
+    but computes the masked-out cross-sample scores). ``block_diagonal=None`` picks by the
+    rule above; tests force each path.
     """
     bounds = seq.cu_seqlens.tolist()
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
@@ -93,33 +111,37 @@ def sdpa_varlen_attention(
         work = used * used * q.shape[1] * q.shape[2]
         block_diagonal = work <= BLOCK_DIAGONAL_WORK_PER_SAMPLE * len(lengths)
     if block_diagonal:
-        out = _block_diagonal(q[:used], k[:used], v[:used], lengths)
+        out = _block_diagonal(q[:used], k[:used], v[:used], lengths, causal)
     else:
-        out = torch.cat([_causal(q[a:b], k[a:b], v[a:b]) for a, b in itertools.pairwise(bounds)])
+        out = torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], causal) for a, b in itertools.pairwise(bounds)])
     if used < q.shape[0]:
         out = torch.cat([out, out.new_zeros(q.shape[0] - used, *out.shape[1:])])
     return out
 
 
-def _causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """SDPA on one [L, H, D] segment; causal unless an explicit mask is given."""
+    """SDPA on one [L, H, D] segment; an explicit mask replaces ``causal``."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
-        is_causal=mask is None,
+        is_causal=causal and mask is None,
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
 
 
-def _block_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def _block_diagonal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool
+) -> torch.Tensor:
     sample = torch.repeat_interleave(
         torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
     )
-    pos = torch.arange(q.shape[0], device=q.device)
-    mask = (sample[:, None] == sample[None, :]) & (pos[:, None] >= pos[None, :])
-    return _causal(q, k, v, mask)
+    mask = sample[:, None] == sample[None, :]
+    if causal:
+        pos = torch.arange(q.shape[0], device=q.device)
+        mask = mask & (pos[:, None] >= pos[None, :])
+    return _sdpa(q, k, v, causal, mask)

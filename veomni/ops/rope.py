@@ -60,6 +60,25 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rope_2d_cos_sin(
+    positions_hw: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Axial 2D RoPE for image patches: ``cos, sin`` [N, head_dim] from (row, col) ``positions_hw`` [N, 2].
+
+    Each rotated pair of dims turns with either the row or the column: the first quarter of
+    the frequency slots uses rows, the second quarter columns, both with the ``head_dim // 2``
+    frequencies of ``rope_inv_freq``; then the halves are duplicated for rotate-half, as in
+    ``rope_cos_sin``. So ``q . k`` depends only on the (row, col) offset between two patches.
+    This is the layout of Qwen2-VL's vision tower. ``head_dim`` must be a multiple of 4.
+    """
+    if head_dim % 4:
+        raise ValueError(f"2D RoPE needs head_dim divisible by 4 (a rotated pair per axis), got {head_dim}")
+    inv_freq = rope_inv_freq(head_dim // 2, theta, device=positions_hw.device)
+    freqs = (positions_hw[..., None].float() * inv_freq).flatten(-2)  # [N, 2 * head_dim / 4]: rows, then cols
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,1 @@
+"""Building blocks shared by several model families (encoder transformer blocks)."""

@@ -1,0 +1,135 @@
+"""Native-resolution ViT (Seed-ViT style): packed variable-size images, 2D RoPE, 2x2 merge adapter.
+
+Images of different sizes are packed into one row of patches (``processing.py`` fixes the
+order); attention runs within each image, or each video frame, and never across them (the
+``attn_fn`` injection point, default ``bidirectional_varlen_attention``). Each patch is
+rotated by its (row, col) in its image. After the last block, every ``merge_size x merge_size``
+group of neighbouring patches is pooled into one token and a 2-layer MLP maps it to the LLM
+width. Plain single-device PyTorch; the engine parallelises it through ``parallel_plan()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.encoder import EncoderBlock, init_encoder_weights
+from veomni.ops.attention import SeqInfo
+from veomni.ops.rope import rope_2d_cos_sin
+from veomni.parallel.plan import ParallelPlan
+
+from .config import ViTConfig
+from .processing import patch_positions
+
+
+class MergeAdapter(nn.Module):
+    """LayerNorm, pool each ``m * m`` group of consecutive patches (mean or concat), 2-layer MLP."""
+
+    def __init__(self, cfg: ViTConfig) -> None:
+        super().__init__()
+        self.group = cfg.merge_size**2
+        self.mode = cfg.merge_mode
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.fc1 = nn.Linear(cfg.merged_dim, cfg.adapter_width)
+        self.fc2 = nn.Linear(cfg.adapter_width, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.norm(x).view(-1, self.group, x.shape[-1])
+        merged = groups.mean(dim=1) if self.mode == "avg" else groups.flatten(1)
+        return self.fc2(F.gelu(self.fc1(merged)))
+
+
+class NativeResolutionViT(nn.Module):
+    """Packed patches [N, C*p*p] of images/videos with ``grid_thw`` [n, 3] -> [N / m^2, out_hidden_size]."""
+
+    def __init__(self, cfg: ViTConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.hidden_act, cfg.norm_eps)
+            for _ in range(cfg.num_layers)
+        )
+        self.merger = MergeAdapter(cfg)
+
+    def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Attention segments are single frames: an image, or one frame of a video (its frames
+        are tied together later, by the LLM, through the time index; see docs/vit.md)."""
+        cfg = self.config
+        grid_thw = self._checked_grid(patches, grid_thw)
+        x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
+        positions = patch_positions(grid_thw, cfg.merge_size).to(x.device)
+        cos, sin = rope_2d_cos_sin(positions[:, 1:], cfg.head_dim, cfg.rope_theta, x.dtype)
+        frame_sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
+        cu_seqlens = F.pad(frame_sizes.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
+        seq = SeqInfo(cu_seqlens, int(frame_sizes.max()))
+        for block in self.blocks:
+            x = block(x, cos, sin, seq)
+        return self.merger(x)
+
+    def _checked_grid(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``grid_thw`` as int64 [n, 3]; ValueError naming what does not fit the patches."""
+        cfg = self.config
+        grid_thw = torch.as_tensor(grid_thw, dtype=torch.long)
+        if grid_thw.ndim != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
+            raise ValueError(
+                f"grid_thw must be [num_images, 3] (t, h, w) with at least one row, got "
+                f"{tuple(grid_thw.shape)}"
+            )
+        if (grid_thw <= 0).any() or (grid_thw[:, 1:] % cfg.merge_size).any():
+            raise ValueError(
+                f"grid_thw rows need t, h, w > 0 and h, w divisible by merge_size={cfg.merge_size}, "
+                f"got {grid_thw.tolist()}"
+            )
+        expected = int(grid_thw.prod(dim=1).sum())
+        if patches.ndim != 2 or patches.shape != (expected, cfg.patch_dim):
+            raise ValueError(
+                f"patches must be [{expected}, {cfg.patch_dim}] for grid_thw {grid_thw.tolist()}, "
+                f"got {tuple(patches.shape)}"
+            )
+        return grid_thw
+
+    def num_output_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged tokens per image/video, ``t * gh * gw // merge_size**2`` (LongTensor [n])."""
+        return torch.as_tensor(grid_thw, dtype=torch.long).prod(dim=-1) // self.config.merge_size**2
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Blocks ``blocks.0``, ``blocks.1``, ...; the adapter and patch embedding stay in the root."""
+        return ParallelPlan(
+            blocks=("blocks.*",),
+            attention=("blocks.*.attn",),
+            stages=("patch_embed", "blocks", "merger"),
+        )
+
+    @torch.no_grad()
+    def init_weights(self, seed_generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) for linear weights, zero biases, ones/zeros for LayerNorms.
+
+        Reproducible: the same generator state (or global seed when None) gives the same
+        weights, in ``named_modules()`` order. The generator must live on the parameters' device.
+        """
+        init_encoder_weights(self, self.config.init_std, seed_generator)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def training_flops(self, grid_thw: torch.Tensor) -> float:
+        """Model FLOPs of forward + backward for one packed batch of images/videos.
+
+        ``6 * weights * tokens`` for the patch embedding and blocks (per patch) and the adapter
+        (per merged token), plus attention scores and weighted values over every pair within
+        a frame (bidirectional: ``n^2`` pairs), ``12 * layers * hidden * sum(n^2)``.
+        """
+        cfg = self.config
+        grid = torch.as_tensor(grid_thw, dtype=torch.long)
+        patches = int(grid.prod(dim=-1).sum())
+        frame_sizes = (grid[:, 1] * grid[:, 2]).repeat_interleave(grid[:, 0])
+        pairs = int((frame_sizes * frame_sizes).sum())
+        block = EncoderBlock.matmul_params(cfg.hidden_size, cfg.intermediate_size)
+        per_patch = cfg.patch_dim * cfg.hidden_size + cfg.num_layers * block
+        adapter = cfg.merged_dim * cfg.adapter_width + cfg.adapter_width * cfg.out_hidden_size
+        merged = patches // cfg.merge_size**2
+        attention = 12 * cfg.num_layers * cfg.hidden_size * pairs
+        return float(6 * (per_patch * patches + adapter * merged) + attention)
