@@ -48,8 +48,13 @@ EVAL_SAMPLES = 1_000
 SAMPLES_PER_SHARD = 4_000
 MIN_SIDE, MAX_SIDE = 56, 140
 
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 30),
-          "purple": (140, 50, 180)}
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 70, 220),
+    "yellow": (230, 200, 30),
+    "purple": (140, 50, 180),
+}
 SHAPES = ("circle", "square", "triangle", "cross")
 COUNT_WORDS = ("one", "two", "three", "four")
 QUESTIONS = {
@@ -82,8 +87,9 @@ def _free_box(rng: random.Random, width: int, height: int, size: int, taken: lis
         x0 = rng.randint(x_range[0], max(x_range[0], x_range[1] - size))
         y0 = rng.randint(2, max(2, height - size - 2))
         box = (x0, y0, x0 + size, y0 + size)
-        if box[2] <= width - 2 and all(box[2] + 3 < t[0] or t[2] + 3 < box[0] or box[3] + 3 < t[1]
-                                       or t[3] + 3 < box[1] for t in taken):
+        if box[2] <= width - 2 and all(
+            box[2] + 3 < t[0] or t[2] + 3 < box[0] or box[3] + 3 < t[1] or t[3] + 3 < box[1] for t in taken
+        ):
             return box
     return None
 
@@ -95,7 +101,9 @@ def make_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
     image = Image.new("RGB", (width, height), background)
     draw = ImageDraw.Draw(image)
     for _ in range(width * height // 60):  # sparse noise so the background is not trivially flat
-        draw.point((rng.randrange(width), rng.randrange(height)), fill=tuple(rng.randint(180, 255) for _ in range(3)))
+        draw.point(
+            (rng.randrange(width), rng.randrange(height)), fill=tuple(rng.randint(180, 255) for _ in range(3))
+        )
     qtype = rng.choice(QUESTION_TYPES)
     short = min(width, height)
     if qtype == "count":
@@ -130,9 +138,13 @@ def sample_record(index: int, rng: random.Random) -> tuple[dict, str, str]:
     image, qtype, answer = make_sample(rng)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    meta = {"messages": [{"role": "user", "content": f"<image>\n{QUESTIONS[qtype]}"},
-                         {"role": "assistant", "content": answer}],
-            "question_type": qtype}
+    meta = {
+        "messages": [
+            {"role": "user", "content": f"<image>\n{QUESTIONS[qtype]}"},
+            {"role": "assistant", "content": answer},
+        ],
+        "question_type": qtype,
+    }
     record = {"__key__": f"vqa_{index:07d}", "png": buffer.getvalue(), "json": json.dumps(meta).encode()}
     return record, qtype, answer
 
@@ -156,8 +168,12 @@ def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str,
             record, qtype, answer = sample_record(index, rng)
             writer.write(record)
             answers[qtype][answer] += 1
-    manifest = {"samples": count, "format_version": FORMAT_VERSION, "seed": seed,
-                "answers": {q: dict(sorted(c.items())) for q, c in answers.items()}}
+    manifest = {
+        "samples": count,
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "answers": {q: dict(sorted(c.items())) for q, c in answers.items()},
+    }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
@@ -165,7 +181,9 @@ def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str,
     return answers
 
 
-def majority_baseline(train: dict[str, Counter], held_out: dict[str, Counter]) -> dict[str, tuple[str, float]]:
+def majority_baseline(
+    train: dict[str, Counter], held_out: dict[str, Counter]
+) -> dict[str, tuple[str, float]]:
     """Per type: the most common training answer and the held-out accuracy of always answering it."""
     result = {}
     for qtype in QUESTION_TYPES:
@@ -185,8 +203,10 @@ def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_s
     tmp = eval_out / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.replace(eval_out / MANIFEST)
-    print(f"{train_out}: {train_samples} samples; {eval_out}: {eval_samples} samples "
-          f"({time.perf_counter() - start:.1f}s)")
+    print(
+        f"{train_out}: {train_samples} samples; {eval_out}: {eval_samples} samples "
+        f"({time.perf_counter() - start:.1f}s)"
+    )
     print("majority-class baseline on the held-out split:")
     for qtype, (answer, acc) in baseline.items():
         print(f"  {qtype:<9} always {answer!r:<10} {acc:6.1%}")

@@ -17,10 +17,29 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizers" / "stdlib-bpe-8k"
 
 TINY_OMNI = dict(
-    llm=dict(vocab_size=8200, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=8, max_position_embeddings=256, family="qwen3", qk_norm=True),
-    encoders=dict(image=dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, out_hidden_size=32,
-                             min_pixels=28 * 28, max_pixels=84 * 84)),
+    llm=dict(
+        vocab_size=8200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        family="qwen3",
+        qk_norm=True,
+    ),
+    encoders=dict(
+        image=dict(
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            intermediate_size=64,
+            out_hidden_size=32,
+            min_pixels=28 * 28,
+            max_pixels=84 * 84,
+        )
+    ),
 )
 
 
@@ -43,11 +62,15 @@ def png_bytes(seed: int, width: int | None = None, height: int | None = None) ->
     return buffer.getvalue()
 
 
-def chat_record(key: str, question: str, answer: str, image: bytes | None = None, qtype: str = "color") -> dict:
+def chat_record(
+    key: str, question: str, answer: str, image: bytes | None = None, qtype: str = "color"
+) -> dict:
     """A webdataset record in the bundled VQA format; ``image=None`` gives a text-only sample."""
     content = f"<image>\n{question}" if image is not None else question
-    meta = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
-            "question_type": qtype}
+    meta = {
+        "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
+        "question_type": qtype,
+    }
     record = {"__key__": key, "json": json.dumps(meta).encode()}
     if image is not None:
         record["png"] = image

@@ -23,8 +23,10 @@ def global_steps() -> list[list[dict]]:
     """Step -> samples. Rank r of 2 takes samples r, r+2, ...: in step 1 rank 1 gets only text."""
     image = lambda i: chat_record(f"s{i}", "What color is it?", ["red", "blue"][i % 2], png_bytes(i))  # noqa: E731
     text = lambda i: chat_record(f"t{i}", "Say yes or no.", "yes")  # noqa: E731
-    return [[image(0), image(1), image(2), text(3), image(4), image(5)],
-            [image(6), text(7), image(8), text(9)]]
+    return [
+        [image(0), image(1), image(2), text(3), image(4), image(5)],
+        [image(6), text(7), image(8), text(9)],
+    ]
 
 
 def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str]) -> dict:
@@ -38,8 +40,9 @@ def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str]) -> 
     record = {"loss": [], "grads": [], "metrics": [], "images": []}
     for samples in global_steps():
         batch = pack_chat_samples([process(r) for r in samples[rank::world]])
-        record["images"].append(int(batch["media"]["image"]["inputs"]["grid_thw"].shape[0])
-                                if "image" in batch["media"] else 0)
+        record["images"].append(
+            int(batch["media"]["image"]["inputs"]["grid_thw"].shape[0]) if "image" in batch["media"] else 0
+        )
         metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), dims.loss_size)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({})
@@ -50,10 +53,14 @@ def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str]) -> 
     return record
 
 
-@pytest.mark.parametrize("parallel, freeze", [
-    (ParallelConfig(), []),
-    (ParallelConfig(activation_checkpointing="full"), ["llm"]),
-], ids=["fsdp2", "fsdp2-ac-full-frozen-llm"])
+@pytest.mark.parametrize(
+    "parallel, freeze",
+    [
+        (ParallelConfig(), []),
+        (ParallelConfig(activation_checkpointing="full"), ["llm"]),
+    ],
+    ids=["fsdp2", "fsdp2-ac-full-frozen-llm"],
+)
 def test_fsdp_matches_single_process_with_a_rank_without_images(parallel, freeze):
     reference = run_distributed(_run, 1, ParallelConfig(), freeze)[0]
     results = run_distributed(_run, 2, parallel, freeze)

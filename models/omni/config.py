@@ -58,6 +58,11 @@ class OmniConfig:
     def vocab_size(self) -> int:
         return self.llm_config.vocab_size
 
+    @property
+    def num_experts(self) -> int:
+        """The LLM's routed experts (expert parallelism splits those; encoders are dense)."""
+        return self.llm_config.num_experts
+
     def components(self) -> tuple[str, ...]:
         return ("llm", *(f"{kind}.{name}" for name in self.encoders for kind in ("encoders", "adapters")))
 
@@ -65,15 +70,19 @@ class OmniConfig:
         """Build the parts' configs (each validated) and check they fit together."""
         self.llm_config = _build(LLMConfig, self.llm, "model.llm")
         if not self.encoders:
-            raise ValueError(f"model.encoders is empty; name at least one modality: {', '.join(registered_modalities())}")
+            raise ValueError(
+                f"model.encoders is empty; name at least one modality: {', '.join(registered_modalities())}"
+            )
         self.encoder_configs = {}
         for name, options in self.encoders.items():
             modality = get_modality(name)
             config = _build(modality.config_cls, options or {}, f"model.encoders.{name}")
             width = getattr(config, "out_hidden_size", None)
             if width != self.llm_config.hidden_size:
-                raise ValueError(f"model.encoders.{name}.out_hidden_size ({width}) must equal the LLM's "
-                                 f"hidden_size ({self.llm_config.hidden_size}): its features replace token embeddings")
+                raise ValueError(
+                    f"model.encoders.{name}.out_hidden_size ({width}) must equal the LLM's "
+                    f"hidden_size ({self.llm_config.hidden_size}): its features replace token embeddings"
+                )
             self.encoder_configs[name] = config
         valid = self.components()
         for item in self.freeze:

@@ -24,10 +24,20 @@ def process_image(raw: bytes, cfg: ViTConfig) -> MediaItem:
     """
     with Image.open(io.BytesIO(raw)) as image:
         image.load()
-        patches, grid = image_to_patches(image, cfg.patch_size, cfg.merge_size, cfg.min_pixels, cfg.max_pixels,
-                                         cfg.image_mean, cfg.image_std)
-    return MediaItem(inputs={"patches": patches, "grid_thw": torch.tensor([grid], dtype=torch.long)},
-                     num_tokens=patches.shape[0] // cfg.merge_size**2, cost=patches.shape[0])
+        patches, grid = image_to_patches(
+            image,
+            cfg.patch_size,
+            cfg.merge_size,
+            cfg.min_pixels,
+            cfg.max_pixels,
+            cfg.image_mean,
+            cfg.image_std,
+        )
+    return MediaItem(
+        inputs={"patches": patches, "grid_thw": torch.tensor([grid], dtype=torch.long)},
+        num_tokens=patches.shape[0] // cfg.merge_size**2,
+        cost=patches.shape[0],
+    )
 
 
 def image_dummy_inputs(cfg: ViTConfig, largest: bool = False) -> dict[str, torch.Tensor]:
@@ -39,22 +49,26 @@ def image_dummy_inputs(cfg: ViTConfig, largest: bool = False) -> dict[str, torch
         grid = (1, h // cfg.patch_size, w // cfg.patch_size)
     else:
         grid = (1, side, side)
-    return {"patches": torch.zeros(grid[1] * grid[2], cfg.patch_dim),
-            "grid_thw": torch.tensor([grid], dtype=torch.long)}
+    return {
+        "patches": torch.zeros(grid[1] * grid[2], cfg.patch_dim),
+        "grid_thw": torch.tensor([grid], dtype=torch.long),
+    }
 
 
 def image_flops(encoder: NativeResolutionViT, inputs: Mapping[str, torch.Tensor]) -> float:
     return encoder.training_flops(inputs["grid_thw"])
 
 
-register_modality(Modality(
-    name="image",
-    config_cls=ViTConfig,
-    encoder_cls=NativeResolutionViT,
-    processor=process_image,
-    dummy_inputs=image_dummy_inputs,
-    flops=image_flops,
-    placeholder="<image>",
-    fields=("png", "jpg", "jpeg", "webp"),
-    adapter="merger",
-))
+register_modality(
+    Modality(
+        name="image",
+        config_cls=ViTConfig,
+        encoder_cls=NativeResolutionViT,
+        processor=process_image,
+        dummy_inputs=image_dummy_inputs,
+        flops=image_flops,
+        placeholder="<image>",
+        fields=("png", "jpg", "jpeg", "webp"),
+        adapter="merger",
+    )
+)

@@ -36,7 +36,8 @@ class OmniModel(nn.Module):
         self.config = cfg
         self.llm = DecoderLM(cfg.llm_config)
         self.encoders = nn.ModuleDict(
-            {name: get_modality(name).encoder_cls(config) for name, config in cfg.encoder_configs.items()})
+            {name: get_modality(name).encoder_cls(config) for name, config in cfg.encoder_configs.items()}
+        )
         for component in cfg.freeze:
             for param in self._component_params(component):
                 param.requires_grad_(False)
@@ -50,8 +51,14 @@ class OmniModel(nn.Module):
         adapter = {id(p) for p in encoder.get_submodule(get_modality(name).adapter).parameters()}
         return [p for p in encoder.parameters() if (id(p) in adapter) == (kind == "adapters")]
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, media: Mapping[str, Mapping[str, Any]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        media: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> torch.Tensor:
         """Packed forward -> logits [T, vocab].
 
         ``media[name]`` = ``{"inputs": encoder kwargs for the micro-batch, "positions": LongTensor of
@@ -68,16 +75,22 @@ class OmniModel(nn.Module):
             features = encoder(**item["inputs"])
             positions = item["positions"]
             if features.shape[0] != positions.numel():
-                raise ValueError(f"{name}: the encoder produced {features.shape[0]} features for "
-                                 f"{positions.numel()} placeholder tokens")
+                raise ValueError(
+                    f"{name}: the encoder produced {features.shape[0]} features for "
+                    f"{positions.numel()} placeholder tokens"
+                )
             x = x.index_put((positions,), features.to(x.dtype))
         return self.llm.forward_embeddings(x, position_ids, cu_seqlens, max_seqlen)
 
     def parallel_plan(self) -> ParallelPlan:
         """The LLM's plan under ``llm.`` plus one sub-plan per encoder (the engine flattens them)."""
         llm = prefixed(self.llm.parallel_plan(), "llm")
-        return ParallelPlan(blocks=llm.blocks, experts=llm.experts, attention=llm.attention,
-                            encoders={f"encoders.{name}": enc.parallel_plan() for name, enc in self.encoders.items()})
+        return ParallelPlan(
+            blocks=llm.blocks,
+            experts=llm.experts,
+            attention=llm.attention,
+            encoders={f"encoders.{name}": enc.parallel_plan() for name, enc in self.encoders.items()},
+        )
 
     def training_task(self):
         from veomni.train.omni_task import OmniTask
@@ -127,15 +140,19 @@ class OmniModel(nn.Module):
 
     def report_lines(self, seq_len: int) -> list[str]:
         """``--dry-run`` lines: each encoder's parameters and FLOPs on its largest input."""
-        lines = [f"llm           {sum(p.numel() for p in self.llm.parameters()):,} parameters, "
-                 f"{self.llm.activated_params():,} activated"]
+        lines = [
+            f"llm           {sum(p.numel() for p in self.llm.parameters()):,} parameters, "
+            f"{self.llm.activated_params():,} activated"
+        ]
         for name in self.encoders:
             modality, config = get_modality(name), self.config.encoder_configs[name]
             params = self.encoder_params(name)
             largest = modality.dummy_inputs(config, largest=True)
             gflops = modality.flops(self.encoders[name], largest) / 1e9
-            lines.append(f"encoder {name:<6}{params:,} parameters ({params / 1e6:.1f} M); {gflops:,.1f} GFLOP "
-                         f"forward+backward per largest input ({_describe(largest)})")
+            lines.append(
+                f"encoder {name:<6}{params:,} parameters ({params / 1e6:.1f} M); {gflops:,.1f} GFLOP "
+                f"forward+backward per largest input ({_describe(largest)})"
+            )
         frozen = ", ".join(self.config.freeze) or "none"
         lines.append(f"frozen        {frozen}")
         return lines

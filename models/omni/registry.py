@@ -77,7 +77,9 @@ def get_modality(name: str) -> Modality:
     try:
         return _MODALITIES[name]
     except KeyError:
-        raise ValueError(f"unknown modality {name!r}; registered: {', '.join(registered_modalities())}") from None
+        raise ValueError(
+            f"unknown modality {name!r}; registered: {', '.join(registered_modalities())}"
+        ) from None
 
 
 def collate_items(items: list[MediaItem]) -> dict[str, torch.Tensor]:

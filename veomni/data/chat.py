@@ -29,7 +29,9 @@ ROLES = ("system", "user", "assistant")
 
 def add_placeholder_tokens(tokenizer: PreTrainedTokenizerBase, markers: Sequence[str]) -> dict[str, int]:
     """Add each marker as a special token (once; later calls find it) -> marker: token id."""
-    tokenizer.add_tokens([AddedToken(m, special=True, normalized=False) for m in markers], special_tokens=True)
+    tokenizer.add_tokens(
+        [AddedToken(m, special=True, normalized=False) for m in markers], special_tokens=True
+    )
     return {m: tokenizer.convert_tokens_to_ids(m) for m in markers}
 
 
@@ -55,13 +57,20 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.modality_of = {marker: name for name, marker in markers.items()}
         self.token_of = add_placeholder_tokens(tokenizer, list(markers.values()))
-        self.split = re.compile("(" + "|".join(re.escape(m) for m in markers.values()) + ")") if markers else None
+        self.split = (
+            re.compile("(" + "|".join(re.escape(m) for m in markers.values()) + ")") if markers else None
+        )
 
     def _text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def encode(self, messages: Sequence[Mapping[str, str]], media_tokens: Mapping[str, Sequence[int]], key: str,
-               add_generation_prompt: bool = False) -> EncodedChat:
+    def encode(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        media_tokens: Mapping[str, Sequence[int]],
+        key: str,
+        add_generation_prompt: bool = False,
+    ) -> EncodedChat:
         """``media_tokens[name][j]``: features of the sample's j-th item of modality ``name``.
 
         With ``add_generation_prompt`` the final assistant turn is left out and its header kept
@@ -76,8 +85,10 @@ class ChatEncoder:
         for turn in turns:
             role, content = turn.get("role"), turn.get("content")
             if role not in ROLES or not isinstance(content, str):
-                raise InvalidSampleError(f"sample {key!r}: each message needs a role in {ROLES} and a string "
-                                         f"content, got {dict(turn)!r}")
+                raise InvalidSampleError(
+                    f"sample {key!r}: each message needs a role in {ROLES} and a string "
+                    f"content, got {dict(turn)!r}"
+                )
             out.extend(self._text(f"{role.capitalize()}: "), False)
             if role == "assistant":
                 out.extend(self._text(content) + [self.tokenizer.eos_token_id], True)
@@ -89,8 +100,10 @@ class ChatEncoder:
                     continue
                 items = media_tokens.get(name, ())
                 if used.get(name, 0) >= len(items):
-                    raise InvalidSampleError(f"sample {key!r}: more {piece} placeholders than {name} items "
-                                             f"({len(items)}); every placeholder needs its own item")
+                    raise InvalidSampleError(
+                        f"sample {key!r}: more {piece} placeholders than {name} items "
+                        f"({len(items)}); every placeholder needs its own item"
+                    )
                 count = items[used[name]]
                 used[name] += 1
                 out.placeholders[name].extend(range(len(out.ids), len(out.ids) + count))
@@ -100,6 +113,8 @@ class ChatEncoder:
             out.extend(self._text("Assistant: "), False)
         for name, items in media_tokens.items():
             if used[name] != len(items):
-                raise InvalidSampleError(f"sample {key!r}: {len(items)} {name} item(s) but {used[name]} placeholder(s) "
-                                         "in the text; add one placeholder per item")
+                raise InvalidSampleError(
+                    f"sample {key!r}: {len(items)} {name} item(s) but {used[name]} placeholder(s) "
+                    "in the text; add one placeholder per item"
+                )
         return out

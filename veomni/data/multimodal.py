@@ -59,8 +59,10 @@ class SampleProcessor:
         self.chat = ChatEncoder(tokenizer, {name: m.placeholder for name, m in self.modalities.items()})
         vocab = getattr(model_config, "vocab_size", None)
         if vocab is not None and len(tokenizer) > vocab:
-            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens with the placeholders "
-                             f"{sorted(self.chat.token_of)}, more than the LLM's vocab_size {vocab}; raise it")
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens with the placeholders "
+                f"{sorted(self.chat.token_of)}, more than the LLM's vocab_size {vocab}; raise it"
+            )
 
     def media_fields(self, record: dict) -> dict[str, list[str]]:
         """Modality -> the record's member suffixes holding its items, in sorted order
@@ -78,21 +80,28 @@ class SampleProcessor:
             raise InvalidSampleError(f"sample {record.get('__key__')!r} has no {self.json_key!r} member")
         meta = json.loads(raw)
         if not isinstance(meta, dict) or not isinstance(meta.get("messages"), list):
-            raise InvalidSampleError(f"sample {record.get('__key__')!r}: {self.json_key} must be an object with a "
-                                     "'messages' list")
+            raise InvalidSampleError(
+                f"sample {record.get('__key__')!r}: {self.json_key} must be an object with a 'messages' list"
+            )
         return meta
 
     def media(self, record: dict) -> dict[str, list[MediaItem]]:
         """Every media item processed; raises whatever the processor raises on a corrupt item."""
-        return {name: [self.modalities[name].processor(record[f], self.encoder_configs[name]) for f in fields]
-                for name, fields in self.media_fields(record).items()}
+        return {
+            name: [self.modalities[name].processor(record[f], self.encoder_configs[name]) for f in fields]
+            for name, fields in self.media_fields(record).items()
+        }
 
     def __call__(self, record: dict, add_generation_prompt: bool = False) -> ChatSample:
         key = record.get("__key__", "?")
         meta = self.messages(record)
         media = self.media(record)
-        chat = self.chat.encode(meta["messages"], {n: [i.num_tokens for i in items] for n, items in media.items()},
-                                key, add_generation_prompt)
+        chat = self.chat.encode(
+            meta["messages"],
+            {n: [i.num_tokens for i in items] for n, items in media.items()},
+            key,
+            add_generation_prompt,
+        )
         cost = len(chat.ids) + sum(item.cost for items in media.values() for item in items)
         return ChatSample(key, chat, media, cost)
 
@@ -111,7 +120,10 @@ def pack_chat_samples(samples: list[ChatSample]) -> dict:
         items = [item for s in samples for item in s.media.get(name, [])]
         if items:
             positions = [offset + p for s, offset in zip(samples, offsets) for p in s.chat.placeholders[name]]
-            media[name] = {"inputs": collate_items(items), "positions": torch.tensor(positions, dtype=torch.long)}
+            media[name] = {
+                "inputs": collate_items(items),
+                "positions": torch.tensor(positions, dtype=torch.long),
+            }
     batch["media"] = media
     return batch
 
@@ -119,11 +131,22 @@ def pack_chat_samples(samples: list[ChatSample]) -> dict:
 class MultimodalChatDataset(PackedTextDataset):
     """``PackedTextDataset`` (consumer split, epochs, state) over chat samples with media."""
 
-    def __init__(self, cfg: DataConfig, path: str, split: str, tokenizer: PreTrainedTokenizerBase, dp_rank: int,
-                 dp_size: int, seed: int, model_config: Any) -> None:
+    def __init__(
+        self,
+        cfg: DataConfig,
+        path: str,
+        split: str,
+        tokenizer: PreTrainedTokenizerBase,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        model_config: Any,
+    ) -> None:
         super().__init__(cfg, path, split, tokenizer, dp_rank, dp_size, seed)
         if self.fmt != "webdataset":
-            raise ValueError(f"data path {path!r}: samples with media must be webdataset .tar shards, got {self.fmt}")
+            raise ValueError(
+                f"data path {path!r}: samples with media must be webdataset .tar shards, got {self.fmt}"
+            )
         self.process = SampleProcessor(tokenizer, model_config, cfg.text_key)
 
     def _samples(self, start: Position) -> Iterator[tuple[ChatSample, Position]]:
@@ -132,8 +155,9 @@ class MultimodalChatDataset(PackedTextDataset):
         begin, epoch = start, start.epoch
         while self.split == "train" or epoch == 0:
             stats = ReadStats()
-            records = iter_tar_samples(self._epoch_files(epoch), self.cfg.max_bad_fraction, stats,
-                                       warn=consumer == 0)
+            records = iter_tar_samples(
+                self._epoch_files(epoch), self.cfg.max_bad_fraction, stats, warn=consumer == 0
+            )
             produced = False
             for index, record in enumerate(records):
                 if index < begin.next_doc or index % consumers != consumer:
@@ -142,10 +166,15 @@ class MultimodalChatDataset(PackedTextDataset):
                 if sample is None:
                     continue
                 produced = True
-                yield sample, Position(epoch, index, 0, prior_records, prior_bad, stats.records - 1, stats.bad)
+                yield (
+                    sample,
+                    Position(epoch, index, 0, prior_records, prior_bad, stats.records - 1, stats.bad),
+                )
             if self.split == "train" and begin.next_doc == 0 and not produced:
-                raise ValueError(f"consumer {consumer} of {consumers} got no usable sample in a whole epoch of "
-                                 f"{self.files[0].parent}: fewer samples than dp ranks x workers")
+                raise ValueError(
+                    f"consumer {consumer} of {consumers} got no usable sample in a whole epoch of "
+                    f"{self.files[0].parent}: fewer samples than dp ranks x workers"
+                )
             prior_records += stats.records
             prior_bad += stats.bad
             epoch += 1
@@ -161,14 +190,26 @@ class MultimodalChatDataset(PackedTextDataset):
         except InvalidSampleError:
             raise
         except Exception as error:  # noqa: BLE001 - a corrupt media file must not stop the run
-            logger.warning("%s: sample %s skipped: a media item does not decode (%s: %s)", url, key,
-                           type(error).__name__, error)
+            logger.warning(
+                "%s: sample %s skipped: a media item does not decode (%s: %s)",
+                url,
+                key,
+                type(error).__name__,
+                error,
+            )
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
         if len(sample.chat.ids) > self.cfg.max_seq_len or sample.cost > self.cfg.tokens_per_micro_batch:
-            logger.warning("%s: sample %s skipped: %d tokens / cost %d exceed data.max_seq_len=%d or "
-                           "data.tokens_per_micro_batch=%d", url, key, len(sample.chat.ids), sample.cost,
-                           self.cfg.max_seq_len, self.cfg.tokens_per_micro_batch)
+            logger.warning(
+                "%s: sample %s skipped: %d tokens / cost %d exceed data.max_seq_len=%d or "
+                "data.tokens_per_micro_batch=%d",
+                url,
+                key,
+                len(sample.chat.ids),
+                sample.cost,
+                self.cfg.max_seq_len,
+                self.cfg.tokens_per_micro_batch,
+            )
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
         return sample

@@ -35,8 +35,8 @@ def apply_compile(model: nn.Module, plan: ParallelPlan) -> None:
 def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str) -> nn.Module:
     declared: ParallelPlan = model.parallel_plan()
     if meshes.dims.sp > 1 and declared.encoders:
-        raise ValueError(f"parallel.sp={meshes.dims.sp}: sequence parallelism is not supported for models with "
-                         f"encoders ({', '.join(declared.encoders)}); use parallel.sp: 1")
+        raise ValueError(f"parallel.sp={meshes.dims.sp}: sequence parallelism is not supported for models "
+                         f"with encoders ({', '.join(declared.encoders)}); use parallel.sp: 1")
     plan = flatten_plan(declared)  # encoder blocks are sharded, checkpointed and compiled like the LLM's
     if not match_modules(model, plan.blocks):
         raise ValueError(f"{type(model).__name__}.parallel_plan() blocks {plan.blocks} match no module")

@@ -68,7 +68,8 @@ def prefixed(plan: ParallelPlan, prefix: str) -> ParallelPlan:
         return tuple(f"{prefix}.{p}" for p in patterns)
 
     return ParallelPlan(blocks=add(plan.blocks), experts=add(plan.experts), attention=add(plan.attention),
-                        stages=add(plan.stages), encoders={f"{prefix}.{k}": v for k, v in plan.encoders.items()})
+                        stages=add(plan.stages),
+                        encoders={f"{prefix}.{k}": v for k, v in plan.encoders.items()})
 
 
 def flatten_plan(plan: ParallelPlan) -> ParallelPlan:
@@ -81,4 +82,5 @@ def flatten_plan(plan: ParallelPlan) -> ParallelPlan:
         blocks += flat.blocks
         experts += flat.experts
         attention += flat.attention
-    return ParallelPlan(blocks=tuple(blocks), experts=tuple(experts), attention=tuple(attention), stages=plan.stages)
+    return ParallelPlan(blocks=tuple(blocks), experts=tuple(experts), attention=tuple(attention),
+                        stages=plan.stages)

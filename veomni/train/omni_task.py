@@ -16,12 +16,20 @@ from veomni.train.tasks import IGNORE_INDEX, LanguageModelingTask, LossOutput
 
 class OmniTask(LanguageModelingTask):
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
-        logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"],
-                       media=batch.get("media"))
+        logits = model(
+            batch["input_ids"],
+            batch["position_ids"],
+            batch["cu_seqlens"],
+            batch["max_seqlen"],
+            media=batch.get("media"),
+        )
         labels = batch["labels"]
         loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         targets = labels != IGNORE_INDEX
         correct = (logits.detach().argmax(-1) == labels)[targets].sum()
         num_tokens = int(targets.sum())
-        return LossOutput(loss_sum=loss_sum, num_tokens=num_tokens,
-                          metrics={"answer_token_acc": (correct.float(), num_tokens)})
+        return LossOutput(
+            loss_sum=loss_sum,
+            num_tokens=num_tokens,
+            metrics={"answer_token_acc": (correct.float(), num_tokens)},
+        )
