@@ -4,7 +4,8 @@ Why this set: it is generated offline (no download), small enough for a tiny ViT
 on a CPU in minutes, and every answer depends on the image, so held-out accuracy far above the
 majority-class baseline shows the encoder, the adapter and the splicing all work.
 
-Each image (``56..140`` px per side, varying aspect ratio, light noisy background) holds shapes
+Each image (``56..140`` px per side, varying aspect ratio, light noisy background, a thin dark
+frame marking its edges) holds shapes
 (circle, square, triangle, cross) in colours (red, green, blue, yellow, purple). One question
 per image, of one of five types, answered with one word:
 
@@ -41,7 +42,7 @@ from pathlib import Path
 import webdataset
 from PIL import Image, ImageDraw
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 TRAIN_SAMPLES = 24_000
 EVAL_SAMPLES = 1_000
@@ -104,12 +105,15 @@ def make_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
         draw.point(
             (rng.randrange(width), rng.randrange(height)), fill=tuple(rng.randint(180, 255) for _ in range(3))
         )
+    # A thin dark frame marks the image's edges: the ViT has only relative (2D RoPE) positions,
+    # so "left" and "right" are read against the edges, as a person reads them.
+    draw.rectangle((0, 0, width - 1, height - 1), outline=(60, 60, 60), width=2)
     qtype = rng.choice(QUESTION_TYPES)
     short = min(width, height)
     if qtype == "count":
         count = rng.randint(1, 4)
         taken: list = []
-        size = max(12, short // 4)
+        size = max(14, short // 4)
         while len(taken) < count:
             box = _free_box(rng, width, height, size, taken, (2, width - 2))
             if box is None:  # crowded: start over with smaller shapes
@@ -120,7 +124,7 @@ def make_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
             draw_shape(draw, rng.choice(SHAPES), box, COLORS[rng.choice(list(COLORS))])
         return image, qtype, COUNT_WORDS[count - 1]
     big = rng.random() < 0.5
-    size = int(short * (rng.uniform(0.55, 0.7) if big else rng.uniform(0.2, 0.3)))
+    size = int(short * (rng.uniform(0.55, 0.75) if big else rng.uniform(0.25, 0.35)))
     side = rng.choice(("left", "right"))
     if qtype == "position":  # the shape lies wholly in its half
         size = min(size, width // 2 - 6)

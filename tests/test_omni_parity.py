@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
-from tests.omni_utils import TOKENIZER, chat_record, png_bytes, tiny_omni
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
 from tests.parity_utils import assert_records_close, full_grads, full_params
 from veomni.config.schema import ParallelConfig
 from veomni.data.loader import load_tokenizer
@@ -29,10 +29,14 @@ def global_steps() -> list[list[dict]]:
     ]
 
 
-def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str]) -> dict:
+MOE_LLM = {**TINY_OMNI["llm"], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "router_aux_loss_coef": 0.01}
+
+
+def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str], llm: dict) -> dict:
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
-    config, model = tiny_omni(freeze=freeze)
+    config, model = tiny_omni(freeze=freeze, llm=llm)
     task = model.training_task()
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
     model = parallelize(model, parallel, meshes, "cpu")
@@ -45,7 +49,7 @@ def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str]) -> 
         )
         metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), dims.loss_size)
         record["loss"].append(metrics["loss"])
-        record["metrics"].append({})
+        record["metrics"].append({k: v for k, v in metrics.items() if k == "moe/aux_loss"})
         record["grads"].append(full_grads(model))
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(model)
@@ -54,21 +58,24 @@ def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str]) -> 
 
 
 @pytest.mark.parametrize(
-    "parallel, freeze",
+    "parallel, freeze, llm",
     [
-        (ParallelConfig(), []),
-        (ParallelConfig(activation_checkpointing="full"), ["llm"]),
+        (ParallelConfig(), [], TINY_OMNI["llm"]),
+        (ParallelConfig(activation_checkpointing="full"), ["llm"], TINY_OMNI["llm"]),
+        (ParallelConfig(ep=2), [], MOE_LLM),
     ],
-    ids=["fsdp2", "fsdp2-ac-full-frozen-llm"],
+    ids=["fsdp2", "fsdp2-ac-full-frozen-llm", "moe-ep2"],
 )
-def test_fsdp_matches_single_process_with_a_rank_without_images(parallel, freeze):
-    reference = run_distributed(_run, 1, ParallelConfig(), freeze)[0]
-    results = run_distributed(_run, 2, parallel, freeze)
+def test_fsdp_matches_single_process_with_a_rank_without_images(parallel, freeze, llm):
+    reference = run_distributed(_run, 1, ParallelConfig(), freeze, llm)[0]
+    results = run_distributed(_run, 2, parallel, freeze, llm)
     assert [r["images"][1] for r in results] == [2, 0]  # step 1: rank 1 has no image
     for got in results:
         assert_records_close(reference, got, atol=1e-6)
+        for a, b in zip(reference["metrics"], got["metrics"]):
+            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)
     if freeze:
-        _, initial = tiny_omni()
+        _, initial = tiny_omni(llm=llm)
         for name, value in initial.llm.named_parameters():
             torch.testing.assert_close(results[0]["params"][f"llm.{name}"], value.detach(), rtol=0, atol=0)
         assert not any(name.startswith("llm.") for name in reference["grads"][0])
