@@ -18,7 +18,11 @@ from models.vit import NativeResolutionViT, ViTConfig
 
 GRIDS = [(1, 4, 4), (1, 2, 6), (1, 8, 2), (1, 2, 2)]
 TEMPORAL = 2
-MERGER_NAMES = {"merger.ln_q.": "merger.norm.", "merger.mlp.0.": "merger.fc1.", "merger.mlp.2.": "merger.fc2."}
+MERGER_NAMES = {
+    "merger.ln_q.": "merger.norm.",
+    "merger.mlp.0.": "merger.fc1.",
+    "merger.mlp.2.": "merger.fc2.",
+}
 
 
 def _state_dict_from_qwen(hf_sd: dict[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:
@@ -36,19 +40,40 @@ def _state_dict_from_qwen(hf_sd: dict[str, torch.Tensor], hidden: int) -> dict[s
 @pytest.mark.parametrize("hidden_act", ["gelu", "quick_gelu"])
 def test_matches_qwen2_vl_vision_tower(hidden_act) -> None:
     torch.manual_seed(0)
-    hf_config = Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=24, num_heads=4, mlp_ratio=2,
-                                    hidden_act=hidden_act, patch_size=4, spatial_merge_size=2,
-                                    temporal_patch_size=TEMPORAL, in_channels=3)
+    hf_config = Qwen2VLVisionConfig(
+        depth=2,
+        embed_dim=32,
+        hidden_size=24,
+        num_heads=4,
+        mlp_ratio=2,
+        hidden_act=hidden_act,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=TEMPORAL,
+        in_channels=3,
+    )
     hf_config._attn_implementation = "eager"
-    reference = transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(hf_config)
+    reference = transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(
+        hf_config
+    )
     reference.eval()
     with torch.no_grad():  # HF's init leaves LayerNorms at 1/0 and biases at 0: randomise everything
         for param in reference.parameters():
             param.normal_(0.0, 0.2)
 
-    cfg = ViTConfig(patch_size=4, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                    hidden_act=hidden_act, merge_mode="concat", out_hidden_size=24, rope_theta=10000.0,
-                    min_pixels=64, max_pixels=4096)
+    cfg = ViTConfig(
+        patch_size=4,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=64,
+        hidden_act=hidden_act,
+        merge_mode="concat",
+        out_hidden_size=24,
+        rope_theta=10000.0,
+        min_pixels=64,
+        max_pixels=4096,
+    )
     ours = NativeResolutionViT(cfg)
     ours.load_state_dict(_state_dict_from_qwen(reference.state_dict(), cfg.hidden_size), strict=True)
 

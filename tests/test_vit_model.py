@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.vit import NativeResolutionViT, ViTConfig
-from veomni.ops.attention import sdpa_varlen_attention
+from veomni.ops.attention import SeqInfo, bidirectional_varlen_attention, sdpa_varlen_attention
 from veomni.ops.rope import apply_rope, rope_2d_cos_sin
 from veomni.parallel.plan import match_modules
 
@@ -21,8 +21,17 @@ ATOL = 1e-6
 
 
 def tiny_config(**overrides) -> ViTConfig:
-    base = dict(patch_size=4, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, out_hidden_size=24,
-                min_pixels=64, max_pixels=64 * 64, init_std=0.1)
+    base = dict(
+        patch_size=4,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=64,
+        out_hidden_size=24,
+        min_pixels=64,
+        max_pixels=64 * 64,
+        init_std=0.1,
+    )
     return ViTConfig(**{**base, **overrides})
 
 
@@ -92,11 +101,13 @@ def test_video_frames_attend_within_their_frame_only() -> None:
     per_frame = 4 * 2
     before = model(video, torch.tensor([grid]))
     changed = video.clone()
-    changed[2 * per_frame:] += 1.0
+    changed[2 * per_frame :] += 1.0
     after = model(changed, torch.tensor([grid]))
     tokens_per_frame = per_frame // 4
-    torch.testing.assert_close(before[:2 * tokens_per_frame], after[:2 * tokens_per_frame], atol=ATOL, rtol=1e-5)
-    assert (before[2 * tokens_per_frame:] - after[2 * tokens_per_frame:]).abs().max() > 1e-3
+    torch.testing.assert_close(
+        before[: 2 * tokens_per_frame], after[: 2 * tokens_per_frame], atol=ATOL, rtol=1e-5
+    )
+    assert (before[2 * tokens_per_frame :] - after[2 * tokens_per_frame :]).abs().max() > 1e-3
 
 
 def test_2d_rope_scores_depend_only_on_relative_position() -> None:
@@ -168,6 +179,28 @@ def _naive_attention(q, k, v, seq) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("block_diagonal", [False, True, None])
+def test_bidirectional_varlen_attention_matches_dense_reference(block_diagonal) -> None:
+    """Per-sample full softmax attention, GQA (4 query heads on 2 K/V heads), zero padding tail."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, pad = [5, 1, 9, 4], 3
+    total = sum(lengths) + pad
+    q = torch.randn(total, 4, 8, generator=gen)
+    k, v = torch.randn(total, 2, 8, generator=gen), torch.randn(total, 2, 8, generator=gen)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    out = sdpa_varlen_attention(
+        q, k, v, SeqInfo(cu, max(lengths)), block_diagonal=block_diagonal, causal=False
+    )
+    reference = _naive_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), SeqInfo(cu, 9)
+    )
+    torch.testing.assert_close(out[: sum(lengths)], reference, atol=1e-5, rtol=1e-5)
+    assert out[-pad:].abs().max() == 0
+    torch.testing.assert_close(
+        bidirectional_varlen_attention(q, k, v, SeqInfo(cu, 9)), out, atol=1e-5, rtol=1e-5
+    )
+
+
 def test_naive_attention_is_the_bidirectional_kernel() -> None:
     model = tiny_model()
     images = torch.cat(inputs(GRIDS, model.config.patch_dim))
@@ -190,20 +223,25 @@ def test_parallel_plan_names_blocks_and_attention() -> None:
     model = tiny_model()
     plan = model.parallel_plan()
     assert [name for name, _ in match_modules(model, plan.blocks)] == ["blocks.0", "blocks.1"]
-    assert all(hasattr(m, "attn_fn") and m.num_heads == m.num_kv_heads
-               for _, m in match_modules(model, plan.attention))
+    assert all(
+        hasattr(m, "attn_fn") and m.num_heads == m.num_kv_heads
+        for _, m in match_modules(model, plan.attention)
+    )
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(hidden_size=30, num_heads=4), "divisible by num_heads"),
-    (dict(hidden_size=24, num_heads=4), "divisible by 4"),
-    (dict(merge_mode="max"), "merge_mode"),
-    (dict(hidden_act="relu"), "hidden_act"),
-    (dict(min_pixels=10**6, max_pixels=10**5), "min_pixels"),
-    (dict(max_pixels=10), "max_pixels"),
-    (dict(image_mean=(0.5,)), "one value per channel"),
-    (dict(num_layers=0), "num_layers"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hidden_size=30, num_heads=4), "divisible by num_heads"),
+        (dict(hidden_size=24, num_heads=4), "divisible by 4"),
+        (dict(merge_mode="max"), "merge_mode"),
+        (dict(hidden_act="relu"), "hidden_act"),
+        (dict(min_pixels=10**6, max_pixels=10**5), "min_pixels"),
+        (dict(max_pixels=10), "max_pixels"),
+        (dict(image_mean=(0.5,)), "one value per channel"),
+        (dict(num_layers=0), "num_layers"),
+    ],
+)
 def test_config_errors_name_the_field(overrides, message) -> None:
     with pytest.raises(ValueError, match=message):
         tiny_config(**overrides).validate()

@@ -17,7 +17,10 @@ FACTOR = 28
 
 def _sizes() -> list[tuple[int, int]]:
     rng = np.random.default_rng(0)
-    return [tuple(int(v) for v in rng.integers(10, 3000, size=2)) for _ in range(300)] + [(1, 150), (4000, 20)]
+    return [tuple(int(v) for v in rng.integers(10, 3000, size=2)) for _ in range(300)] + [
+        (1, 150),
+        (4000, 20),
+    ]
 
 
 @pytest.mark.parametrize("min_pixels, max_pixels", [(4 * 28 * 28, 64 * 28 * 28), (28 * 28, 1024 * 28 * 28)])
@@ -42,11 +45,14 @@ def test_smart_resize_examples_worked_by_hand() -> None:
     assert smart_resize(10, 10, 28, 4 * 28 * 28, 28 * 28 * 16) == (56, 56)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((10, 3000, 28, 784, 10**6), "aspect ratio"),
-    ((0, 30, 28, 784, 10**6), "positive"),
-    ((100, 100, 28, 784, 700), "max_pixels"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((10, 3000, 28, 784, 10**6), "aspect ratio"),
+        ((0, 30, 28, 784, 10**6), "positive"),
+        ((100, 100, 28, 784, 700), "max_pixels"),
+    ],
+)
 def test_smart_resize_rejects_bad_input(args, message) -> None:
     with pytest.raises(ValueError, match=message):
         smart_resize(*args)
@@ -79,7 +85,7 @@ def test_patchify_puts_each_crop_where_patch_positions_says() -> None:
     positions = patch_positions(torch.tensor([[2, 4, 6]]), m)
     assert patches.shape == (2 * 4 * 6, 3 * p * p)
     for patch, (f, row, col) in zip(patches, positions.tolist()):
-        crop = frames[f, :, row * p:(row + 1) * p, col * p:(col + 1) * p]
+        crop = frames[f, :, row * p : (row + 1) * p, col * p : (col + 1) * p]
         assert torch.equal(patch, crop.reshape(-1))
 
 
@@ -99,7 +105,9 @@ def test_image_to_patches_keeps_content_in_place() -> None:
     """A 56x84 image is not resized: its top-left 14x14 block is the first patch."""
     rng = np.random.default_rng(1)
     pixels = rng.integers(0, 256, size=(56, 84, 3), dtype=np.uint8)
-    patches, grid = image_to_patches(Image.fromarray(pixels), 14, 2, 28 * 28, 28 * 28 * 16, (0, 0, 0), (1, 1, 1))
+    patches, grid = image_to_patches(
+        Image.fromarray(pixels), 14, 2, 28 * 28, 28 * 28 * 16, (0, 0, 0), (1, 1, 1)
+    )
     assert grid == (1, 4, 6)
     first = torch.from_numpy(pixels[:14, :14].astype(np.float32) / 255).permute(2, 0, 1).reshape(-1)
     torch.testing.assert_close(patches[0], first)
@@ -111,8 +119,9 @@ def test_video_frames_share_a_size_and_a_total_budget() -> None:
     frames = [Image.new("RGB", (160, 120), (i * 40, 0, 0)) for i in range(4)]
     patches, (t, gh, gw) = video_to_patches(frames, 14, 2, 28 * 28, 28 * 28 * 64)
     assert t == 4 and patches.shape == (4 * gh * gw, 3 * 14 * 14)
-    _, (_, gh_small, gw_small) = video_to_patches(frames, 14, 2, 28 * 28, 28 * 28 * 64,
-                                                  max_total_pixels=4 * 28 * 28 * 4)
+    _, (_, gh_small, gw_small) = video_to_patches(
+        frames, 14, 2, 28 * 28, 28 * 28 * 64, max_total_pixels=4 * 28 * 28 * 4
+    )
     assert gh_small * gw_small * 14 * 14 <= 28 * 28 * 4 < gh * gw * 14 * 14
     with pytest.raises(ValueError, match="same size"):
         video_to_patches(frames + [Image.new("RGB", (100, 100))], 14, 2, 28 * 28, 28 * 28 * 64)

@@ -61,8 +61,9 @@ class EncoderMLP(nn.Module):
 class EncoderBlock(nn.Module):
     """Pre-norm (LayerNorm) residual block: attention then MLP."""
 
-    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, hidden_act: str,
-                 norm_eps: float) -> None:
+    def __init__(
+        self, hidden_size: int, num_heads: int, intermediate_size: int, hidden_act: str, norm_eps: float
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, eps=norm_eps)
         self.attn = EncoderAttention(hidden_size, num_heads)

@@ -7,5 +7,11 @@ from .config import ViTConfig
 from .model import NativeResolutionViT
 from .processing import image_to_patches, patch_positions, smart_resize, video_to_patches
 
-__all__ = ["NativeResolutionViT", "ViTConfig", "image_to_patches", "patch_positions", "smart_resize",
-           "video_to_patches"]
+__all__ = [
+    "NativeResolutionViT",
+    "ViTConfig",
+    "image_to_patches",
+    "patch_positions",
+    "smart_resize",
+    "video_to_patches",
+]

@@ -74,20 +74,34 @@ class ViTConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field(s) of the first impossible combination."""
-        for name in ("patch_size", "in_channels", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                     "merge_size", "out_hidden_size", "min_pixels", "max_pixels"):
+        for name in (
+            "patch_size",
+            "in_channels",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "merge_size",
+            "out_hidden_size",
+            "min_pixels",
+            "max_pixels",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
         if self.head_dim % 4:
             raise ValueError(
-                f"head_dim = hidden_size / num_heads = {self.head_dim} must be divisible by 4: 2D RoPE rotates "
-                "pairs of dims, half of them by the row and half by the column"
+                f"head_dim = hidden_size / num_heads = {self.head_dim} must be divisible by 4: 2D RoPE "
+                "rotates pairs of dims, half of them by the row and half by the column"
             )
         if self.adapter_hidden_size is not None and self.adapter_hidden_size <= 0:
-            raise ValueError(f"adapter_hidden_size must be a positive int or None, got {self.adapter_hidden_size!r}")
+            raise ValueError(
+                f"adapter_hidden_size must be a positive int or None, got {self.adapter_hidden_size!r}"
+            )
         if self.merge_mode not in MERGE_MODES:
             raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
         if self.hidden_act not in HIDDEN_ACTS:

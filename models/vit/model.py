@@ -59,8 +59,8 @@ class NativeResolutionViT(nn.Module):
         are tied together later, by the LLM, through the time index; see docs/vit.md)."""
         cfg = self.config
         grid_thw = self._checked_grid(patches, grid_thw)
-        positions = patch_positions(grid_thw, cfg.merge_size)
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
+        positions = patch_positions(grid_thw, cfg.merge_size).to(x.device)
         cos, sin = rope_2d_cos_sin(positions[:, 1:], cfg.head_dim, cfg.rope_theta, x.dtype)
         frame_sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
         cu_seqlens = F.pad(frame_sizes.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
@@ -74,15 +74,21 @@ class NativeResolutionViT(nn.Module):
         cfg = self.config
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.long)
         if grid_thw.ndim != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
-            raise ValueError(f"grid_thw must be [num_images, 3] (t, h, w) with at least one row, got "
-                             f"{tuple(grid_thw.shape)}")
+            raise ValueError(
+                f"grid_thw must be [num_images, 3] (t, h, w) with at least one row, got "
+                f"{tuple(grid_thw.shape)}"
+            )
         if (grid_thw <= 0).any() or (grid_thw[:, 1:] % cfg.merge_size).any():
-            raise ValueError(f"grid_thw rows need t, h, w > 0 and h, w divisible by merge_size={cfg.merge_size}, "
-                             f"got {grid_thw.tolist()}")
+            raise ValueError(
+                f"grid_thw rows need t, h, w > 0 and h, w divisible by merge_size={cfg.merge_size}, "
+                f"got {grid_thw.tolist()}"
+            )
         expected = int(grid_thw.prod(dim=1).sum())
         if patches.ndim != 2 or patches.shape != (expected, cfg.patch_dim):
-            raise ValueError(f"patches must be [{expected}, {cfg.patch_dim}] for grid_thw {grid_thw.tolist()}, "
-                             f"got {tuple(patches.shape)}")
+            raise ValueError(
+                f"patches must be [{expected}, {cfg.patch_dim}] for grid_thw {grid_thw.tolist()}, "
+                f"got {tuple(patches.shape)}"
+            )
         return grid_thw
 
     def num_output_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:

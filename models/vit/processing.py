@@ -32,7 +32,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     if min(height, width) <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio of a {height}x{width} image exceeds {MAX_ASPECT_RATIO}; crop or pad it first")
+        raise ValueError(
+            f"aspect ratio of a {height}x{width} image exceeds {MAX_ASPECT_RATIO}; crop or pad it first"
+        )
     if max_pixels < factor * factor:
         raise ValueError(f"max_pixels ({max_pixels}) is below one {factor}x{factor} block")
 
@@ -54,8 +56,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
-def _normalised(image: Image.Image, size_hw: tuple[int, int], mean: Sequence[float],
-                std: Sequence[float]) -> torch.Tensor:
+def _normalised(
+    image: Image.Image, size_hw: tuple[int, int], mean: Sequence[float], std: Sequence[float]
+) -> torch.Tensor:
     """RGB image resized (bicubic) to ``size_hw`` -> float32 [3, H, W], ``(x / 255 - mean) / std``."""
     height, width = size_hw
     rgb = image.convert("RGB")
@@ -71,7 +74,9 @@ def patchify(frames: torch.Tensor, patch_size: int, merge_size: int) -> torch.Te
     t, channels, height, width = frames.shape
     p, m = patch_size, merge_size
     if height % (p * m) or width % (p * m):
-        raise ValueError(f"frame size {height}x{width} is not a multiple of patch_size * merge_size = {p * m}")
+        raise ValueError(
+            f"frame size {height}x{width} is not a multiple of patch_size * merge_size = {p * m}"
+        )
     gh, gw = height // p, width // p
     x = frames.reshape(t, channels, gh // m, m, p, gw // m, m, p)
     x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # t, gh/m, gw/m, m(row), m(col), C, p(row), p(col)
