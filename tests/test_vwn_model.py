@@ -3,6 +3,8 @@ MTP targets, optimizer groups and the FLOP count."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.func import functional_call
@@ -13,6 +15,7 @@ from models.vwn.hyper_connection import GeneralizedHyperConnection
 from tests.test_llm_model import _naive_attention
 from veomni.config.schema import TrainConfig
 from veomni.data.packing import pack_samples
+from veomni.ops.grouped_gemm import grouped_mm
 from veomni.parallel.plan import match_modules
 from veomni.train.mtp_task import MultiTokenLMTask, next_two_token_labels
 from veomni.train.optim import build_optimizer
@@ -21,6 +24,8 @@ BACKBONE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=
                 num_kv_heads=2, head_dim=8, max_position_embeddings=128, family="qwen3", qk_norm=True,
                 tie_embeddings=False, init_std=0.1)
 LENGTHS = (5, 11, 3, 8)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+           router_aux_loss_coef=0.01)
 
 
 def _samples(lengths=LENGTHS) -> list[list[int]]:
@@ -40,13 +45,14 @@ def _forward(model, batch, **kwargs):
                  **kwargs)
 
 
-@pytest.mark.parametrize("m, factorized", [(1, False), (2, False), (4, True)])
-def test_n_equal_m_at_init_equals_the_dense_decoder(m, factorized):
-    """n = m, dynamic parts at zero, the dense model's weights: the same logits (fp32)."""
+@pytest.mark.parametrize("m, factorized, ffn", [(1, False, {}), (2, False, {}), (4, True, {}), (2, False, MOE)],
+                         ids=["m1", "m2", "m4-factorised", "m2-moe"])
+def test_n_equal_m_at_init_equals_the_plain_decoder(m, factorized, ffn):
+    """n = m, dynamic parts at zero, the plain (dense or MoE) decoder's weights: the same logits (fp32)."""
     torch.manual_seed(3)
-    _, llm = build_model("llm", BACKBONE)
+    _, llm = build_model("llm", BACKBONE | ffn)
     llm.init_weights()
-    vwn = _vwn(vwn_m=m, vwn_n=m, factorized_embedding=factorized)
+    vwn = _vwn(vwn_m=m, vwn_n=m, factorized_embedding=factorized, **ffn)
     missing, unexpected = vwn.load_state_dict(llm.state_dict(), strict=False)
     assert not unexpected
     assert all("_hc." in k or k.startswith(("reduce.", "embed_expand.")) for k in missing), missing
@@ -161,9 +167,12 @@ def test_plan_names_hyper_connected_blocks_and_attention_cores():
     dict(vwn_m=2, vwn_n=3),
     dict(vwn_m=2, vwn_n=8, factorized_embedding=True, mtp=True),
     dict(vwn_m=2, vwn_n=2, hyper_connections=False, mtp=True),
-])
-def test_training_flops_match_flop_counter(options):
-    """Every matmul (linears, DGHC maps, attention) of forward + backward, counted by torch."""
+    dict(vwn_m=2, vwn_n=4, mtp=True, **MOE),
+], ids=["r1.5", "r4-factorised-mtp", "baseline-mtp", "r2-moe-mtp"])
+def test_training_flops_match_flop_counter(options, monkeypatch):
+    """Every matmul (linears, DGHC maps, attention, the k routed experts) of forward + backward,
+    counted by torch (experts through the per-segment matmuls: the counter skips grouped_mm)."""
+    monkeypatch.setattr("models.llm.moe.grouped_mm", functools.partial(grouped_mm, fused=False))
     model = _vwn(**options)
     for name, module in model.named_modules():
         if hasattr(module, "attn_fn"):

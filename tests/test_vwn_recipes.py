@@ -28,6 +28,20 @@ def test_full_size_recipe_dry_run_reports_virtual_width_overhead():
     assert 0 < overhead < 10
 
 
+def test_full_size_moe_recipe_dry_run_counts_activated_experts():
+    """The paper's MoE-A3.3B setting over the (assumed) Qwen3-30B-A3B backbone, experts split 8-way."""
+    result = train_sh(str(REPO / "recipes" / "vwn" / "vwn_r8_moe_a3b.yaml"), "--dry-run", "--world-size", "64",
+                      "--gpus")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ep=8" in out and "r = n/m = 8 (m=8, n=64)" in out
+    backbone = int(re.search(r"parameters: backbone ([\d,]+)", out).group(1).replace(",", ""))
+    assert backbone == 30_532_122_624  # Qwen3-30B-A3B's count (recipes/qwen3-moe, tests/test_moe_config.py)
+    total = int(re.search(r"parameters +([\d,]+)", out).group(1).replace(",", ""))
+    activated = int(re.search(r"activated +([\d,]+)", out).group(1).replace(",", ""))
+    assert 3.3e9 < activated < 0.15 * total  # 8 of 128 experts per layer, hyper-connections all active
+
+
 def test_sweep_points_differ_only_in_virtual_width():
     configs = {name: config_to_dict(load_config(REPO / "recipes" / "vwn" / f"sweep_{name}.yaml"))
                for name in SWEEP}

@@ -61,6 +61,7 @@ def _validate_model(cfg: RunConfig) -> list[str]:
 
     from models.registry import build_model
     from veomni.parallel.expert import check_expert_layout
+    from veomni.parallel.pipeline import check_pipeline_model
     from veomni.parallel.sequence import check_sequence_parallel
 
     try:
@@ -70,6 +71,7 @@ def _validate_model(cfg: RunConfig) -> list[str]:
         return [f"model: {exc}"]
     try:
         check_expert_layout(cfg.parallel.ep, getattr(model_cfg, "num_experts", 0))
+        check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
         return check_sequence_parallel(model, cfg.parallel.sp)
     except ValueError as exc:
         return [str(exc)]

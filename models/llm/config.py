@@ -105,6 +105,17 @@ class LLMConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def block_matmul_params(self) -> int:
+        """Weights of one block that take part in a matmul per token: attention projections and
+        the FFN; for an MoE FFN only the activated ones (router, the k selected experts, shared
+        expert and its gate: the E - k other experts do no work for this token)."""
+        q_dim, kv_dim = self.num_heads * self.dim_per_head, self.num_kv_heads * self.dim_per_head
+        attn = self.hidden_size * (2 * q_dim + 2 * kv_dim)
+        if not self.is_moe:
+            return attn + 3 * self.hidden_size * self.intermediate_size
+        return attn + self.hidden_size * (self.num_experts + 3 * self.num_experts_per_tok * self.moe_intermediate_size
+                                          + 3 * self.shared_expert_intermediate_size + int(self.shared_expert_gate))
+
     def _validate_moe(self) -> None:
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")

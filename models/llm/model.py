@@ -19,7 +19,7 @@ from veomni.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from veomni.parallel.plan import ParallelPlan
 
 from .config import LLMConfig
-from .moe import GroupedExperts, MoE, Router
+from .moe import GroupedExperts, MoE, MoEHost, Router
 
 CHECKPOINTING_MODES = ("none", "selective", "full")
 
@@ -65,6 +65,35 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def build_ffn(cfg: LLMConfig) -> nn.Module:
+    """A block's FFN: the dense SwiGLU ``MLP``, or an ``MoE`` when ``cfg.num_experts > 0``."""
+    if not cfg.is_moe:
+        return MLP(cfg)
+    shared = MLP(cfg, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
+    return MoE(cfg, shared)
+
+
+@torch.no_grad()
+def init_standard_weights(root: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
+    """Normal(0, std) for linears, embeddings, expert weights and routers; zero biases and
+    expert-selection biases; norms reset. Draws in ``modules()`` order, so the same generator
+    state (or global seed when None) gives the same weights; the generator must live on the
+    parameters' device."""
+    for module in root.modules():
+        if isinstance(module, GroupedExperts):
+            for param in (module.gate_up_proj, module.down_proj):
+                nn.init.normal_(param, 0.0, std, generator=generator)
+        elif isinstance(module, Router):
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            module.expert_bias.zero_()
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (RMSNorm, nn.GroupNorm)):
+            module.reset_parameters()
+
+
 class DecoderBlock(nn.Module):
     """Pre-norm residual block: attention then MLP (an ``MoE`` when ``cfg.num_experts > 0``)."""
 
@@ -73,18 +102,14 @@ class DecoderBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_moe:
-            shared = MLP(cfg, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
-            self.mlp: nn.Module = MoE(cfg, shared)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = build_ffn(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, seq)
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(MoEHost, nn.Module):
     """Token ids of one packed row [T] -> next-token logits [T, vocab]."""
 
     def __init__(self, cfg: LLMConfig) -> None:
@@ -127,47 +152,9 @@ class DecoderLM(nn.Module):
             stages=("embed_tokens", "layers", "norm", "lm_head"),
         )
 
-    # ----- mixture of experts: what the engine reads after each forward ------------------
-    def moe_layers(self) -> list[MoE]:
-        """The MoE blocks in layer order (found through any wrapper the engine added)."""
-        return [m for m in self.modules() if isinstance(m, MoE)]
-
-    def moe_aux_loss(self) -> torch.Tensor | None:
-        """Sum over layers of this rank's share of the latest forward's auxiliary losses."""
-        losses = [m.last_aux for m in self.moe_layers() if m.last_aux is not None]
-        return torch.stack(losses).sum() if losses else None
-
-    def moe_load(self) -> torch.Tensor | None:
-        """[layers, experts] tokens routed to each expert by the latest forward on this rank."""
-        layers = self.moe_layers()
-        return torch.stack([m.last_load for m in layers]) if layers else None
-
-    def update_router_bias(self, global_load: torch.Tensor) -> torch.Tensor:
-        """Apply the auxiliary-loss-free bias update from the step's global [layers, experts]
-        load; returns the [layers, experts] updates applied."""
-        return torch.stack([m.update_bias(load) for m, load in zip(self.moe_layers(), global_load)])
-
-    @torch.no_grad()
     def init_weights(self, seed_generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) for linears and embeddings, zero biases, ones for norms.
-
-        Reproducible: the same generator state (or global seed when None) gives the same
-        weights, in ``named_modules()`` order. The generator must live on the parameters' device.
-        """
-        std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, GroupedExperts):
-                for param in (module.gate_up_proj, module.down_proj):
-                    nn.init.normal_(param, 0.0, std, generator=seed_generator)
-            elif isinstance(module, Router):
-                nn.init.normal_(module.weight, 0.0, std, generator=seed_generator)
-                module.expert_bias.zero_()
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, 0.0, std, generator=seed_generator)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+        """``init_standard_weights`` with the config's ``init_std``."""
+        init_standard_weights(self, self.config.init_std, seed_generator)
 
     def num_params(self) -> int:
         """Distinct parameters (a tied embedding counts once)."""
@@ -180,22 +167,7 @@ class DecoderLM(nn.Module):
         shared expert (the E - k other experts do no work for this token).
         """
         cfg = self.config
-        q_dim, kv_dim = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
-        attn = cfg.hidden_size * (2 * q_dim + 2 * kv_dim)
-        if cfg.is_moe:
-            mlp = cfg.hidden_size * (cfg.num_experts + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size
-                                     + 3 * cfg.shared_expert_intermediate_size + int(cfg.shared_expert_gate))
-        else:
-            mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-        return cfg.num_layers * (attn + mlp) + cfg.hidden_size * cfg.vocab_size
-
-    def activated_params(self) -> int:
-        """Parameters a token touches: all of them minus the ``E - k`` routed experts it skips
-        in every MoE layer (the "A3B" of Qwen3-30B-A3B; embeddings included, as Qwen counts)."""
-        cfg = self.config
-        skipped = cfg.num_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size \
-            * cfg.moe_intermediate_size if cfg.is_moe else 0
-        return self.num_params() - skipped
+        return cfg.num_layers * cfg.block_matmul_params() + cfg.hidden_size * cfg.vocab_size
 
     def training_flops(self, seq_lens: Sequence[int]) -> float:
         """Model FLOPs of forward + backward for one packed micro-batch of these sample lengths.

@@ -192,3 +192,34 @@ class MoE(nn.Module):
         delta = self.bias_update_rate * torch.sign(load.mean() - load)
         self.router.expert_bias.add_(delta)
         return delta
+
+
+class MoEHost:
+    """What the engine reads from a model with MoE layers after each forward (``moe_stats.py``),
+    shared by every model family whose blocks may hold ``MoE`` FFNs (DecoderLM, VWN)."""
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE blocks in module order (found through any wrapper the engine added)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Sum over layers of this rank's share of the latest forward's auxiliary losses."""
+        losses = [m.last_aux for m in self.moe_layers() if m.last_aux is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def moe_load(self) -> torch.Tensor | None:
+        """[layers, experts] tokens routed to each expert by the latest forward on this rank."""
+        layers = self.moe_layers()
+        return torch.stack([m.last_load for m in layers]) if layers else None
+
+    def update_router_bias(self, global_load: torch.Tensor) -> torch.Tensor:
+        """Apply the auxiliary-loss-free bias update from the step's global [layers, experts]
+        load; returns the [layers, experts] updates applied."""
+        return torch.stack([m.update_bias(load) for m, load in zip(self.moe_layers(), global_load)])
+
+    def activated_params(self) -> int:
+        """Parameters a token touches: all of them minus, in every MoE layer, the ``E - k`` routed
+        experts it skips (the "A3B" of Qwen3-30B-A3B; embeddings included, as Qwen counts)."""
+        skipped = sum(sum(p.numel() for p in m.experts.parameters()) * (m.num_experts - m.top_k)
+                      // m.num_experts for m in self.moe_layers())
+        return sum(p.numel() for p in self.parameters()) - skipped

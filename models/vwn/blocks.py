@@ -1,9 +1,8 @@
 """The pieces of a VWN: hyper-connected blocks, the output reduce, the next-2-token head.
 
-Blocks reuse the dense decoder's attention and FFN (``models.llm.model``) unchanged, with the
-same parameter names (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``), so a dense LLM's weights
-load into a VWN by name. The FFN is passed in as a module: an MoE FFN (pending its issue)
-drops in with no change here.
+Blocks reuse the decoder's attention and FFN (``models.llm.model``) unchanged, with the same
+parameter names (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``), so an LLM's weights load into
+a VWN by name. The FFN is the decoder's: dense SwiGLU, or MoE when ``num_experts > 0``.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.llm.model import MLP, Attention
+from models.llm.model import Attention, build_ffn
 from veomni.ops.attention import SeqInfo
 from veomni.ops.norm import RMSNorm
 
@@ -22,12 +21,12 @@ from .hyper_connection import GeneralizedHyperConnection
 class VWNBlock(nn.Module):
     """Attention then FFN, each pre-norm and wrapped in its own DGHC (plain residual if disabled)."""
 
-    def __init__(self, cfg: VWNConfig, ffn: nn.Module | None = None) -> None:
+    def __init__(self, cfg: VWNConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = ffn if ffn is not None else MLP(cfg)
+        self.mlp = build_ffn(cfg)
         def connection() -> GeneralizedHyperConnection | None:
             if not cfg.hyper_connections:
                 return None

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from models.llm.model import DecoderLM
+from models.llm.model import DecoderLM, init_standard_weights
+from models.llm.moe import MoEHost
 from veomni.ops.attention import SeqInfo
 from veomni.ops.norm import RMSNorm
 from veomni.ops.rope import rope_cos_sin, rope_inv_freq
@@ -27,7 +28,7 @@ from .config import VWNConfig
 from .hyper_connection import GeneralizedHyperConnection, static_beta
 
 
-class VWNLM(nn.Module):
+class VWNLM(MoEHost, nn.Module):
     """Token ids of one packed row [T] -> next-token logits [T, vocab] (and next-2-token logits)."""
 
     def __init__(self, cfg: VWNConfig) -> None:
@@ -86,6 +87,7 @@ class VWNLM(nn.Module):
         mtp = ("mtp.block",) if self.mtp is not None else ()
         return ParallelPlan(
             blocks=("layers.*", *mtp),
+            experts=tuple(f"{b}.mlp.experts" for b in ("layers.*", *mtp)) if self.config.is_moe else (),
             attention=("layers.*.attn", *(f"{b}.attn" for b in mtp)),
             stages=("embed_tokens", *(("embed_expand",) if self.embed_expand is not None else ()),
                     "layers", "reduce", "norm", "lm_head", *(("mtp",) if mtp else ())),
@@ -98,17 +100,12 @@ class VWNLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed_generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) for linears and embeddings, ones for norms, then the structured parts:
+        """The decoder's ``init_standard_weights``, then the structured parts:
         every DGHC to the paper's static/dynamic initialisation, the reduce to read the first m
         slots, and a factorised ``W_expand`` to tile the base embedding into the n slots (slot j
         = block j mod m: the hyper-connections paper's "n copies of h^0").
         """
-        std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, 0.0, std, generator=seed_generator)
-            elif isinstance(module, (RMSNorm, nn.GroupNorm)):
-                module.reset_parameters()
+        init_standard_weights(self, self.config.init_std, seed_generator)
         for module in self.modules():  # after the generic pass, which would overwrite their linears
             if isinstance(module, (GeneralizedHyperConnection, WideReduce)):
                 module.reset_parameters()
@@ -125,15 +122,15 @@ class VWNLM(nn.Module):
     def flops_breakdown(self, seq_lens: Sequence[int]) -> dict[str, float]:
         """Forward + backward model FLOPs of one packed micro-batch, by part.
 
-        Matmuls count ``6 * weights * tokens`` and attention its causal pairs (the ``DecoderLM``
-        convention; element-wise ops ignored); each DGHC adds its token-dependent map matmuls
+        Matmuls count ``6 * weights * tokens`` (only the activated experts of an MoE FFN) and
+        attention its causal pairs (the ``DecoderLM`` convention; element-wise ops ignored); each
+        DGHC adds its token-dependent map matmuls
         (``GeneralizedHyperConnection.training_flops_per_token``).
         """
         cfg = self.config
         tokens = sum(seq_lens)
         d, wide, hidden = cfg.block_dim, cfg.wide_dim, cfg.hidden_size
-        q, kv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
-        block = hidden * (2 * q + 2 * kv) + 3 * hidden * cfg.intermediate_size
+        block = cfg.block_matmul_params()
         attention_per_block = 12 * cfg.num_heads * cfg.dim_per_head * sum(n * (n + 1) // 2 for n in seq_lens)
         hc = self.layers[0].attn_hc
         hc_per_block = 2 * hc.training_flops_per_token() * tokens if hc is not None else 0

@@ -13,7 +13,10 @@ folder only after all ranks have finished, so ``step_*`` folders are always whol
 checkpoints beyond ``keep_last`` are removed only after the new one is published.
 
 Model and optimizer state go through ``torch.distributed.checkpoint`` with full FQNs, so a
-checkpoint loads at any world size or FSDP layout. Loader and RNG state are per rank; on a
+checkpoint loads at any world size or FSDP layout. Under pipeline parallelism a rank holds
+several stage modules with disjoint original parameter names; their model and (flattened,
+FQN-keyed) optimizer entries are united into one dict, so pipeline sizes reshard like any other
+layout change. Loader and RNG state are per rank; on a
 world-size change the loader positions are merged (see ``veomni.data.loader``).
 """
 
@@ -42,6 +45,35 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 logger = logging.getLogger(__name__)
+
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer entries keyed ``state.<param fqn>.<name>`` / ``param_groups.<param fqn>.<key>``:
+stage modules' entries never collide and unite into one dict."""
+
+
+def _parts(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def _stage_state(model, optimizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per stage module: its model state dict and its optimizer's flattened state dict."""
+    parts, optims = _parts(model), _optimizers(optimizer)
+    if len(parts) != len(optims):
+        raise ValueError(f"{len(parts)} model parts but {len(optims)} optimizers; expected one optimizer per part")
+    return ([get_model_state_dict(p) for p in parts],
+            [get_optimizer_state_dict(p, o, options=_OPTIM) for p, o in zip(parts, optims)])
+
+
+def _union(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for d in dicts:
+        out.update(d)
+    return out
+
 
 class CheckpointSaveError(RuntimeError):
     """A save failed before publishing; earlier checkpoints are intact."""
@@ -106,8 +138,10 @@ class CheckpointManager:
 
     # ----- save -------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, app_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        """Write a checkpoint for ``step``. ``app_state`` is identical on all ranks
-        (scheduler, counters); ``rank_state`` differs per rank (loader, RNG)."""
+        """Write a checkpoint for ``step``. ``model`` is a module or this rank's list of pipeline
+        stage modules (then ``optimizer.optimizers`` holds one optimizer per stage).
+        ``app_state`` is identical on all ranks (scheduler, counters); ``rank_state`` differs
+        per rank (loader, RNG)."""
         self.wait()
         tmp = self.root / f".{step_dir_name(step)}.tmp"
         if self.rank == 0:
@@ -116,11 +150,8 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         dist.barrier()
         torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")
-        state = {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer),
-            "app": app_state,
-        }
+        models, optims = _stage_state(model, optimizer)
+        state = {"model": _union(models), "optim": _union(optims), "app": app_state}
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
             self._pending = _PendingSave(step, tmp, future)
@@ -175,14 +206,14 @@ class CheckpointManager:
     def load(self, path: Path, model, optimizer, app_state: dict[str, Any]) -> tuple[dict, list[dict] | None]:
         """Restore model/optimizer in place and ``app_state`` values; return
         (saved layout, per-rank states of the saved run, or None if unreadable)."""
-        state = {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer),
-            "app": app_state,
-        }
+        models, optims = _stage_state(model, optimizer)
+        state = {"model": _union(models), "optim": _union(optims), "app": app_state}
         dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        # dcp.load fills tensors in place but replaces plain values (learning rates, steps) in
+        # the united dicts: read each stage's entries back from them.
+        for part, optim, model_sd, optim_sd in zip(_parts(model), _optimizers(optimizer), models, optims):
+            set_model_state_dict(part, {k: state["model"][k] for k in model_sd}, options=StateDictOptions(strict=True))
+            set_optimizer_state_dict(part, optim, {k: state["optim"][k] for k in optim_sd}, options=_OPTIM)
         meta = json.loads((path / COMPLETE_MARKER).read_text())
         rank_files = sorted(path.glob("rank_*.pt"))
         rank_states = [torch.load(f, weights_only=False) for f in rank_files]

@@ -49,6 +49,24 @@ class ParallelConfig:
     (carved out of ``dp_shard``; must divide it and the model's expert count). Inside a group the
     ranks still see different data; the ``dp_shard / ep`` ranks holding the same experts shard
     them further with FSDP."""
+    pp: int = 1
+    """Pipeline-parallel stages (outermost mesh dim): each stage's ranks hold a contiguous run of
+    blocks (plus the embedding on the first, the head on the last) and are an FSDP/EP layout of
+    their own over world / pp ranks. See docs/pipeline.md."""
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+                         "DualPipeV"] = "1F1B"
+    """Pipeline schedule from ``torch.distributed.pipelining``; the last four hold several stages per
+    rank (``pp_virtual_stages``)."""
+    pp_virtual_stages: int = 0
+    """Stages per rank: 0 picks 1 for GPipe/1F1B and 2 for the others; ZBVZeroBubble and DualPipeV
+    need exactly 2 (the V layout)."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches per step; 0 = ``train.grad_accum`` (one loader micro-batch each).
+    Must divide ``train.grad_accum``: each pipeline micro-batch packs grad_accum / pp_microbatches
+    loader micro-batches into one row."""
+    pp_layer_split: list[int] = field(default_factory=list)
+    """Blocks per stage (pp x virtual stages entries, summing to the model's blocks); empty balances
+    stages by parameter count (the embedding counts on the first stage, the head on the last)."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 params with fp32 reduction on GPU, fp32 on CPU."""
     reshard_after_forward: bool = True

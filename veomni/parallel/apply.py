@@ -1,6 +1,6 @@
 """The one ordered parallel recipe applied to a plain model.
 
-Order matters: pipeline split (later) -> sequence injection (later) / expert injection ->
+Order matters: pipeline split (``pipeline.py`` cuts the model before calling this) -> sequence injection (later) / expert injection ->
 activation checkpointing -> compile -> FSDP. Expert injection swaps parameters for EP-sharded
 DTensors and sets the MoE dispatchers, which checkpointing and compile must then capture;
 checkpointing and compile wrap the block's forward, and FSDP must see the final module tree
@@ -18,6 +18,7 @@ from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
 from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from veomni.parallel.mesh import ParallelMeshes
+from veomni.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
 from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
 from veomni.parallel.sequence import apply_sequence_parallel
 
@@ -47,6 +48,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model, plan)
+    reshard = cfg.reshard_after_forward
+    if reshard and cfg.pp > 1 and cfg.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        logger.info("FSDP reshard_after_forward off: %s defers weight gradients past the backward pass",
+                    cfg.pp_schedule)
+        reshard = False
     offload = cfg.cpu_offload and device_type != "cpu"
     if cfg.cpu_offload and not offload:
         logger.info("parallel.cpu_offload ignored: the model already lives in CPU memory")
@@ -55,7 +61,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         plan,
         meshes.fsdp,
         mixed_precision_policy(cfg.mixed_precision, device_type),
-        reshard_after_forward=cfg.reshard_after_forward,
+        reshard_after_forward=reshard,
         cpu_offload=offload,
         experts=experts,
         expert_mesh=meshes.ep_fsdp,

@@ -3,7 +3,8 @@
 ``ParallelDims.resolve`` is pure arithmetic so the launcher can reject a bad layout before
 any worker starts; ``build_mesh`` runs inside the workers. A size-1 dimension costs nothing.
 
-The root mesh is ``(dp_replicate, dp_shard, sp)``. Parameters are sharded over
+The root mesh is ``(pp, dp_replicate, dp_shard, sp)``: pipeline stages outermost, so each
+pipeline stage is a full data/sequence-parallel layout of its own (``pp`` x the rest). Parameters are sharded over
 ``dp_shard x sp`` (SP ranks hold different tokens, so they shard like data ranks). Expert
 parallelism splits those same ``dp_shard x sp`` ranks into ``(ep_fsdp, ep)``: consecutive
 groups of ``ep`` ranks hold all experts between them, and the ``ep_fsdp`` ranks holding the
@@ -31,11 +32,16 @@ class ParallelDims:
     world_size: int
     sp: int = 1
     ep: int = 1
+    pp: int = 1
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
         if world_size < 1:
             raise LayoutError(f"world size must be >= 1, got {world_size}")
+        if cfg.pp < 1 or world_size % cfg.pp:
+            raise LayoutError(f"parallel.pp={cfg.pp} must be >= 1 and divide the world size {world_size}; "
+                              f"pick a divisor of {world_size}")
+        total_world, world_size = world_size, world_size // cfg.pp  # the ranks of one pipeline stage
         for name in ("dp_replicate", "sp"):
             value = getattr(cfg, name)
             if value < 1:
@@ -46,7 +52,7 @@ class ParallelDims:
         others = cfg.dp_replicate * cfg.sp
         if world_size % others:
             raise LayoutError(f"parallel.dp_replicate x parallel.sp = {others} does not divide the world size "
-                              f"{world_size}")
+                              f"{world_size}" + (f" / parallel.pp {cfg.pp}" if cfg.pp > 1 else ""))
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             dp_shard = world_size // others
@@ -66,7 +72,8 @@ class ParallelDims:
         if cfg.ep > 1 and cfg.dp_replicate > 1:
             raise LayoutError("parallel.ep > 1 with parallel.dp_replicate > 1 (HSDP) is not supported yet; "
                               "set parallel.dp_replicate=1")
-        return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=world_size, sp=cfg.sp, ep=cfg.ep)
+        return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=total_world, sp=cfg.sp, ep=cfg.ep,
+                   pp=cfg.pp)
 
     @property
     def dp_size(self) -> int:
@@ -91,6 +98,8 @@ class ParallelDims:
             f"world={self.world_size}  dp_replicate={self.dp_replicate}  dp_shard={self.dp_shard}{sp}  ({kind}; "
             f"parameters sharded {self.dp_shard * self.sp}-way, replicated {self.dp_replicate}-way)"
         )
+        if self.pp > 1:
+            text += f"  pp={self.pp} (pipeline stages, each over {self.world_size // self.pp} ranks)"
         if self.ep > 1:
             text += f"  ep={self.ep} (experts split {self.ep}-way, each slice FSDP-sharded {self.ep_fsdp}-way)"
         return text
@@ -109,9 +118,10 @@ class ParallelMeshes:
         if self.dims.dp_replicate > 1:
             # A mesh of its own over the same rank order: slicing a flattened dim back out
             # of the root mesh is deprecated.
-            return init_device_mesh(self.root.device_type,
-                                    (self.dims.dp_replicate, self.dims.dp_shard * self.dims.sp),
-                                    mesh_dim_names=("dp_replicate", "dp_shard_sp"))
+            mesh = init_device_mesh(self.root.device_type,
+                                    (self.dims.pp, self.dims.dp_replicate, self.dims.dp_shard * self.dims.sp),
+                                    mesh_dim_names=("pp", "dp_replicate", "dp_shard_sp"))
+            return mesh["dp_replicate", "dp_shard_sp"]
         return self.root["dp_shard", "sp"]._flatten("dp_shard_sp")
 
     @cached_property
@@ -123,19 +133,25 @@ class ParallelMeshes:
     def loss(self) -> DeviceMesh:
         """Every rank holding part of the step's tokens (dp x sp): loss, token and expert-load
         reductions."""
-        return self.root._flatten("loss")
+        return self.root["dp_replicate", "dp_shard", "sp"]._flatten("loss")
 
     @cached_property
     def sp(self) -> DeviceMesh:
         return self.root["sp"]
 
     @cached_property
+    def pp(self) -> DeviceMesh:
+        """The ranks holding the successive pipeline stages of the same data."""
+        return self.root["pp"]
+
+    @cached_property
     def _experts(self) -> DeviceMesh | None:
         """(ep_fsdp, ep) over the dp_shard x sp ranks, in the root's rank order."""
         if self.dims.ep == 1:
             return None
-        return init_device_mesh(self.root.device_type, (self.dims.ep_fsdp, self.dims.ep),
-                                mesh_dim_names=("ep_fsdp", "ep"))
+        mesh = init_device_mesh(self.root.device_type, (self.dims.pp, self.dims.ep_fsdp, self.dims.ep),
+                                mesh_dim_names=("pp", "ep_fsdp", "ep"))
+        return mesh["ep_fsdp", "ep"]
 
     @property
     def ep(self) -> DeviceMesh | None:
@@ -154,6 +170,7 @@ class ParallelMeshes:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMeshes:
     root = init_device_mesh(
-        device_type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=("dp_replicate", "dp_shard", "sp")
+        device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.sp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "sp")
     )
     return ParallelMeshes(dims=dims, root=root)

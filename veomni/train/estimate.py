@@ -37,6 +37,8 @@ class Estimate:
     optimizer_gb: float
     gathered_gb: float
     activations_gb: float
+    compute_bytes: int = 4
+    """Bytes per element of gathered parameters and activations (2 under bf16 compute)."""
     model_lines: list[str] = field(default_factory=list)
     """Lines the model adds about itself (optional ``report_lines(seq_len)``, e.g. VWN's overhead)."""
 
@@ -72,6 +74,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
+        compute_bytes=compute_bytes,
         model_lines=model.report_lines(seq) if hasattr(model, "report_lines") else [],
     )
 
@@ -88,6 +91,12 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
         ("total", est.total_gb),
     ]
+    if dims.pp > 1:  # each rank holds only its stages: the per-pipeline-rank table replaces the totals
+        from veomni.train.estimate_pipeline import pipeline_memory_lines
+
+        memory_lines = pipeline_memory_lines(cfg, dims, est.compute_bytes)
+    else:
+        memory_lines = ["memory / rank (estimate, GiB):", *(f"  {name:<42}{value:10.2f}" for name, value in memory)]
     lines = [
         f"layout        {dims.describe()}",
         f"devices       {device_desc}",
@@ -97,7 +106,6 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         *est.model_lines,
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} tokens x "
         f"{dims.dp_size} dp ranks = {step_tokens:,} tokens",
-        "memory / rank (estimate, GiB):",
-        *(f"  {name:<42}{value:10.2f}" for name, value in memory),
+        *memory_lines,
     ]
     return "\n".join(lines)

@@ -56,7 +56,33 @@ def param_groups(model: nn.Module, base: dict[str, Any]) -> list[dict[str, Any]]
     return list(groups.values())
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+class StageOptimizers(torch.optim.Optimizer):
+    """One optimizer per pipeline stage module, stepped as one.
+
+    Separate optimizers because checkpoints name optimizer state by the parameter names of one
+    module (``get_optimizer_state_dict(module, optimizer)``); ``param_groups`` are the inner
+    optimizers' own group dicts, so an LR scheduler on this object drives all of them.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def build_optimizer(model: nn.Module | list[nn.Module], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (or SGD) over the model; over each module of a list (pipeline stages) separately."""
+    if isinstance(model, list):
+        optimizers = [build_optimizer(part, cfg) for part in model]
+        return optimizers[0] if len(optimizers) == 1 else StageOptimizers(optimizers)
     base = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     groups = param_groups(model, base)
     if cfg.optimizer == "sgd":

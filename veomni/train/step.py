@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -80,10 +81,14 @@ def micro_batch_flops(model: nn.Module, batch: dict[str, Any]) -> float:
     return count(batch) if count is not None else model.training_flops(batch["cu_seqlens"].diff().tolist())
 
 
-def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, max_grad_norm: float) -> dict[str, float]:
-    """Clip by the global gradient norm (0 = report only), step, zero the gradients."""
-    grad_norm = clip_grad_norm(list(model.parameters()), max_grad_norm or math.inf)
+def clip_and_step(model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, max_grad_norm: float,
+                  pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Clip by the global gradient norm (0 = report only), step, zero the gradients. ``model``
+    may be this rank's pipeline stage modules, with ``pp_group`` joining the stages' norms."""
+    parts = [model] if isinstance(model, nn.Module) else list(model)
+    grad_norm = clip_grad_norm([p for part in parts for p in part.parameters()], max_grad_norm or math.inf,
+                               pp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr = optimizer.param_groups[0]["lr"]
@@ -92,13 +97,15 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return {"grad_norm": float(grad_norm), "lr": lr}
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
+                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``clip_grad_norm_`` for gradients that live on several meshes.
 
     Under FSDP the gradients are DTensors; with expert parallelism the expert weights sit on
     the (ep_fsdp, ep) mesh and the dense ones on the flat data-parallel mesh, and DTensor ops
     cannot mix meshes. So: one norm per mesh (made global with ``full_tensor``), combined, and
-    every group scaled by the same coefficient.
+    every group scaled by the same coefficient. Under pipeline parallelism each rank holds only
+    its stages' parameters: the squared norms are summed over ``pp_group`` first.
     """
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for param in params:
@@ -108,9 +115,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if not norms:
+    if not norms and pp_group is None:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if pp_group is not None:
+        squared = total.double() ** 2
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt().to(total.dtype)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

@@ -50,10 +50,11 @@ class LanguageModelingTask:
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
         logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"])
-        loss_sum = F.cross_entropy(
-            logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        return LossOutput(loss_sum=loss_sum, num_tokens=self.count_tokens(batch))
+        return LossOutput(loss_sum=self.output_loss(logits, batch["labels"]), num_tokens=self.count_tokens(batch))
+
+    def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed loss from the model's output alone: what a pipeline's last stage computes."""
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def task_for_model(model: nn.Module) -> Task:

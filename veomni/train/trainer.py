@@ -24,11 +24,13 @@ from veomni.config.schema import RunConfig
 from veomni.data.loader import build_dataloader, load_tokenizer, merge_loader_states
 from veomni.parallel.apply import parallelize
 from veomni.parallel.materialize import build_sharded
+from veomni.parallel.pipeline import Pipeline, build_pipeline, check_pipeline_task, empty_row
 from veomni.parallel.sequence import full_sequence_attention, shard_batch
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.train.distributed import all_reduce_values, init_distributed
 from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
+from veomni.train.pipeline_step import pipeline_forward_backward, pipeline_rows
 from veomni.train.optim import build_optimizer, build_scheduler
 from veomni.train.reporting import MetricsReporter
 from veomni.train.step import clip_and_step, forward_backward
@@ -64,15 +66,23 @@ class Trainer:
 
         self.resume_path = resolve_resume(cfg.checkpoint.resume, self.output_dir / "checkpoints")
         torch.manual_seed(cfg.train.seed)
-        self.model = build_sharded(
-            build=self._build_plain_model,
-            initialise=self._initialise,
-            parallelize=lambda m: parallelize(m, cfg.parallel, self.meshes, self.device.type),
-            device=self.device,
-        )
+        recipe = lambda m: parallelize(m, cfg.parallel, self.meshes, self.device.type)  # noqa: E731
+        self.pipeline: Pipeline | None = None
+        if self.dims.pp > 1:
+            self.pipeline = build_pipeline(self._build_plain_model, self._initialise, recipe, cfg.parallel,
+                                           cfg.train.grad_accum, self.meshes.pp, self.device,
+                                           self._pipeline_loss)
+            self.parts = self.pipeline.parts
+            with torch.device("meta"):
+                self.model = self._build_plain_model()  # the whole model, for FLOPs and the task only
+        else:
+            self.model = build_sharded(build=self._build_plain_model, initialise=self._initialise,
+                                       parallelize=recipe, device=self.device)
+            self.parts = [self.model]
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.task = task or task_for_model(self.model)  # a model may declare its task (e.g. with MTP)
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        check_pipeline_task(self.task, cfg.parallel)
+        self.optimizer = build_optimizer(self.parts, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -122,6 +132,9 @@ class Trainer:
             model.load_state_dict(state_dict, strict=True)
             logger.info("initialised weights from Hugging Face folder %s", path)
 
+    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.task.output_loss(output, labels)
+
     def _app_state(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen}
 
@@ -134,19 +147,19 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
-        self.checkpoints.save(self.step, self.model, self.optimizer, self._app_state(), self._rank_state())
+        self.checkpoints.save(self.step, self.parts, self.optimizer, self._app_state(), self._rank_state())
         self._last_saved_step = self.step
 
     def _resume(self, path: Path) -> None:
         app_state = self._app_state()
-        meta, rank_states = self.checkpoints.load(path, self.model, self.optimizer, app_state)
+        meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state)
         self.scheduler.load_state_dict(app_state["scheduler"])
         self.step = int(app_state["step"])
         self.tokens_seen = int(app_state["tokens_seen"])
-        same_layout = (meta["world_size"], meta["dp_size"], meta["num_workers"]) == (
-            self.dims.world_size, self.dims.dp_size, self.cfg.data.num_workers)
+        # Ranks of one pipeline read the same data: a changed pp size keeps the data layout.
+        same_layout = (meta["dp_size"], meta["num_workers"]) == (self.dims.dp_size, self.cfg.data.num_workers)
         if same_layout:
-            mine = rank_states[self.rank]
+            mine = next(s for s in rank_states if s["dp_rank"] == self.meshes.dp_rank)
             self.train_loader.load_state_dict(mine["loader"])
             rng = mine["rng"]
             torch.set_rng_state(rng["torch"])
@@ -171,9 +184,16 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns global metrics."""
-        metrics = forward_backward(self.model, self.task, micro_batches, self.loss_group, self.dims.loss_size,
-                                   self.dims.sp)
-        metrics.update(clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm))
+        if self.pipeline is not None:
+            metrics = pipeline_forward_backward(self.pipeline, self.task, micro_batches, self.loss_group,
+                                                self.dims.loss_size, self.dims.pp,
+                                                self.cfg.data.tokens_per_micro_batch, self.model)
+        else:
+            metrics = forward_backward(self.model, self.task, micro_batches, self.loss_group, self.dims.loss_size,
+                                       self.dims.sp)
+        pp_group = self.meshes.pp.get_group() if self.pipeline is not None else None
+        metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
+                                     pp_group))
         return metrics
 
     @torch.no_grad()
@@ -181,34 +201,64 @@ class Trainer:
         """``eval_loss`` (the task's loss) and ``eval_<name>`` for each extra task metric; {} without eval data."""
         if not self.cfg.data.eval_path:
             return {}
-        self.model.eval()
+        for part in self.parts:
+            part.eval()
         loader = build_dataloader(self.cfg.data, "eval", self.tokenizer, self.meshes.dp_rank,
                                   self.dims.dp_size, self.cfg.train.seed, self.model_config)
+        if self.pipeline is not None:
+            (loss_sum, tokens), extra = self._pipeline_eval(self._eval_batches(loader)), {}
+        else:
+            loss_sum, tokens, extra = self._plain_eval(self._eval_batches(loader))
+        for part in self.parts:
+            part.train()
+        names = sorted(extra)
+        # Pipelines: the loss sums live on the last stages, so reduce over the world and count
+        # the tokens once per pipeline (every stage counted them).
+        group = None if self.pipeline is not None else self.loss_group
+        total_loss, total_tokens, *totals = all_reduce_values(
+            [loss_sum, tokens, *(v for name in names for v in extra[name])], group=group)
+        total_tokens /= self.dims.pp if self.pipeline is not None else 1
+        if not total_tokens:
+            return {}
+        result = {"eval_loss": total_loss / total_tokens}
+        result.update({f"eval_{name}": totals[2 * i] / max(totals[2 * i + 1], 1) for i, name in enumerate(names)})
+        return result
+
+    def _eval_batches(self, loader) -> Iterator[dict[str, Any]]:
         it = iter(loader)
-        loss_sum, tokens = 0.0, 0
-        extra: dict[str, list[float]] = {}
         for _ in range(self.cfg.train.eval_batches):
             batch = next(it, None)
             # Ranks may run out at different times; all must run the same number of
             # forwards or FSDP's all-gathers would hang.
             if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=self.loss_group)[0] == 0:
-                break
-            out = self.task(self.model, self._local(batch))
+                return
+            yield self._local(batch)
+
+    def _plain_eval(self, batches: Iterator[dict[str, Any]]) -> tuple[float, int, dict[str, list[float]]]:
+        loss_sum, tokens = 0.0, 0
+        extra: dict[str, list[float]] = {}
+        for batch in batches:
+            out = self.task(self.model, batch)
             loss_sum += float(out.loss_sum)
             tokens += out.num_tokens
             for name, (value, count) in out.metrics.items():
                 acc = extra.setdefault(name, [0.0, 0])
                 acc[0] += float(value)
                 acc[1] += count
-        self.model.train()
-        names = sorted(extra)
-        total_loss, total_tokens, *totals = all_reduce_values(
-            [loss_sum, tokens, *(v for name in names for v in extra[name])], group=self.loss_group)
-        if not total_tokens:
-            return {}
-        result = {"eval_loss": total_loss / total_tokens}
-        result.update({f"eval_{name}": totals[2 * i] / max(totals[2 * i + 1], 1) for i, name in enumerate(names)})
-        return result
+        return loss_sum, tokens, extra
+
+    def _pipeline_eval(self, batches: Iterator[dict[str, Any]]) -> tuple[float, int]:
+        """Eval batches in groups of one step's micro-batches; a short last group is filled with
+        label-free rows (the schedule always runs its full micro-batch count)."""
+        size, loss_sum, tokens = self.cfg.train.grad_accum, 0.0, 0
+        batches = list(batches)
+        for start in range(0, len(batches), size):
+            group = batches[start:start + size]
+            tokens += sum(self.task.count_tokens(b) for b in group)
+            group += [empty_row(self.device)] * (size - len(group))
+            loss_sum += self.pipeline.evaluate(pipeline_rows(group, self.pipeline.microbatches,
+                                                             self.cfg.data.tokens_per_micro_batch))
+        return loss_sum, tokens
 
     def run_step(self) -> dict[str, float]:
         """One optimizer step plus what follows it: metrics, eval and checkpoint when due."""
@@ -217,10 +267,11 @@ class Trainer:
         self.step += 1
         self.tokens_seen += metrics["tokens"]
         elapsed = self._timer.lap()
-        # The stop flag rides on this all-reduce so every rank learns of a signal at the same step.
+        # The stop flag rides on this all-reduce so every rank learns of a signal at the same step
+        # (over the world: with pipelines the loss group leaves out the other stages).
         peak_mem, slowest, stop = all_reduce_values(
             [peak_memory_gb(self.device), elapsed, float(self._signal_received is not None)],
-            op=dist.ReduceOp.MAX, group=self.loss_group)
+            op=dist.ReduceOp.MAX)
         world = self.dims.world_size
         metrics.update(
             tokens_per_s=metrics["tokens"] / slowest,
@@ -265,7 +316,10 @@ class Trainer:
         if cfg.checkpoint.save_final and self._last_saved_step != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()
-        if cfg.train.sample_prompt:
+        if cfg.train.sample_prompt and self.pipeline is not None:
+            logger.warning("train.sample_prompt skipped: sampling runs the whole model in one process, and "
+                           "under parallel.pp each rank holds only its stages")
+        elif cfg.train.sample_prompt:
             prompt = self.tokenizer.encode(cfg.train.sample_prompt)
             with full_sequence_attention(self.model):  # every rank decodes the whole prompt
                 out = sample_tokens(self.model, prompt, cfg.train.sample_tokens, self.device,

@@ -1,0 +1,306 @@
+"""Pipeline parallelism: cut a model into stages from its plan and run a schedule over them.
+
+Cutting. The plan's ``stages`` list the model's top-level pieces in order (embedding, the blocks
+container, final norm, head); ``blocks`` name the blocks inside the container. A stage module is
+the whole model with the pieces it does not own replaced by ``nn.Identity`` and its container
+holding only its own blocks, each under its original index. So stage 1 of a 4-layer model owns
+``layers.2.attn.q_proj.weight``, named exactly as in one process: DCP checkpoints move between
+pipeline sizes by resharding alone, and the model's own ``forward`` runs unchanged (on a later
+stage ``embed_tokens`` passes the incoming hidden state through).
+
+Micro-batches. A pipeline micro-batch is one packed row (``pack_rows`` joins loader rows) padded
+to a fixed token count: the schedule's point-to-point buffers are sized once, from the first
+micro-batch, so every micro-batch must send the same shape. Padding tokens sit after
+``cu_seqlens[-1]`` (attention gives them zero output without computing them) and carry no
+label. Sample boundaries (``cu_seqlens``, ``max_seqlen``) and ``position_ids`` go to every stage
+as keyword inputs; only hidden states travel between stages.
+
+Loss. The last stage computes each micro-batch's summed token loss times ``scale`` (the caller's
+``loss_size / global_tokens``, the same normalisation as without pipelining) and the schedule
+runs with ``scale_grads=False``, so gradients equal the one-process gradients of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from veomni.config.schema import ParallelConfig
+from veomni.data.packing import IGNORE_INDEX
+from veomni.parallel.materialize import build_sharded_parts
+from veomni.parallel.pipeline_plan import (PipelineConfigError, balanced_split, check_pipeline, microbatch_count,
+                                           stage_ids, virtual_stages)
+from veomni.parallel.plan import ParallelPlan, match_modules
+
+logger = logging.getLogger(__name__)
+
+
+class StageBlocks(nn.Module):
+    """The blocks one stage owns, registered under their original indices (``"5"`` for
+    ``layers.5``); iterating yields them in order, as the model's ``for layer in self.layers``
+    expects of the ``nn.ModuleList`` it replaces."""
+
+    def __init__(self, blocks: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, block in blocks.items():
+            self.add_module(name, block)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+def _container(model: nn.Module, plan: ParallelPlan) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """The stage piece holding every block, and the blocks (names relative to the model)."""
+    blocks = match_modules(model, plan.blocks)
+    for piece in plan.stages:
+        inside = [(name, block) for name, block in blocks if name.startswith(piece + ".")]
+        if inside:
+            if len(inside) != len(blocks):
+                outside = [name for name, _ in blocks if not name.startswith(piece + ".")]
+                raise PipelineConfigError(f"{type(model).__name__}: blocks {outside} lie outside the pipelined "
+                                          f"container '{piece}' (e.g. a multi-token head); pipelining supports "
+                                          "models whose blocks all sit in one container: set parallel.pp=1")
+            return piece, inside
+    raise PipelineConfigError(f"{type(model).__name__}.parallel_plan() declares no stage piece holding its blocks "
+                              f"(stages {plan.stages}, blocks {plan.blocks}); it cannot be pipelined")
+
+
+def stage_block_counts(model: nn.Module, cfg: ParallelConfig) -> list[int]:
+    """Blocks per global stage: ``pp_layer_split`` or balanced by parameter count."""
+    plan = model.parallel_plan()
+    piece, blocks = _container(model, plan)
+    n_stages = cfg.pp * virtual_stages(cfg)
+    if cfg.pp_layer_split:
+        return list(cfg.pp_layer_split)
+    if n_stages > len(blocks):
+        raise PipelineConfigError(f"{n_stages} pipeline stages but the model has only {len(blocks)} blocks")
+    index = plan.stages.index(piece)
+    count = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
+    return balanced_split([sum(p.numel() for p in b.parameters()) for _, b in blocks], n_stages,
+                          first_extra=count(plan.stages[:index]), last_extra=count(plan.stages[index + 1:]))
+
+
+def cut_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
+    """Turn ``model`` (in place) into global stage ``stage`` of ``len(counts)``; returns it."""
+    plan = model.parallel_plan()
+    piece, blocks = _container(model, plan)
+    start = sum(counts[:stage])
+    prefix = len(piece) + 1
+    kept = {name[prefix:]: block for name, block in blocks[start:start + counts[stage]]}
+    index = plan.stages.index(piece)
+    owned = {piece}
+    if stage == 0:
+        owned.update(plan.stages[:index])
+    if stage == len(counts) - 1:
+        owned.update(plan.stages[index + 1:])
+    for name in plan.stages:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if name == piece:
+            setattr(parent, attr, StageBlocks(kept))
+        elif name not in owned:
+            setattr(parent, attr, nn.Identity())
+    return model
+
+
+def pack_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Join packed rows into one (boundaries shifted); ``[rows[0]]`` is returned as is."""
+    if len(rows) == 1:
+        return rows[0]
+    offsets = [0]
+    for row in rows[:-1]:
+        offsets.append(offsets[-1] + int(row["input_ids"].numel()))
+    cu = [rows[0]["cu_seqlens"]] + [r["cu_seqlens"][1:] + o for r, o in zip(rows[1:], offsets[1:])]
+    return {
+        **{k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")},
+        "cu_seqlens": torch.cat(cu),
+        "max_seqlen": max(int(r["max_seqlen"]) for r in rows),
+    }
+
+
+def pad_row(row: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """Pad a packed row to ``tokens`` with label-free tokens after its last sample."""
+    n = int(row["input_ids"].numel())
+    if n > tokens:
+        raise ValueError(f"a pipeline micro-batch of {n} tokens exceeds its fixed size {tokens}; "
+                         "raise data.tokens_per_micro_batch")
+    if n == tokens:
+        return row
+    pad = tokens - n
+
+    def extend(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, t.new_full((pad,), value)])
+
+    return {**row, "input_ids": extend(row["input_ids"], 0), "labels": extend(row["labels"], IGNORE_INDEX),
+            "position_ids": extend(row["position_ids"], 0)}
+
+
+def empty_row(device: torch.device) -> dict[str, Any]:
+    """A row without loss tokens (one label-free token, padding once padded): fills a short
+    group of eval rows; attention kernels want at least one sample."""
+    token = torch.zeros(1, dtype=torch.long, device=device)
+    return {"input_ids": token, "labels": torch.full_like(token, IGNORE_INDEX), "position_ids": token,
+            "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device=device), "max_seqlen": 1}
+
+
+def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int) -> None:
+    """Everything about a pipeline that can be checked on the (meta) model before any worker
+    starts: the settings against its block count, and what stage cutting cannot handle."""
+    if cfg.pp == 1:
+        return
+    _, blocks = _container(model, model.parallel_plan())
+    check_pipeline(cfg, grad_accum, num_blocks=len(blocks))
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_embeddings", False):
+        raise PipelineConfigError("model.tie_embeddings shares the embedding with the head, which sit on different "
+                                  "pipeline stages; set model.tie_embeddings=false or parallel.pp=1")
+    if getattr(config, "is_moe", False):
+        raise PipelineConfigError("parallel.pp > 1 with a mixture-of-experts model is not supported yet (the "
+                                  "per-layer auxiliary losses and expert loads live on every stage); set "
+                                  "parallel.pp=1")
+
+
+def check_pipeline_task(task: Any, cfg: ParallelConfig) -> None:
+    """Pipelines compute the loss from the last stage's output alone (``task.output_loss``)."""
+    if cfg.pp > 1 and not hasattr(task, "output_loss"):
+        raise PipelineConfigError(f"parallel.pp={cfg.pp}: the task {type(task).__name__} has no "
+                                  "output_loss(output, labels), so it cannot run on a pipeline's last stage; "
+                                  "set parallel.pp=1")
+
+
+class Pipeline:
+    """This rank's stage modules and the schedule that drives them.
+
+    ``loss_fn(output, labels)`` returns a micro-batch's summed loss; ``step`` multiplies it by
+    the step's ``scale`` before backward and returns the unscaled sum of this rank's last-stage
+    micro-batches (0 on other ranks).
+    """
+
+    def __init__(self, parts: list[nn.Module], stage_indices: list[int], cfg: ParallelConfig, microbatches: int,
+                 pp_group: dist.ProcessGroup, device: torch.device,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.parts = parts
+        self.microbatches = microbatches
+        self._loss_fn = loss_fn
+        self._scale = 1.0
+        self._row_tokens: int | None = None
+        n_stages = cfg.pp * virtual_stages(cfg)
+        self.n_stages, self.pp_group, self.device = n_stages, pp_group, device
+        self.pp_rank = dist.get_rank(pp_group)
+        self._owner = {i: r for r in range(cfg.pp)
+                       for i in stage_ids(r, cfg.pp, virtual_stages(cfg), cfg.pp_schedule)}
+        self._by_index = dict(zip(stage_indices, parts))
+        self.stages = [PipelineStage(part, index, n_stages, device, group=pp_group)
+                       for part, index in zip(parts, stage_indices)]
+        self.has_last_stage = any(s.is_last for s in self.stages)
+        schedule_cls = get_schedule_class(cfg.pp_schedule)
+        single = issubclass(schedule_cls, PipelineScheduleSingle)
+        self.schedule = schedule_cls(self.stages[0] if single else self.stages, n_microbatches=microbatches,
+                                     loss_fn=self._scaled_loss, scale_grads=False)
+
+    def _scaled_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, labels) * self._scale
+
+    def step(self, rows: list[dict[str, Any]], scale: float) -> float:
+        """Forward and backward over ``rows`` (one per micro-batch, same token count)."""
+        if len(rows) != self.microbatches:
+            raise ValueError(f"the pipeline runs {self.microbatches} micro-batches per step, got {len(rows)}")
+        sizes = {int(row["input_ids"].numel()) for row in rows}
+        self._row_tokens = self._row_tokens or min(sizes)
+        if sizes != {self._row_tokens}:
+            raise ValueError(f"pipeline micro-batches must all hold {self._row_tokens} tokens (the stages' "
+                             f"buffers are sized once), got {sorted(sizes)}; pad them with pad_row")
+        self._scale = scale
+        args = [(row["input_ids"],) for row in rows]
+        kwargs = [{"position_ids": row["position_ids"], "cu_seqlens": row["cu_seqlens"],
+                   "max_seqlen": int(row["max_seqlen"])} for row in rows]
+        losses: list[torch.Tensor] = []
+        # What ``schedule.step`` does, minus its splitting of one batch tensor into equal chunks:
+        # packed rows come already cut, with per-row boundaries.
+        for stage in self.stages:
+            stage.has_backward = True
+            stage.clear_runtime_states()
+        self.schedule._step_microbatches(args, kwargs, [row["labels"] for row in rows], losses,
+                                         return_outputs=False)
+        return sum(float(loss.detach()) for loss in losses) / scale if losses else 0.0
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict[str, Any]]) -> float:
+        """Forward only; the summed loss of the rows on the last stage (0 elsewhere).
+
+        Not through the schedule: this torch's runtime schedules cannot run forward-only in the V
+        layout (the local stage-to-stage hand-off expects a backward). Rows walk the stages in
+        order instead, hidden states sent point-to-point with a small shape header.
+        """
+        loss_sum = 0.0
+        for row in rows:
+            kwargs = {"position_ids": row["position_ids"], "cu_seqlens": row["cu_seqlens"],
+                      "max_seqlen": int(row["max_seqlen"])}
+            x = row["input_ids"]
+            for index in range(self.n_stages):
+                owner, previous = self._owner[index], self._owner.get(index - 1)
+                if owner != self.pp_rank:
+                    if previous == self.pp_rank:
+                        self._send(x, owner)
+                    continue
+                if previous is not None and previous != self.pp_rank:
+                    x = self._recv(previous)
+                x = self._by_index[index](x, **kwargs)
+            if self.has_last_stage:
+                loss_sum += float(self._loss_fn(x, row["labels"]))
+        return loss_sum
+
+    def _send(self, x: torch.Tensor, to: int) -> None:
+        dst = dist.get_global_rank(self.pp_group, to)
+        header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape, *[0] * (8 - x.dim())], device=x.device)
+        dist.send(header, dst=dst, group=self.pp_group)
+        dist.send(x.contiguous(), dst=dst, group=self.pp_group)
+
+    def _recv(self, source: int) -> torch.Tensor:
+        src = dist.get_global_rank(self.pp_group, source)
+        header = torch.zeros(10, dtype=torch.long, device=self.device)
+        dist.recv(header, src=src, group=self.pp_group)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
+        dist.recv(x, src=src, group=self.pp_group)
+        return x
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+
+
+def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
+                   parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
+                   pp_mesh: DeviceMesh, device: torch.device,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+    """This rank's stages, cut from the model ``build()`` makes, parallelised by ``parallelize``
+    (FSDP / EP within the stage's ranks) and filled with rank 0's initial weights exactly as in
+    one process (see ``materialize.py``)."""
+    with torch.device("meta"):
+        probe = build()
+    check_pipeline_model(probe, cfg, grad_accum)
+    counts = stage_block_counts(probe, cfg)
+    indices = stage_ids(pp_mesh.get_local_rank(), cfg.pp, virtual_stages(cfg), cfg.pp_schedule)
+    logger.info("pipeline %s: %d stages with %s blocks; this rank runs stages %s", cfg.pp_schedule, len(counts),
+                counts, indices)
+    makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize)
+              for i in indices]
+    parts = build_sharded_parts(build, initialise, makers, device, strict=False)
+    return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, loss_fn)
+
+
+def _cut_and_parallelize(model: nn.Module, stage: int, counts: list[int],
+                         parallelize: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    return parallelize(cut_stage(model, stage, counts))
