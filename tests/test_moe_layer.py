@@ -105,3 +105,18 @@ def test_training_flops_count_only_activated_experts():
     dense = LLMConfig(**{**CFG, "num_experts": 0, "intermediate_size": 4 * 16 + 8})
     router = 6 * 64 * 32 * 10  # the router's matmul, 10 tokens
     assert DecoderLM(moe).training_flops([10]) == DecoderLM(dense).training_flops([10]) + router
+
+
+def test_padding_rows_are_not_routed_and_change_no_statistic():
+    """Rows from ``valid_tokens`` on (sequence-parallel / pipeline padding) get no routed expert
+    and leave the loads, the capacity and the auxiliary losses those of the real rows alone."""
+    moe = _moe(router_aux_loss_coef=0.1, router_z_loss_coef=0.01, capacity_factor=1.0)
+    x = torch.randn(30, 32)
+    real = moe(x[:23])
+    load, aux = moe.last_load, moe.last_aux
+    padded = moe(x, valid_tokens=23)
+    torch.testing.assert_close(padded[:23], real)
+    assert padded[23:].abs().max() == 0
+    assert moe.last_load.tolist() == load.tolist() and int(load.sum()) == 23 * 2
+    torch.testing.assert_close(moe.last_aux, aux)
+    assert moe(x, valid_tokens=0).abs().max() == 0 and int(moe.last_load.sum()) == 0

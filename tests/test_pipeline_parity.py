@@ -62,7 +62,7 @@ def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbat
         metrics = pipeline_forward_backward(pipe, task, batches, meshes.loss.get_group(), dims.loss_size, dims.pp,
                                             ROW_TOKENS // microbatches, flops_model)
         record["loss"].append(metrics["loss"])
-        record["metrics"].append({k: v for k, v in metrics.items() if k.startswith("loss_")})
+        record["metrics"].append({k: v for k, v in metrics.items() if k.startswith(("loss_", "moe/"))})
         grads = {}
         for part in pipe.parts:
             grads.update(full_grads(part))
@@ -70,17 +70,21 @@ def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbat
         stepped = clip_and_step(pipe.parts, optimizer, None, 0.0, meshes.pp.get_group())
         record["grad_norm"].append(stepped["grad_norm"])
     record["params"] = {k: v for part in pipe.parts for k, v in full_params(part).items()}
+    record["buffers"] = {name.replace("_checkpoint_wrapped_module.", ""): b.detach().clone()
+                         for part in pipe.parts for name, b in part.named_buffers()}
     return record
 
 
 def merged(records: list[dict]) -> dict:
     """One record from a pipeline's ranks: gradients and parameters united by name."""
-    out = {"loss": records[0]["loss"], "metrics": records[0]["metrics"], "params": {},
+    out = {"loss": records[0]["loss"], "metrics": records[0]["metrics"], "params": {}, "buffers": {},
            "grads": [{} for _ in records[0]["grads"]]}
     for rec in records:
         assert rec["loss"] == pytest.approx(records[0]["loss"], abs=1e-9), "ranks disagree on the logged loss"
         assert rec["grad_norm"] == pytest.approx(records[0]["grad_norm"], abs=1e-9)
+        assert rec["metrics"] == records[0]["metrics"], "ranks disagree on the logged metrics"
         out["params"].update(rec["params"])
+        out["buffers"].update(rec["buffers"])
         for step, grads in enumerate(rec["grads"]):
             out["grads"][step].update(grads)
     return out
@@ -151,6 +155,45 @@ def test_pp4_matches_single_process(deep_reference, schedule, microbatches):
     parallel = ParallelConfig(pp=4, pp_schedule=schedule)
     check(deep_reference, run_distributed(run_pipeline_steps, 4, parallel, microbatches, DEEP))
 
+MOE = dict(OPTIONS, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, router_scoring="sigmoid",
+           norm_topk_prob=True, routed_scaling_factor=2.0, shared_expert_intermediate_size=24,
+           router_aux_loss_coef=0.02, router_z_loss_coef=0.01, router_bias_update_rate=0.05)
+"""Sigmoid router with a shared expert, load-balance and z losses and aux-loss-free bias updates."""
+
+
+def _moe_reference(rank, world, dp_size, microbatches, options=MOE, arch="llm"):
+    """One process whose micro-batch i is the union of every data-parallel rank's micro-batch i
+    in the pipelined run: the auxiliary losses are per (global) micro-batch."""
+    steps = []
+    for samples in global_steps():
+        per_rank = [split(samples[r::dp_size], microbatches) for r in range(dp_size)]
+        steps.append([sum((pieces[i] for pieces in per_rank), []) for i in range(microbatches)])
+    return run_steps(steps, options=options, arch=arch)
+
+
+def check_moe(reference, records):
+    assert all(m["moe/bias_update_abs_mean"] > 0 for m in reference["metrics"])  # the biases do move
+    got = merged(records)
+    assert_records_close(reference, got, atol=2e-6)
+    for ref_m, got_m in zip(reference["metrics"], got["metrics"]):
+        assert got_m["moe/tokens_per_expert"] == ref_m["moe/tokens_per_expert"]
+        assert abs(got_m["moe/aux_loss"] - ref_m["moe/aux_loss"]) < 1e-6
+
+
+@pytest.mark.parametrize("world, parallel", [
+    (2, ParallelConfig(pp=2, pp_schedule="1F1B")),
+    (2, ParallelConfig(pp=2, pp_schedule="Interleaved1F1B")),
+    (2, ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble")),
+    (4, ParallelConfig(pp=2, pp_schedule="1F1B", ep=2)),
+], ids=["1f1b", "interleaved", "zbv", "1f1b-x-ep2"])
+def test_moe_pipeline_matches_single_process(world, parallel):
+    """Every stage's auxiliary losses join backward, padding of the fixed-size rows is not
+    routed, each stage's router biases move from its own layers' global load, and the metrics
+    gather all layers in order; pp=2 x ep=2 runs 2 pipeline ranks of 2 expert-parallel ranks."""
+    reference = run_distributed(_moe_reference, 1, world // parallel.pp, 2)[0]
+    check_moe(reference, run_distributed(run_pipeline_steps, world, parallel, 2, MOE))
+
+
 VWN = dict(OPTIONS, vwn_m=2, vwn_n=6, factorized_embedding=True)
 """Virtual Width Network, r = 3: stages pass the wide hyper-connection state (T, n, D/m) on."""
 
@@ -160,6 +203,14 @@ def test_vwn_pp2_carries_the_wide_state(schedule, microbatches):
     reference = run_distributed(_reference, 1, VWN, "vwn")[0]
     parallel = ParallelConfig(pp=2, pp_schedule=schedule)
     check(reference, run_distributed(run_pipeline_steps, 2, parallel, microbatches, VWN, 0.5, "vwn"))
+
+
+def test_vwn_moe_pp2_matches_single_process():
+    """A VWN over an MoE backbone pipelines like the decoder: the wide state travels, every
+    stage's MoE losses join backward."""
+    options = {**VWN, **{k: v for k, v in MOE.items() if k not in OPTIONS}}
+    reference = run_distributed(_moe_reference, 1, 1, 2, options, "vwn")[0]
+    check_moe(reference, run_distributed(run_pipeline_steps, 2, ParallelConfig(pp=2), 2, options, 0.5, "vwn"))
 
 
 def test_vwn_with_mtp_is_rejected():

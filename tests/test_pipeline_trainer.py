@@ -114,6 +114,23 @@ def test_llama3_70b_pipeline_dry_run_reports_every_stage(capsys):
     assert all(float(r[9]) < 80 for r in rows), "a pipeline rank would not fit an 80 GB GPU"
 
 
+def test_moe_pipeline_x_expert_parallel_dry_run(capsys):
+    """Qwen3-30B-A3B planned as pp 2 x ep 8 on 64 GPUs: every block on one stage, and FSDP
+    gathers only a block's local experts (an eighth of them)."""
+    from veomni.launch import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen3-moe" / "qwen3_30b_a3b.yaml"
+    args = [str(recipe), "--dry-run", "--world-size", "64", "--gpus", "--parallel.pp", "2"]
+    assert main(args + ["--parallel.pp_schedule", "Interleaved1F1B"]) == 0
+    out = capsys.readouterr().out
+    assert "split its experts 8-way (ep_fsdp 4 x ep 8)" in out
+    rows = re.findall(r"^\s+(\d)\s+(\d+),(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)", out, flags=re.M)
+    assert sum(int(r[3]) for r in rows) == 48
+    assert sum(float(r[4]) for r in rows) == pytest.approx(30.532, abs=0.01)
+    block_gb = 2 * 30.5e9 / 48 / 2**30  # a whole bf16 block (experts dominate)
+    assert all(float(r[6]) < 2 * block_gb for r in rows), "only the local eighth of the experts is gathered"
+
+
 def test_pipeline_quickstart_recipe_trains_end_to_end(tmp_path):
     """The pp=2 quick start through train.sh (CI-sized model): steps, eval, checkpoint."""
     import json

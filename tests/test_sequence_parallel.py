@@ -51,6 +51,9 @@ def test_shard_batch_pads_and_keeps_global_boundaries():
     assert [p["position_ids"].tolist() for p in parts] == [[0, 1, 2], [0, 1, 2], [3, 4, 0]]
     assert parts[2]["labels"].tolist() == [8, -100, -100]
     assert all(torch.equal(p["cu_seqlens"], batch["cu_seqlens"]) for p in parts)
+    assert [p["valid_tokens"] for p in parts] == [3, 3, 2]  # leading real tokens: MoE routes only these
+    short = pack_samples([[1, 2, 3, 4]])  # T = 4 -> sp=3 pads to 6: the last slice is all padding
+    assert [shard_batch(short, r, 3)["valid_tokens"] for r in range(3)] == [2, 2, 0]
 
 
 def _bytes_per_layer(rank, world):

@@ -75,10 +75,9 @@ VWN_MOE = VWN | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size
 
 
 def _moe(rank, world, parallel, split):
-    """Even-length samples, so sp=2 pads no row (padding would be routed and counted in the
-    loads the bias update reads: docs/sequence_parallel.md)."""
-    steps = [[s[: len(s) // 2 * 2] for s in samples] for samples in global_steps()]
-    return run_steps([[share(samples, rank, world) if split else samples] for samples in steps],
+    """The first step's row has an odd length: sp=2 pads it, and the padding must not be routed
+    (``valid_tokens``), or the loads the bias update reads would differ."""
+    return run_steps([[share(samples, rank, world) if split else samples] for samples in global_steps()],
                      parallel, arch="vwn", options=VWN_MOE)
 
 

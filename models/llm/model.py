@@ -73,6 +73,12 @@ def build_ffn(cfg: LLMConfig) -> nn.Module:
     return MoE(cfg, shared)
 
 
+def run_ffn(ffn: nn.Module, x: torch.Tensor, valid_tokens: int | None) -> torch.Tensor:
+    """A block's FFN on rows ``x``: an ``MoE`` routes only the first ``valid_tokens`` (the rest is
+    padding, see ``MoE.forward``); a dense MLP treats every row alike."""
+    return ffn(x, valid_tokens) if isinstance(ffn, MoE) else ffn(x)
+
+
 @torch.no_grad()
 def init_standard_weights(root: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
     """Normal(0, std) for linears, embeddings, expert weights and routers; zero biases and
@@ -104,9 +110,10 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = build_ffn(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo,
+                valid_tokens: int | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, seq)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + run_ffn(self.mlp, self.mlp_norm(x), valid_tokens)
 
 
 class DecoderLM(MoEHost, nn.Module):
@@ -124,13 +131,17 @@ class DecoderLM(MoEHost, nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+        valid_tokens: int | None = None,
     ) -> torch.Tensor:
-        """Packed forward: samples are delimited by ``cu_seqlens`` (int32 [n+1]); no batch dim."""
-        return self.forward_embeddings(self.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)
+        """Packed forward: samples are delimited by ``cu_seqlens`` (int32 [n+1]); no batch dim.
+        Rows from ``valid_tokens`` on are padding (None = none): MoE layers do not route them."""
+        return self.forward_embeddings(self.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen,
+                                       valid_tokens)
 
     def forward_embeddings(
-        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+        valid_tokens: int | None = None,
     ) -> torch.Tensor:
         """The decoder on input embeddings [T, hidden] (an omni model splices encoder features
         into the token embeddings first) -> logits [T, vocab]."""
@@ -140,7 +151,7 @@ class DecoderLM(MoEHost, nn.Module):
         )
         cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, seq)
+            x = layer(x, cos, sin, seq, valid_tokens)
         return self.lm_head(self.norm(x))
 
     def parallel_plan(self) -> ParallelPlan:

@@ -132,20 +132,32 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
         self.last_aux: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, probs, expert_idx, weights = self.router(x)
-        load = torch.bincount(expert_idx.reshape(-1), minlength=self.num_experts)
-        self.last_load = load
-        self.last_aux = self._aux_losses(logits, probs, load)
-        if self.capacity_factor > 0:
-            expert_idx = self._drop_over_capacity(expert_idx)
-        out = self.dispatcher(x, expert_idx, weights, self.experts)
+    def forward(self, x: torch.Tensor, valid_tokens: int | None = None) -> torch.Tensor:
+        """Rows from ``valid_tokens`` on are padding (a sequence-parallel slice or pipeline row
+        filled up to a fixed size; ``None`` = no padding): they get no routed expert and count
+        in neither the expert loads, the capacity, nor the auxiliary losses, so padding changes
+        no statistic. Their output is only the shared expert's (they carry no loss)."""
+        tokens = x.shape[0]
+        if valid_tokens is None or valid_tokens >= tokens:
+            out = self._routed(x)
+        else:
+            out = F.pad(self._routed(x[:valid_tokens]), (0, 0, 0, tokens - valid_tokens))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted output for every row of ``x``; records the statistics."""
+        logits, probs, expert_idx, weights = self.router(x)
+        load = torch.bincount(expert_idx.reshape(-1), minlength=self.num_experts)
+        self.last_load = load
+        self.last_aux = self._aux_losses(logits, probs, load)
+        if self.capacity_factor > 0:
+            expert_idx = self._drop_over_capacity(expert_idx)
+        return self.dispatcher(x, expert_idx, weights, self.experts)
 
     def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, load: torch.Tensor) -> torch.Tensor | None:
         """This rank's share of the layer's auxiliary losses, normalised by *global* counts.

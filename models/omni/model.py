@@ -20,14 +20,16 @@ import torch
 from torch import nn
 
 from models.llm.model import DecoderLM
+from models.llm.moe import MoEHost
 from veomni.parallel.plan import ParallelPlan, prefixed
 
 from .config import OmniConfig
 from .registry import get_modality
 
 
-class OmniModel(nn.Module):
-    """``llm`` (models/llm DecoderLM, dense or MoE) + ``encoders`` (ModuleDict keyed by modality)."""
+class OmniModel(MoEHost, nn.Module):
+    """``llm`` (models/llm DecoderLM, dense or MoE) + ``encoders`` (ModuleDict keyed by modality).
+    ``MoEHost`` finds the LLM's MoE layers for the engine's per-step MoE bookkeeping."""
 
     def __init__(self, cfg: OmniConfig) -> None:
         super().__init__()
@@ -103,25 +105,9 @@ class OmniModel(nn.Module):
         for encoder in self.encoders.values():
             encoder.init_weights()
 
-    # ----- mixture of experts: the LLM's --------------------------------------------------
-    def moe_layers(self) -> list[nn.Module]:
-        return self.llm.moe_layers()
-
-    def moe_aux_loss(self) -> torch.Tensor | None:
-        return self.llm.moe_aux_loss()
-
-    def moe_load(self) -> torch.Tensor | None:
-        return self.llm.moe_load()
-
-    def update_router_bias(self, global_load: torch.Tensor) -> torch.Tensor:
-        return self.llm.update_router_bias(global_load)
-
     # ----- sizes and FLOPs -------------------------------------------------------------------
     def encoder_params(self, name: str) -> int:
         return sum(p.numel() for p in self.encoders[name].parameters())
-
-    def activated_params(self) -> int:
-        return self.llm.activated_params() + sum(self.encoder_params(n) for n in self.encoders)
 
     def training_flops(self, seq_lens: Sequence[int]) -> float:
         """The LLM's FLOPs for these text rows (encoders: ``micro_batch_flops``, ``report_lines``)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.llm.model import Attention, build_ffn
+from models.llm.model import Attention, build_ffn, run_ffn
 from veomni.ops.attention import SeqInfo
 from veomni.ops.norm import RMSNorm
 
@@ -39,10 +39,12 @@ class VWNBlock(nn.Module):
     def _connect(hc: GeneralizedHyperConnection | None, h: torch.Tensor, branch) -> torch.Tensor:
         return h + branch(h) if hc is None else hc(h, branch)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        """Wide state [T, D'] -> wide state [T, D'] (D' = D without hyper-connections)."""
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo,
+                valid_tokens: int | None = None) -> torch.Tensor:
+        """Wide state [T, D'] -> wide state [T, D'] (D' = D without hyper-connections); rows from
+        ``valid_tokens`` on are padding, which an MoE FFN does not route."""
         h = self._connect(self.attn_hc, h, lambda x: self.attn(self.attn_norm(x), cos, sin, seq))
-        return self._connect(self.mlp_hc, h, lambda x: self.mlp(self.mlp_norm(x)))
+        return self._connect(self.mlp_hc, h, lambda x: run_ffn(self.mlp, self.mlp_norm(x), valid_tokens))
 
 
 class WideReduce(nn.Module):
@@ -99,10 +101,10 @@ class NextTwoTokenHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, state: torch.Tensor, next_embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seq: SeqInfo) -> torch.Tensor:
+                seq: SeqInfo, valid_tokens: int | None = None) -> torch.Tensor:
         """Wide final state and wide next-token embeddings [T, D'] -> normalised hidden [T, D]."""
         tokens = state.shape[0]
         pairs = torch.cat([self.state_norm(state.reshape(tokens, self.n, self.d)),
                            self.embed_norm(next_embed.reshape(tokens, self.n, self.d))], dim=-1)
         h = self.mix(pairs).reshape(tokens, self.n * self.d)
-        return self.norm(self.reduce(self.block(h, cos, sin, seq)))
+        return self.norm(self.reduce(self.block(h, cos, sin, seq, valid_tokens)))

@@ -53,19 +53,20 @@ class VWNLM(MoEHost, nn.Module):
         return self.embed_expand(e) if self.embed_expand is not None else e
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, mtp: bool = False,
-                next_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                max_seqlen: int, mtp: bool = False, next_ids: torch.Tensor | None = None,
+                valid_tokens: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Packed forward. ``mtp=True`` also returns next-2-token logits: row i predicts token i+2
         of the same sample (rows at a sample's last position are meaningless and must be masked).
         ``next_ids`` (token i+1 for row i) defaults to the row shifted by one; pass it when the
-        row is a slice of a longer one (sequence parallelism), whose next token lies outside."""
+        row is a slice of a longer one (sequence parallelism), whose next token lies outside.
+        Rows from ``valid_tokens`` on are padding (None = none): MoE FFNs do not route them."""
         seq = SeqInfo(cu_seqlens, int(max_seqlen))
         h = self.embed(input_ids)
         inv_freq = rope_inv_freq(self.config.dim_per_head, self.config.rope_theta, self.config.rope_scaling,
                                  device=h.device)
         cos, sin = rope_cos_sin(position_ids, inv_freq, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, seq)
+            h = layer(h, cos, sin, seq, valid_tokens)
         logits = self.lm_head(self.norm(self.reduce(h)))
         if not mtp:
             return logits
@@ -75,7 +76,7 @@ class VWNLM(MoEHost, nn.Module):
         # cannot leak: attention stays inside the sample and that row's target is masked.
         if next_ids is None:
             next_ids = torch.cat([input_ids[1:], input_ids[-1:]])
-        return logits, self.lm_head(self.mtp(h, self.embed(next_ids), cos, sin, seq))
+        return logits, self.lm_head(self.mtp(h, self.embed(next_ids), cos, sin, seq, valid_tokens))
 
     def training_task(self) -> Task:
         """The task the trainer runs for this model: next-token CE, plus next-2-token CE with MTP."""

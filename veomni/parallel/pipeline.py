@@ -18,6 +18,8 @@ as keyword inputs; only hidden states travel between stages.
 Loss. The last stage computes each micro-batch's summed token loss times ``scale`` (the caller's
 ``loss_size / global_tokens``, the same normalisation as without pipelining) and the schedule
 runs with ``scale_grads=False``, so gradients equal the one-process gradients of the step.
+MoE models also tie each stage's auxiliary losses to its output and sum its expert loads,
+through the stage-output hook ``step`` accepts (``veomni/train/moe_stats.PipelineMoEStats``).
 """
 
 from __future__ import annotations
@@ -131,8 +133,10 @@ def pack_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def pad_row(row: dict[str, Any], tokens: int) -> dict[str, Any]:
-    """Pad a packed row to ``tokens`` with label-free tokens after its last sample."""
+    """Pad a packed row to ``tokens`` with label-free tokens after its last sample; its
+    ``valid_tokens`` counts the real ones (MoE layers route only those)."""
     n = int(row["input_ids"].numel())
+    row = {**row, "valid_tokens": row.get("valid_tokens", n)}
     if n > tokens:
         raise ValueError(f"a pipeline micro-batch of {n} tokens exceeds its fixed size {tokens}; "
                          "raise data.tokens_per_micro_batch")
@@ -166,10 +170,6 @@ def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int)
     if getattr(config, "tie_embeddings", False):
         raise PipelineConfigError("model.tie_embeddings shares the embedding with the head, which sit on different "
                                   "pipeline stages; set model.tie_embeddings=false or parallel.pp=1")
-    if getattr(config, "is_moe", False):
-        raise PipelineConfigError("parallel.pp > 1 with a mixture-of-experts model is not supported yet (the "
-                                  "per-layer auxiliary losses and expert loads live on every stage); set "
-                                  "parallel.pp=1")
 
 
 def check_pipeline_task(task: Any, cfg: ParallelConfig) -> None:
@@ -178,6 +178,24 @@ def check_pipeline_task(task: Any, cfg: ParallelConfig) -> None:
         raise PipelineConfigError(f"parallel.pp={cfg.pp}: the task {type(task).__name__} has no "
                                   "output_loss(output, labels), so it cannot run on a pipeline's last stage; "
                                   "set parallel.pp=1")
+
+
+StageOutputHook = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""``hook(stage_module, output) -> output`` after each training forward of a stage."""
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose training forwards pass their output through ``on_output``.
+
+    Hooked here, not with a module forward hook: the schedule also runs each stage once on
+    placeholder inputs to learn the shapes it sends, and that forward must not count.
+    """
+
+    on_output: StageOutputHook | None = None
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward_maybe_with_nosync(*args, **kwargs)
+        return output if self.on_output is None else self.on_output(self.submod, output)
 
 
 class Pipeline:
@@ -191,7 +209,7 @@ class Pipeline:
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], cfg: ParallelConfig, microbatches: int,
                  pp_group: dist.ProcessGroup, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.parts = parts
+        self.parts, self.stage_indices = parts, stage_indices
         self.microbatches = microbatches
         self._loss_fn = loss_fn
         self._scale = 1.0
@@ -202,7 +220,7 @@ class Pipeline:
         self._owner = {i: r for r in range(cfg.pp)
                        for i in stage_ids(r, cfg.pp, virtual_stages(cfg), cfg.pp_schedule)}
         self._by_index = dict(zip(stage_indices, parts))
-        self.stages = [PipelineStage(part, index, n_stages, device, group=pp_group)
+        self.stages = [_Stage(part, index, n_stages, device, group=pp_group)
                        for part, index in zip(parts, stage_indices)]
         self.has_last_stage = any(s.is_last for s in self.stages)
         schedule_cls = get_schedule_class(cfg.pp_schedule)
@@ -213,8 +231,10 @@ class Pipeline:
     def _scaled_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, labels) * self._scale
 
-    def step(self, rows: list[dict[str, Any]], scale: float) -> float:
-        """Forward and backward over ``rows`` (one per micro-batch, same token count)."""
+    def step(self, rows: list[dict[str, Any]], scale: float, on_output: StageOutputHook | None = None) -> float:
+        """Forward and backward over ``rows`` (one per micro-batch, same token count).
+        ``on_output`` sees (and may replace) every stage output of this step's forwards, e.g. to
+        join a stage's auxiliary losses to backward (``moe_stats.PipelineMoEStats``)."""
         if len(rows) != self.microbatches:
             raise ValueError(f"the pipeline runs {self.microbatches} micro-batches per step, got {len(rows)}")
         sizes = {int(row["input_ids"].numel()) for row in rows}
@@ -224,16 +244,20 @@ class Pipeline:
                              f"buffers are sized once), got {sorted(sizes)}; pad them with pad_row")
         self._scale = scale
         args = [(row["input_ids"],) for row in rows]
-        kwargs = [{"position_ids": row["position_ids"], "cu_seqlens": row["cu_seqlens"],
-                   "max_seqlen": int(row["max_seqlen"])} for row in rows]
+        kwargs = [_stage_kwargs(row) for row in rows]
         losses: list[torch.Tensor] = []
         # What ``schedule.step`` does, minus its splitting of one batch tensor into equal chunks:
         # packed rows come already cut, with per-row boundaries.
         for stage in self.stages:
             stage.has_backward = True
             stage.clear_runtime_states()
-        self.schedule._step_microbatches(args, kwargs, [row["labels"] for row in rows], losses,
-                                         return_outputs=False)
+            stage.on_output = on_output
+        try:
+            self.schedule._step_microbatches(args, kwargs, [row["labels"] for row in rows], losses,
+                                             return_outputs=False)
+        finally:
+            for stage in self.stages:
+                stage.on_output = None
         return sum(float(loss.detach()) for loss in losses) / scale if losses else 0.0
 
     @torch.no_grad()
@@ -246,8 +270,7 @@ class Pipeline:
         """
         loss_sum = 0.0
         for row in rows:
-            kwargs = {"position_ids": row["position_ids"], "cu_seqlens": row["cu_seqlens"],
-                      "max_seqlen": int(row["max_seqlen"])}
+            kwargs = _stage_kwargs(row)
             x = row["input_ids"]
             for index in range(self.n_stages):
                 owner, previous = self._owner[index], self._owner.get(index - 1)
@@ -276,6 +299,13 @@ class Pipeline:
         x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
         dist.recv(x, src=src, group=self.pp_group)
         return x
+
+
+def _stage_kwargs(row: dict[str, Any]) -> dict[str, Any]:
+    """What every stage gets besides the hidden state: sample boundaries, positions, and the
+    count of real tokens before the row's padding (MoE layers route only those)."""
+    return {"position_ids": row["position_ids"], "cu_seqlens": row["cu_seqlens"],
+            "max_seqlen": int(row["max_seqlen"]), "valid_tokens": row.get("valid_tokens")}
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]

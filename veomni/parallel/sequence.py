@@ -7,7 +7,8 @@ global ``cu_seqlens``, so sample boundaries survive any split point; the inverse
 restores the token layout. Everything else in the model is per token and runs unchanged.
 
 - Rows whose length does not divide by ``sp`` are padded at the end; padding lies past
-  ``cu_seqlens[-1]`` (attention gives it zero output) and has no label, so it changes nothing.
+  ``cu_seqlens[-1]`` (attention gives it zero output), has no label and is marked by the
+  batch's ``valid_tokens`` (MoE layers do not route it), so it changes nothing.
 - GQA: K/V heads are repeated just enough that their count divides ``sp`` and still divides
   the query heads, keeping each query head with its own K/V head.
 - Positions: ``position_ids`` are sliced from the full row, so RoPE sees global positions.
@@ -35,7 +36,9 @@ IGNORE_INDEX = -100
 def shard_batch(batch: dict[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
     """This rank's slice of every per-token tensor of a packed row (``input_ids``, ``labels``,
     ``position_ids`` and whatever a task's ``prepare`` added); ``cu_seqlens``/``max_seqlen``
-    stay global. Padding is -100 in label tensors (names containing "labels"), 0 elsewhere."""
+    stay global. Padding is -100 in label tensors (names containing "labels"), 0 elsewhere;
+    ``valid_tokens`` counts the slice's leading real tokens, so MoE layers leave the padding
+    unrouted."""
     total = batch["input_ids"].numel()
     padded = math.ceil(total / sp_size) * sp_size
     local = padded // sp_size
@@ -47,6 +50,7 @@ def shard_batch(batch: dict[str, Any], sp_rank: int, sp_size: int) -> dict[str, 
             fill = IGNORE_INDEX if "labels" in key else 0
             value = torch.cat([value, value.new_full((padded - total, *value.shape[1:]), fill)])
         out[key] = value[sp_rank * local:(sp_rank + 1) * local]
+    out["valid_tokens"] = min(max(total - sp_rank * local, 0), local)
     return out
 
 

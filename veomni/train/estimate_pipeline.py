@@ -2,8 +2,8 @@
 
 Each pipeline rank holds its stages' parameters (sharded by FSDP over the stage's
 ``dp_shard x sp`` ranks), their gradients and optimizer state, the gathered parameters FSDP keeps
-(two blocks plus the stage's embedding / head; the whole stage when a zero-bubble schedule keeps
-it gathered), and the activations of the micro-batches it has in flight, which is what
+(two blocks plus the stage's embedding / head, with only a block's ``E / ep`` local experts under
+expert parallelism; the whole stage when a zero-bubble schedule keeps it gathered), and the activations of the micro-batches it has in flight, which is what
 distinguishes the schedules:
 
 - GPipe: every micro-batch of every local stage (all forwards come before the backwards);
@@ -51,6 +51,14 @@ def _activation_bytes(cfg: RunConfig, layers: int, bytes_per_elem: int) -> float
     return model.activation_bytes_per_token(bytes_per_elem, cfg.parallel.activation_checkpointing)
 
 
+def _gathered_block_sizes(model, blocks: list, block_sizes: list[int], ep: int) -> list[float]:
+    """What FSDP gathers of each block: its dense weights and, under EP, its ``E / ep`` local experts."""
+    experts = match_modules(model, model.parallel_plan().experts)
+    expert_params = [sum(p.numel() for path, module in experts if path.startswith(name + ".")
+                         for p in module.parameters()) for name, _ in blocks]
+    return [size - (1 - 1 / ep) * e for size, e in zip(block_sizes, expert_params)]
+
+
 def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int) -> list[str]:
     par = cfg.parallel
     with torch.device("meta"):
@@ -58,6 +66,7 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     plan = model.parallel_plan()
     blocks = match_modules(model, plan.blocks)
     block_sizes = [sum(p.numel() for p in b.parameters()) for _, b in blocks]
+    gathered_sizes = _gathered_block_sizes(model, blocks, block_sizes, dims.ep)
     total = sum(p.numel() for p in model.parameters())
     counts = stage_block_counts(model, par)
     v, m = virtual_stages(par), microbatch_count(par, cfg.train.grad_accum)
@@ -74,7 +83,11 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     tokens = rows_per_mb * cfg.data.tokens_per_micro_batch
     keep_whole = par.pp_schedule in SPLIT_BACKWARD_SCHEDULES or not par.reshard_after_forward
     lines = [f"pipeline      {par.pp_schedule}: {len(counts)} stages ({par.pp} ranks x {v}), blocks per stage "
-             f"{counts}, {m} micro-batches of {tokens} tokens (padded) per step",
+             f"{counts}, {m} micro-batches of {tokens} tokens (padded) per step"]
+    if dims.ep > 1:
+        lines.append(f"pipeline x EP each stage's {shard} ranks split its experts {dims.ep}-way (ep_fsdp {dims.ep_fsdp} "
+                     f"x ep {dims.ep}); aux losses and expert loads are kept per stage")
+    lines += [
              "memory / rank by pipeline rank (estimate, GiB; params/grads/optimizer fp32 sharded "
              f"1/{shard}):",
              f"  {'pp rank':<8}{'stages':<10}{'blocks':>7}{'params (B)':>12}{'p+g+opt':>10}{'gathered':>10}"
@@ -88,7 +101,8 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
             extra = (before if s == 0 else 0) + (after if s == len(counts) - 1 else 0)
             params += sum(sizes) + extra
             n_blocks += counts[s]
-            gathered += (sum(sizes) if keep_whole else sum(sorted(sizes, reverse=True)[:2])) + extra
+            local = gathered_sizes[start:start + counts[s]]
+            gathered += (sum(local) if keep_whole else sum(sorted(local, reverse=True)[:2])) + extra
             holds_head = holds_head or s == len(counts) - 1
         flight = in_flight(par.pp_schedule, par.pp, v, m, r)
         # blocks: the average local stage per chunk in flight; the head's logits: one micro-batch

@@ -48,7 +48,8 @@ class MultiTokenLMTask(LanguageModelingTask):
         if "mtp_labels" not in batch:
             batch = self.prepare(batch)
         logits, mtp_logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
-                                   batch["max_seqlen"], mtp=True, next_ids=batch["mtp_next_ids"])
+                                   batch["max_seqlen"], mtp=True, next_ids=batch["mtp_next_ids"],
+                                   valid_tokens=batch.get("valid_tokens"))
         mtp_labels = batch["mtp_labels"]
         ntp = F.cross_entropy(logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
         mtp = F.cross_entropy(mtp_logits.float(), mtp_labels, ignore_index=IGNORE_INDEX, reduction="sum")

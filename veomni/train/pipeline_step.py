@@ -3,7 +3,9 @@ metrics, the schedule in place of the per-micro-batch forward/backward loop.
 
 Every rank of a pipeline reads the same micro-batches, so each counts the step's loss tokens
 itself (one all-reduce over dp x sp, as without pipelining) before the schedule runs; the
-summed loss exists only on last-stage ranks and is reduced over the whole world.
+summed loss exists only on last-stage ranks and is reduced over the whole world. MoE models
+join every stage's auxiliary losses to backward and reduce each stage's expert loads through
+``moe_stats.PipelineMoEStats``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from veomni.parallel.pipeline import Pipeline, pack_rows, pad_row
 from veomni.train.distributed import all_reduce_values
+from veomni.train.moe_stats import PipelineMoEStats
 from veomni.train.tasks import Task
 
 
@@ -30,17 +33,24 @@ def pipeline_forward_backward(pipeline: Pipeline, task: Task, micro_batches: lis
     """Accumulate the gradients of the step's global token-mean loss on this rank's stages.
 
     ``row_tokens`` is the fixed size of one loader micro-batch (its token budget); ``flops_model``
-    is any copy of the full model (meta is fine) that counts FLOPs.
+    is any copy of the full model (meta is fine) that counts FLOPs and tells whether it has
+    MoE layers.
     """
     local_loss_tokens = sum(task.count_tokens(mb) for mb in micro_batches)
     global_loss_tokens = all_reduce_values([local_loss_tokens], group=loss_group)[0]
     if global_loss_tokens == 0:
         raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
     rows = pipeline_rows(micro_batches, pipeline.microbatches, row_tokens)
-    loss_sum = pipeline.step(rows, loss_size / global_loss_tokens)
+    has_moe = callable(getattr(flops_model, "moe_layers", None)) and bool(flops_model.moe_layers())
+    moe = PipelineMoEStats(pipeline.parts, pipeline.stage_indices, pipeline.microbatches, loss_size) \
+        if has_moe else None
+    loss_sum = pipeline.step(rows, loss_size / global_loss_tokens, on_output=moe)
     flops = sum(flops_model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches)
     tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
     # Over the world: the loss lives on the last stages only; tokens and FLOPs are counted pp times.
     total_loss, total_tokens, total_flops = all_reduce_values([loss_sum, tokens, flops])
-    return {"loss": total_loss / global_loss_tokens, "tokens": int(round(total_tokens / pp_size)),
-            "loss_tokens": int(global_loss_tokens), "flops": total_flops / pp_size}
+    metrics = {"loss": total_loss / global_loss_tokens, "tokens": int(round(total_tokens / pp_size)),
+               "loss_tokens": int(global_loss_tokens), "flops": total_flops / pp_size}
+    if moe is not None:
+        metrics.update(moe.finish(loss_group, pipeline.pp_group))
+    return metrics

@@ -40,7 +40,11 @@ class Task(Protocol):
 
 
 class LanguageModelingTask:
-    """Next-token cross entropy on a packed row; labels already shifted, -100 = no target."""
+    """Next-token cross entropy on a packed row; labels already shifted, -100 = no target.
+
+    The model also gets the batch's ``valid_tokens`` (set where rows were padded: a
+    sequence-parallel slice, a pipeline row; None = no padding), so MoE layers leave padding
+    unrouted and out of their statistics."""
 
     def prepare(self, batch: dict) -> dict:
         return batch
@@ -49,7 +53,8 @@ class LanguageModelingTask:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
-        logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"])
+        logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"],
+                       valid_tokens=batch.get("valid_tokens"))
         return LossOutput(loss_sum=self.output_loss(logits, batch["labels"]), num_tokens=self.count_tokens(batch))
 
     def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
