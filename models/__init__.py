@@ -2,3 +2,4 @@
 
 from . import llm  # noqa: F401  (registers "llm")
 from . import vwn  # noqa: F401  (registers "vwn")
+from . import omni  # noqa: F401  (registers "omni" and the modalities)

@@ -102,8 +102,14 @@ class DecoderLM(nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
     ) -> torch.Tensor:
         """Packed forward: samples are delimited by ``cu_seqlens`` (int32 [n+1]); no batch dim."""
+        return self.forward_embeddings(self.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)
+
+    def forward_embeddings(
+        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        """The decoder on input embeddings [T, hidden] (an omni model splices encoder features
+        into the token embeddings first) -> logits [T, vocab]."""
         seq = SeqInfo(cu_seqlens, int(max_seqlen))
-        x = self.embed_tokens(input_ids)
         inv_freq = rope_inv_freq(
             self.config.dim_per_head, self.config.rope_theta, self.config.rope_scaling, device=x.device
         )

@@ -244,8 +244,12 @@ def build_dataloader(
     dp_rank: int,
     dp_size: int,
     seed: int,
+    model_config: Any = None,
 ) -> PackedDataLoader:
     """Loader of packed micro-batch dicts for one data-parallel rank.
+
+    A model config that lists ``modalities`` (an omni model) gets chat samples with media
+    (``veomni.data.multimodal``), processed for its encoders; any other model gets packed text.
 
     ``split="train"`` reads ``cfg.train_path`` and loops over epochs forever; ``"eval"`` reads
     ``cfg.eval_path`` once, in order (each new ``iter()`` starts over). Every rank must use the
@@ -263,7 +267,13 @@ def build_dataloader(
             f"need 0 < max_seq_len ({cfg.max_seq_len}) <= tokens_per_micro_batch "
             f"({cfg.tokens_per_micro_batch})"
         )
-    dataset = PackedTextDataset(cfg, path, split, tokenizer, dp_rank, dp_size, seed)
+    if getattr(model_config, "modalities", ()):
+        from veomni.data.multimodal import MultimodalChatDataset  # imports this module
+
+        dataset: PackedTextDataset = MultimodalChatDataset(cfg, path, split, tokenizer, dp_rank, dp_size, seed,
+                                                           model_config)
+    else:
+        dataset = PackedTextDataset(cfg, path, split, tokenizer, dp_rank, dp_size, seed)
     if cfg.num_workers > 0:
         # Workers are forked; HF tokenizers would otherwise warn and turn its thread pool off in each one.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -7,7 +7,7 @@ Rows vary in length up to a token budget (dynamic batch size) instead of a fixed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
 from typing import TypeVar
 
@@ -15,6 +15,7 @@ import torch
 
 IGNORE_INDEX = -100
 Tag = TypeVar("Tag")
+Item = TypeVar("Item")
 
 
 def chunk_document(ids: Sequence[int], max_len: int, start: int = 0) -> Iterator[tuple[int, Sequence[int]]]:
@@ -29,25 +30,27 @@ def chunk_document(ids: Sequence[int], max_len: int, start: int = 0) -> Iterator
 
 
 def greedy_pack(
-    samples: Iterable[tuple[Sequence[int], Tag]], budget: int
-) -> Iterator[tuple[list[Sequence[int]], Tag | None]]:
-    """Fill micro-batches in stream order up to ``budget`` tokens.
+    samples: Iterable[tuple[Item, Tag]], budget: int, cost: Callable[[Item], int] = len
+) -> Iterator[tuple[list[Item], Tag | None]]:
+    """Fill micro-batches in stream order up to ``budget`` (a sample costs ``cost(sample)``:
+    its tokens by default; text tokens plus encoder patches for samples with media).
 
-    ``samples`` yields ``(token_ids, tag)``; a sample that does not fit starts the next
+    ``samples`` yields ``(sample, tag)``; a sample that does not fit starts the next
     micro-batch (order is kept, nothing is split or padded). Yields ``(batch, next_tag)`` where
     ``next_tag`` is the tag of the first sample *not* in ``batch`` (``None`` once the stream is
     exhausted): the position a resumed reader must restart from.
     """
-    batch: list[Sequence[int]] = []
+    batch: list[Item] = []
     used = 0
-    for ids, tag in samples:
-        if not 0 < len(ids) <= budget:
-            raise ValueError(f"sample of {len(ids)} tokens cannot be packed into a budget of {budget}")
-        if batch and used + len(ids) > budget:
+    for sample, tag in samples:
+        size = cost(sample)
+        if not 0 < size <= budget:
+            raise ValueError(f"sample of cost {size} cannot be packed into a budget of {budget}")
+        if batch and used + size > budget:
             yield batch, tag
             batch, used = [], 0
-        batch.append(ids)
-        used += len(ids)
+        batch.append(sample)
+        used += size
     if batch:
         yield batch, None
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("webdataset", "jsonl")
+T = TypeVar("T")
 MIN_RECORDS_FOR_EARLY_CHECK = 1000
 """The bad fraction is checked after each file once this many records were read (a few bad
 records among the first dozen say little), and always at the end of a pass."""
@@ -29,6 +31,11 @@ records among the first dozen say little), and always at the end of a pass."""
 
 class BadDataError(RuntimeError):
     """Too large a fraction of the records could not be read."""
+
+
+class InvalidSampleError(ValueError):
+    """A record that reads fine but contradicts itself (e.g. more media placeholders than media):
+    a bug in the data's producer that skipping would hide, so it stops the run, naming the sample."""
 
 
 @dataclass
@@ -128,17 +135,45 @@ def iter_texts(
     consumer reads the same files, so only one of them needs to warn).
     """
     read_file = _tar_texts if fmt == "webdataset" else _jsonl_texts
+    texts = iter_records(files, lambda file: read_file(file, text_key), max_bad_fraction, stats, warn)
+    return (text for text in texts if text)
+
+
+def iter_tar_samples(files: list[Path], max_bad_fraction: float, stats: ReadStats,
+                     warn: bool = True) -> Iterator[dict]:
+    """Every sample dict (``__key__``, ``__url__`` and one bytes value per member suffix) of
+    webdataset ``files`` in order; damaged shards are handled as in :func:`iter_texts`."""
+    return iter_records(files, _tar_samples, max_bad_fraction, stats, warn)
+
+
+def count_bad(stats: ReadStats, file: str | Path, max_bad_fraction: float) -> None:
+    """Count one record the caller found bad after reading it (e.g. an image that does not
+    decode), and stop once the pass's bad fraction is over ``max_bad_fraction``."""
+    stats.bad += 1
+    stats.bad_by_file[str(file)] += 1
+    _check_bad_fraction(stats, max_bad_fraction, Path(file), end_of_pass=False)
+
+
+def iter_records(
+    files: list[Path],
+    read_file: Callable[[Path], Iterator[T | None]],
+    max_bad_fraction: float,
+    stats: ReadStats,
+    warn: bool = True,
+) -> Iterator[T]:
+    """Every good record ``read_file`` yields for ``files`` (``None`` marks a bad one), counting
+    into ``stats``; a file that raises while being read counts as one bad record."""
     log = logger.warning if warn else logger.debug
     for file in files:
         bad_before, records_before = stats.bad, stats.records
         try:
-            for text in read_file(file, text_key):
+            for record in read_file(file):
                 stats.records += 1
-                if text is None:
+                if record is None:
                     stats.bad += 1
                     stats.bad_by_file[str(file)] += 1
-                elif text:
-                    yield text
+                else:
+                    yield record
         except Exception as error:  # noqa: BLE001 - any damage in one file must not stop the run
             stats.records += 1
             stats.bad += 1

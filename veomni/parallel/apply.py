@@ -18,7 +18,7 @@ from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
 from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
 from veomni.parallel.sequence import apply_sequence_parallel
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,11 @@ def apply_compile(model: nn.Module, plan: ParallelPlan) -> None:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str) -> nn.Module:
-    plan: ParallelPlan = model.parallel_plan()
+    declared: ParallelPlan = model.parallel_plan()
+    if meshes.dims.sp > 1 and declared.encoders:
+        raise ValueError(f"parallel.sp={meshes.dims.sp}: sequence parallelism is not supported for models with "
+                         f"encoders ({', '.join(declared.encoders)}); use parallel.sp: 1")
+    plan = flatten_plan(declared)  # encoder blocks are sharded, checkpointed and compiled like the LLM's
     if not match_modules(model, plan.blocks):
         raise ValueError(f"{type(model).__name__}.parallel_plan() blocks {plan.blocks} match no module")
     if meshes.dims.sp > 1:

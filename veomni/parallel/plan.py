@@ -60,3 +60,25 @@ def match_modules(root: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str,
         for name, module in root.named_modules()
         if name and any(module_path_matches(name, p) for p in patterns)
     ]
+
+
+def prefixed(plan: ParallelPlan, prefix: str) -> ParallelPlan:
+    """``plan`` of a submodule at path ``prefix``, as seen from its parent (globs prefixed)."""
+    def add(patterns: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(f"{prefix}.{p}" for p in patterns)
+
+    return ParallelPlan(blocks=add(plan.blocks), experts=add(plan.experts), attention=add(plan.attention),
+                        stages=add(plan.stages), encoders={f"{prefix}.{k}": v for k, v in plan.encoders.items()})
+
+
+def flatten_plan(plan: ParallelPlan) -> ParallelPlan:
+    """One plan over the whole model: each encoder sub-plan (keyed by the encoder's module path)
+    joins the top-level roles with its globs prefixed, so FSDP, activation checkpointing and
+    compile treat encoder blocks like the LLM's. ``stages`` stay the top-level model's."""
+    blocks, experts, attention = list(plan.blocks), list(plan.experts), list(plan.attention)
+    for path, sub in plan.encoders.items():
+        flat = prefixed(flatten_plan(sub), path)
+        blocks += flat.blocks
+        experts += flat.experts
+        attention += flat.attention
+    return ParallelPlan(blocks=tuple(blocks), experts=tuple(experts), attention=tuple(attention), stages=plan.stages)

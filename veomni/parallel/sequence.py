@@ -64,6 +64,10 @@ def check_sequence_parallel(model: nn.Module, sp_size: int) -> list[str]:
     if sp_size == 1:
         return []
     plan: ParallelPlan = model.parallel_plan()
+    if plan.encoders:
+        return [f"parallel.sp={sp_size}: sequence parallelism is not supported for models with encoders "
+                f"({', '.join(plan.encoders)}): the encoder features spliced into a row would have to be "
+                "scattered over the sequence-parallel ranks; use parallel.sp: 1"]
     modules = match_modules(model, plan.attention)
     if not modules:
         return [f"parallel.sp={sp_size}: the model's plan declares no attention modules to run sequence-parallel"]

@@ -21,7 +21,7 @@ import torch
 from models.registry import build_model
 from veomni.config.schema import RunConfig
 from veomni.parallel.mesh import ParallelDims
-from veomni.parallel.plan import match_modules
+from veomni.parallel.plan import flatten_plan, match_modules
 
 GiB = 2**30
 
@@ -53,7 +53,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     flops_per_token = model.training_flops([seq]) / seq
     compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
                           (cfg.parallel.mixed_precision == "auto" and compute_on_gpu)) else 4
-    plan = model.parallel_plan()
+    plan = flatten_plan(model.parallel_plan())
     blocks = match_modules(model, plan.blocks)
     block_params = sorted((sum(p.numel() for p in b.parameters()) for _, b in blocks), reverse=True)
     root_params = total - sum(block_params)

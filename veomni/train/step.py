@@ -59,7 +59,7 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
             acc = extra.setdefault(name, [0.0, 0])
             acc[0] += float(value)
             acc[1] += count
-    flops = sum(model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches) / sp_size
+    flops = sum(micro_batch_flops(model, mb) for mb in micro_batches) / sp_size
     tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
     names = sorted(extra)  # every rank runs the same task, so the same names in the same order
     total_loss, total_tokens, total_flops, *totals = all_reduce_values(
@@ -71,6 +71,13 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
     if moe is not None:
         metrics.update(moe.finish(loss_group))
     return metrics
+
+
+def micro_batch_flops(model: nn.Module, batch: dict[str, Any]) -> float:
+    """The model's own count for a whole micro-batch when it has one (omni models add their
+    encoders' work on the batch's media), else its FLOPs for the text rows."""
+    count = getattr(model, "micro_batch_flops", None)
+    return count(batch) if count is not None else model.training_flops(batch["cu_seqlens"].diff().tolist())
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer,

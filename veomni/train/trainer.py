@@ -38,7 +38,13 @@ logger = logging.getLogger(__name__)
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    """Every tensor of the batch, nested ones included (an omni batch's ``media`` inputs)."""
+    def move(value: Any) -> Any:
+        if torch.is_tensor(value):
+            return value.to(device, non_blocking=True)
+        return {k: move(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    return move(batch)
 
 
 class Trainer:
@@ -71,7 +77,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.train_loader = build_dataloader(cfg.data, "train", self.tokenizer, self.meshes.dp_rank,
-                                             self.dims.dp_size, cfg.train.seed)
+                                             self.dims.dp_size, cfg.train.seed, self.model_config)
         self.step = 0
         self.tokens_seen = 0
         self.checkpoints = CheckpointManager(
@@ -177,7 +183,7 @@ class Trainer:
             return {}
         self.model.eval()
         loader = build_dataloader(self.cfg.data, "eval", self.tokenizer, self.meshes.dp_rank,
-                                  self.dims.dp_size, self.cfg.train.seed)
+                                  self.dims.dp_size, self.cfg.train.seed, self.model_config)
         it = iter(loader)
         loss_sum, tokens = 0.0, 0
         extra: dict[str, list[float]] = {}

@@ -1,0 +1,216 @@
+"""Build the bundled visual question-answering set: answers can only be read from the picture.
+
+Why this set: it is generated offline (no download), small enough for a tiny ViT + LLM to learn
+on a CPU in minutes, and every answer depends on the image, so held-out accuracy far above the
+majority-class baseline shows the encoder, the adapter and the splicing all work.
+
+Each image (``56..140`` px per side, varying aspect ratio, light noisy background) holds shapes
+(circle, square, triangle, cross) in colours (red, green, blue, yellow, purple). One question
+per image, of one of five types, answered with one word:
+
+    color     "What color is the shape?"               one shape        red|green|blue|yellow|purple
+    shape     "What shape is it?"                      one shape        circle|square|triangle|cross
+    count     "How many shapes are there?"             1..4 shapes      one|two|three|four
+    position  "Is the shape on the left or the right?" one shape        left|right
+    size      "Is the shape big or small?"             one shape        big|small
+
+Output: webdataset tar shards in ``--train-out`` and ``--eval-out``; each sample is
+``{"__key__", "png": image bytes, "json": {"messages": [...], "question_type": ...}}`` (the chat
+format of docs/data.md). ``manifest.json`` is written last and records ``FORMAT_VERSION`` and,
+per question type, the answer counts and the majority-class baseline (the held-out accuracy
+of always giving the most common training answer). Splits are written to a temporary sibling
+folder and renamed into place; a file lock lets concurrent launchers wait for one builder.
+
+    python data/build_vqa.py --train-out data/cache/vqa/train --eval-out data/cache/vqa/eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import io
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import webdataset
+from PIL import Image, ImageDraw
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TRAIN_SAMPLES = 24_000
+EVAL_SAMPLES = 1_000
+SAMPLES_PER_SHARD = 4_000
+MIN_SIDE, MAX_SIDE = 56, 140
+
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 30),
+          "purple": (140, 50, 180)}
+SHAPES = ("circle", "square", "triangle", "cross")
+COUNT_WORDS = ("one", "two", "three", "four")
+QUESTIONS = {
+    "color": "What color is the shape?",
+    "shape": "What shape is it?",
+    "count": "How many shapes are there?",
+    "position": "Is the shape on the left or the right?",
+    "size": "Is the shape big or small?",
+}
+QUESTION_TYPES = tuple(QUESTIONS)
+
+
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], color: tuple) -> None:
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=color)
+    elif shape == "square":
+        draw.rectangle(box, fill=color)
+    elif shape == "triangle":
+        draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=color)
+    else:  # cross: two bars a third of the box wide
+        w, h = (x1 - x0) / 3, (y1 - y0) / 3
+        draw.rectangle((x0, y0 + h, x1, y1 - h), fill=color)
+        draw.rectangle((x0 + w, y0, x1 - w, y1), fill=color)
+
+
+def _free_box(rng: random.Random, width: int, height: int, size: int, taken: list, x_range: tuple[int, int]):
+    """A ``size`` square box inside the image and ``x_range``, apart from ``taken``; None if none fits."""
+    for _ in range(50):
+        x0 = rng.randint(x_range[0], max(x_range[0], x_range[1] - size))
+        y0 = rng.randint(2, max(2, height - size - 2))
+        box = (x0, y0, x0 + size, y0 + size)
+        if box[2] <= width - 2 and all(box[2] + 3 < t[0] or t[2] + 3 < box[0] or box[3] + 3 < t[1]
+                                       or t[3] + 3 < box[1] for t in taken):
+            return box
+    return None
+
+
+def make_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """``(image, question_type, answer)`` for one random sample."""
+    width, height = rng.randint(MIN_SIDE, MAX_SIDE), rng.randint(MIN_SIDE, MAX_SIDE)
+    background = tuple(rng.randint(225, 255) for _ in range(3))
+    image = Image.new("RGB", (width, height), background)
+    draw = ImageDraw.Draw(image)
+    for _ in range(width * height // 60):  # sparse noise so the background is not trivially flat
+        draw.point((rng.randrange(width), rng.randrange(height)), fill=tuple(rng.randint(180, 255) for _ in range(3)))
+    qtype = rng.choice(QUESTION_TYPES)
+    short = min(width, height)
+    if qtype == "count":
+        count = rng.randint(1, 4)
+        taken: list = []
+        size = max(12, short // 4)
+        while len(taken) < count:
+            box = _free_box(rng, width, height, size, taken, (2, width - 2))
+            if box is None:  # crowded: start over with smaller shapes
+                taken, size = [], max(10, size - 2)
+                continue
+            taken.append(box)
+        for box in taken:
+            draw_shape(draw, rng.choice(SHAPES), box, COLORS[rng.choice(list(COLORS))])
+        return image, qtype, COUNT_WORDS[count - 1]
+    big = rng.random() < 0.5
+    size = int(short * (rng.uniform(0.55, 0.7) if big else rng.uniform(0.2, 0.3)))
+    side = rng.choice(("left", "right"))
+    if qtype == "position":  # the shape lies wholly in its half
+        size = min(size, width // 2 - 6)
+        x_range = (2, width // 2 - 2) if side == "left" else (width // 2 + 2, width - 2)
+    else:
+        x_range = (2, width - 2)
+    box = _free_box(rng, width, height, size, [], x_range)
+    shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+    draw_shape(draw, shape, box, COLORS[color])
+    answer = {"color": color, "shape": shape, "position": side, "size": "big" if big else "small"}[qtype]
+    return image, qtype, answer
+
+
+def sample_record(index: int, rng: random.Random) -> tuple[dict, str, str]:
+    image, qtype, answer = make_sample(rng)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    meta = {"messages": [{"role": "user", "content": f"<image>\n{QUESTIONS[qtype]}"},
+                         {"role": "assistant", "content": answer}],
+            "question_type": qtype}
+    record = {"__key__": f"vqa_{index:07d}", "png": buffer.getvalue(), "json": json.dumps(meta).encode()}
+    return record, qtype, answer
+
+
+def is_complete(out: Path) -> bool:
+    try:
+        return json.loads((out / MANIFEST).read_text()).get("format_version") == FORMAT_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str, Counter]:
+    """Write ``count`` samples to a temporary folder, then rename it to ``out``; answer counts by type."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    rng = random.Random(f"{seed}:{out.name}")
+    answers: dict[str, Counter] = {q: Counter() for q in QUESTION_TYPES}
+    with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=SAMPLES_PER_SHARD, verbose=0) as writer:
+        for index in range(first_index, first_index + count):
+            record, qtype, answer = sample_record(index, rng)
+            writer.write(record)
+            answers[qtype][answer] += 1
+    manifest = {"samples": count, "format_version": FORMAT_VERSION, "seed": seed,
+                "answers": {q: dict(sorted(c.items())) for q, c in answers.items()}}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return answers
+
+
+def majority_baseline(train: dict[str, Counter], held_out: dict[str, Counter]) -> dict[str, tuple[str, float]]:
+    """Per type: the most common training answer and the held-out accuracy of always answering it."""
+    result = {}
+    for qtype in QUESTION_TYPES:
+        answer = train[qtype].most_common(1)[0][0]
+        total = sum(held_out[qtype].values())
+        result[qtype] = (answer, held_out[qtype][answer] / total if total else 0.0)
+    return result
+
+
+def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_samples: int) -> None:
+    start = time.perf_counter()
+    held_out = write_split(eval_out, 0, eval_samples, seed)
+    train = write_split(train_out, eval_samples, train_samples, seed)
+    baseline = majority_baseline(train, held_out)
+    manifest = json.loads((eval_out / MANIFEST).read_text())
+    manifest["majority_baseline"] = {q: {"answer": a, "accuracy": acc} for q, (a, acc) in baseline.items()}
+    tmp = eval_out / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(eval_out / MANIFEST)
+    print(f"{train_out}: {train_samples} samples; {eval_out}: {eval_samples} samples "
+          f"({time.perf_counter() - start:.1f}s)")
+    print("majority-class baseline on the held-out split:")
+    for qtype, (answer, acc) in baseline.items():
+        print(f"  {qtype:<9} always {answer!r:<10} {acc:6.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train-out", required=True, type=Path)
+    parser.add_argument("--eval-out", required=True, type=Path)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES)
+    parser.add_argument("--eval-samples", type=int, default=EVAL_SAMPLES)
+    args = parser.parse_args()
+    if is_complete(args.train_out) and is_complete(args.eval_out):
+        print(f"cached: {args.train_out} and {args.eval_out} are complete")
+        return
+    args.train_out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.train_out.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(args.train_out) and is_complete(args.eval_out):
+            print(f"cached: {args.train_out} and {args.eval_out} are complete")
+            return
+        build(args.train_out, args.eval_out, args.seed, args.train_samples, args.eval_samples)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Omni model: modality encoders -> placeholder positions of the LLM's input embeddings.
+
+The text of a sample holds one placeholder token per encoder output feature (the data pipeline
+expands each ``<image>`` marker to as many tokens as the encoder will produce). The forward
+embeds the tokens, runs each encoder on its micro-batch inputs and writes the features, in
+order, over the embeddings at that modality's placeholder positions; the LLM runs on the result.
+
+A micro-batch without any item of a modality still runs that encoder, on its tiny dummy input,
+and adds ``0 * features.sum()``: the encoder's FSDP all-gathers and gradient reduce-scatters
+then run on every rank (otherwise a rank without images would leave the others waiting), and
+its gradient contribution is exactly zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.llm.model import DecoderLM
+from veomni.parallel.plan import ParallelPlan, prefixed
+
+from .config import OmniConfig
+from .registry import get_modality
+
+
+class OmniModel(nn.Module):
+    """``llm`` (models/llm DecoderLM, dense or MoE) + ``encoders`` (ModuleDict keyed by modality)."""
+
+    def __init__(self, cfg: OmniConfig) -> None:
+        super().__init__()
+        if cfg.llm_config is None:
+            cfg.validate()
+        self.config = cfg
+        self.llm = DecoderLM(cfg.llm_config)
+        self.encoders = nn.ModuleDict(
+            {name: get_modality(name).encoder_cls(config) for name, config in cfg.encoder_configs.items()})
+        for component in cfg.freeze:
+            for param in self._component_params(component):
+                param.requires_grad_(False)
+
+    def _component_params(self, component: str) -> list[nn.Parameter]:
+        """Parameters of ``llm``, ``encoders.<name>`` (minus its adapter) or ``adapters.<name>``."""
+        if component == "llm":
+            return list(self.llm.parameters())
+        kind, name = component.split(".", 1)
+        encoder = self.encoders[name]
+        adapter = {id(p) for p in encoder.get_submodule(get_modality(name).adapter).parameters()}
+        return [p for p in encoder.parameters() if (id(p) in adapter) == (kind == "adapters")]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, media: Mapping[str, Mapping[str, Any]] | None = None) -> torch.Tensor:
+        """Packed forward -> logits [T, vocab].
+
+        ``media[name]`` = ``{"inputs": encoder kwargs for the micro-batch, "positions": LongTensor of
+        the row positions its features go to, in order}``; a modality may be absent.
+        """
+        x = self.llm.embed_tokens(input_ids)
+        for name, encoder in self.encoders.items():
+            item = (media or {}).get(name)
+            if item is None:
+                dummy = get_modality(name).dummy_inputs(self.config.encoder_configs[name])
+                features = encoder(**{k: v.to(input_ids.device) for k, v in dummy.items()})
+                x = x + 0 * features.sum().to(x.dtype)
+                continue
+            features = encoder(**item["inputs"])
+            positions = item["positions"]
+            if features.shape[0] != positions.numel():
+                raise ValueError(f"{name}: the encoder produced {features.shape[0]} features for "
+                                 f"{positions.numel()} placeholder tokens")
+            x = x.index_put((positions,), features.to(x.dtype))
+        return self.llm.forward_embeddings(x, position_ids, cu_seqlens, max_seqlen)
+
+    def parallel_plan(self) -> ParallelPlan:
+        """The LLM's plan under ``llm.`` plus one sub-plan per encoder (the engine flattens them)."""
+        llm = prefixed(self.llm.parallel_plan(), "llm")
+        return ParallelPlan(blocks=llm.blocks, experts=llm.experts, attention=llm.attention,
+                            encoders={f"encoders.{name}": enc.parallel_plan() for name, enc in self.encoders.items()})
+
+    def training_task(self):
+        from veomni.train.omni_task import OmniTask
+
+        return OmniTask()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.llm.init_weights()
+        for encoder in self.encoders.values():
+            encoder.init_weights()
+
+    # ----- mixture of experts: the LLM's --------------------------------------------------
+    def moe_layers(self) -> list[nn.Module]:
+        return self.llm.moe_layers()
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        return self.llm.moe_aux_loss()
+
+    def moe_load(self) -> torch.Tensor | None:
+        return self.llm.moe_load()
+
+    def update_router_bias(self, global_load: torch.Tensor) -> torch.Tensor:
+        return self.llm.update_router_bias(global_load)
+
+    # ----- sizes and FLOPs -------------------------------------------------------------------
+    def encoder_params(self, name: str) -> int:
+        return sum(p.numel() for p in self.encoders[name].parameters())
+
+    def activated_params(self) -> int:
+        return self.llm.activated_params() + sum(self.encoder_params(n) for n in self.encoders)
+
+    def training_flops(self, seq_lens: Sequence[int]) -> float:
+        """The LLM's FLOPs for these text rows (encoders: ``micro_batch_flops``, ``report_lines``)."""
+        return self.llm.training_flops(seq_lens)
+
+    def micro_batch_flops(self, batch: Mapping[str, Any]) -> float:
+        """Forward+backward FLOPs of a micro-batch: the LLM on its rows plus each encoder on its inputs."""
+        flops = self.training_flops(batch["cu_seqlens"].diff().tolist())
+        for name, item in (batch.get("media") or {}).items():
+            flops += get_modality(name).flops(self.encoders[name], item["inputs"])
+        return flops
+
+    def activation_bytes_per_token(self, bytes_per_elem: int, checkpointing: str) -> float:
+        """The LLM's per-token estimate; encoder activations scale with patches, not text tokens."""
+        return self.llm.activation_bytes_per_token(bytes_per_elem, checkpointing)
+
+    def report_lines(self, seq_len: int) -> list[str]:
+        """``--dry-run`` lines: each encoder's parameters and FLOPs on its largest input."""
+        lines = [f"llm           {sum(p.numel() for p in self.llm.parameters()):,} parameters, "
+                 f"{self.llm.activated_params():,} activated"]
+        for name in self.encoders:
+            modality, config = get_modality(name), self.config.encoder_configs[name]
+            params = self.encoder_params(name)
+            largest = modality.dummy_inputs(config, largest=True)
+            gflops = modality.flops(self.encoders[name], largest) / 1e9
+            lines.append(f"encoder {name:<6}{params:,} parameters ({params / 1e6:.1f} M); {gflops:,.1f} GFLOP "
+                         f"forward+backward per largest input ({_describe(largest)})")
+        frozen = ", ".join(self.config.freeze) or "none"
+        lines.append(f"frozen        {frozen}")
+        return lines
+
+
+def _describe(inputs: Mapping[str, torch.Tensor]) -> str:
+    return ", ".join(f"{k} {list(v.shape)}" for k, v in inputs.items())

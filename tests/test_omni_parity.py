@@ -1,0 +1,67 @@
+"""The VLM under FSDP at 2 ranks equals one process, including a step in which one rank's
+micro-batch holds no image (it runs the encoder on a dummy input, so the encoder's collectives
+match on every rank and its gradient contribution is zero)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import run_distributed
+from tests.omni_utils import TOKENIZER, chat_record, png_bytes, tiny_omni
+from tests.parity_utils import assert_records_close, full_grads, full_params
+from veomni.config.schema import ParallelConfig
+from veomni.data.loader import load_tokenizer
+from veomni.data.multimodal import SampleProcessor, pack_chat_samples
+from veomni.parallel.apply import parallelize
+from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.train.step import clip_and_step, forward_backward
+
+
+def global_steps() -> list[list[dict]]:
+    """Step -> samples. Rank r of 2 takes samples r, r+2, ...: in step 1 rank 1 gets only text."""
+    image = lambda i: chat_record(f"s{i}", "What color is it?", ["red", "blue"][i % 2], png_bytes(i))  # noqa: E731
+    text = lambda i: chat_record(f"t{i}", "Say yes or no.", "yes")  # noqa: E731
+    return [[image(0), image(1), image(2), text(3), image(4), image(5)],
+            [image(6), text(7), image(8), text(9)]]
+
+
+def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str]) -> dict:
+    dims = ParallelDims.resolve(parallel, world)
+    meshes = build_mesh(dims, "cpu")
+    config, model = tiny_omni(freeze=freeze)
+    task = model.training_task()
+    process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
+    model = parallelize(model, parallel, meshes, "cpu")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    record = {"loss": [], "grads": [], "metrics": [], "images": []}
+    for samples in global_steps():
+        batch = pack_chat_samples([process(r) for r in samples[rank::world]])
+        record["images"].append(int(batch["media"]["image"]["inputs"]["grid_thw"].shape[0])
+                                if "image" in batch["media"] else 0)
+        metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), dims.loss_size)
+        record["loss"].append(metrics["loss"])
+        record["metrics"].append({})
+        record["grads"].append(full_grads(model))
+        clip_and_step(model, optimizer, None, max_grad_norm=0.0)
+    record["params"] = full_params(model)
+    dist.barrier()
+    return record
+
+
+@pytest.mark.parametrize("parallel, freeze", [
+    (ParallelConfig(), []),
+    (ParallelConfig(activation_checkpointing="full"), ["llm"]),
+], ids=["fsdp2", "fsdp2-ac-full-frozen-llm"])
+def test_fsdp_matches_single_process_with_a_rank_without_images(parallel, freeze):
+    reference = run_distributed(_run, 1, ParallelConfig(), freeze)[0]
+    results = run_distributed(_run, 2, parallel, freeze)
+    assert [r["images"][1] for r in results] == [2, 0]  # step 1: rank 1 has no image
+    for got in results:
+        assert_records_close(reference, got, atol=1e-6)
+    if freeze:
+        _, initial = tiny_omni()
+        for name, value in initial.llm.named_parameters():
+            torch.testing.assert_close(results[0]["params"][f"llm.{name}"], value.detach(), rtol=0, atol=0)
+        assert not any(name.startswith("llm.") for name in reference["grads"][0])

@@ -1,0 +1,105 @@
+"""Chat samples -> token ids with loss targets and expanded media placeholders.
+
+Template (plain text, so any tokenizer works)::
+
+    User: <image>\nWhat color is the shape?\n
+    Assistant: red<eos>
+
+Each message is ``"{Role}: "`` + content; user/system turns end with a newline, assistant turns
+with the tokenizer's eos. Only the assistant's content and its eos are targets. Every media
+marker (``<image>``) in the content is replaced by ``num_tokens`` copies of that modality's
+placeholder token, one per feature the encoder will produce, so the model can write the
+features over them in order. The markers are added to the tokenizer as special tokens, after
+its own vocabulary, in the order the model lists its modalities.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tokenizers import AddedToken
+from transformers import PreTrainedTokenizerBase
+
+from veomni.data.sources import InvalidSampleError
+
+ROLES = ("system", "user", "assistant")
+
+
+def add_placeholder_tokens(tokenizer: PreTrainedTokenizerBase, markers: Sequence[str]) -> dict[str, int]:
+    """Add each marker as a special token (once; later calls find it) -> marker: token id."""
+    tokenizer.add_tokens([AddedToken(m, special=True, normalized=False) for m in markers], special_tokens=True)
+    return {m: tokenizer.convert_tokens_to_ids(m) for m in markers}
+
+
+@dataclass
+class EncodedChat:
+    """One sample's tokens. ``targets[i]``: token i is a loss target; ``placeholders[name]``: the
+    positions of that modality's placeholder tokens, in order."""
+
+    ids: list[int] = field(default_factory=list)
+    targets: list[bool] = field(default_factory=list)
+    placeholders: dict[str, list[int]] = field(default_factory=dict)
+
+    def extend(self, ids: Sequence[int], target: bool) -> None:
+        self.ids.extend(ids)
+        self.targets.extend([target] * len(ids))
+
+
+class ChatEncoder:
+    """Turns ``messages`` (+ the number of features of each media item) into an ``EncodedChat``."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, markers: Mapping[str, str]) -> None:
+        """``markers``: modality name -> its marker in the text (``{"image": "<image>"}``)."""
+        self.tokenizer = tokenizer
+        self.modality_of = {marker: name for name, marker in markers.items()}
+        self.token_of = add_placeholder_tokens(tokenizer, list(markers.values()))
+        self.split = re.compile("(" + "|".join(re.escape(m) for m in markers.values()) + ")") if markers else None
+
+    def _text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def encode(self, messages: Sequence[Mapping[str, str]], media_tokens: Mapping[str, Sequence[int]], key: str,
+               add_generation_prompt: bool = False) -> EncodedChat:
+        """``media_tokens[name][j]``: features of the sample's j-th item of modality ``name``.
+
+        With ``add_generation_prompt`` the final assistant turn is left out and its header kept
+        (a prompt to decode from). Raises ``InvalidSampleError`` naming ``key`` when the markers
+        and the media items do not pair up one to one.
+        """
+        out = EncodedChat(placeholders={name: [] for name in media_tokens})
+        used = {name: 0 for name in media_tokens}
+        turns = list(messages)
+        if add_generation_prompt and turns and turns[-1].get("role") == "assistant":
+            turns = turns[:-1]
+        for turn in turns:
+            role, content = turn.get("role"), turn.get("content")
+            if role not in ROLES or not isinstance(content, str):
+                raise InvalidSampleError(f"sample {key!r}: each message needs a role in {ROLES} and a string "
+                                         f"content, got {dict(turn)!r}")
+            out.extend(self._text(f"{role.capitalize()}: "), False)
+            if role == "assistant":
+                out.extend(self._text(content) + [self.tokenizer.eos_token_id], True)
+                continue
+            for piece in self.split.split(content) if self.split else [content]:
+                name = self.modality_of.get(piece)
+                if name is None:
+                    out.extend(self._text(piece), False)
+                    continue
+                items = media_tokens.get(name, ())
+                if used.get(name, 0) >= len(items):
+                    raise InvalidSampleError(f"sample {key!r}: more {piece} placeholders than {name} items "
+                                             f"({len(items)}); every placeholder needs its own item")
+                count = items[used[name]]
+                used[name] += 1
+                out.placeholders[name].extend(range(len(out.ids), len(out.ids) + count))
+                out.extend([self.token_of[piece]] * count, False)
+            out.extend(self._text("\n"), False)
+        if add_generation_prompt:
+            out.extend(self._text("Assistant: "), False)
+        for name, items in media_tokens.items():
+            if used[name] != len(items):
+                raise InvalidSampleError(f"sample {key!r}: {len(items)} {name} item(s) but {used[name]} placeholder(s) "
+                                         "in the text; add one placeholder per item")
+        return out

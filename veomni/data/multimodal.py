@@ -1,0 +1,180 @@
+"""Packed, resumable loader of chat samples with media, driven by the modality registry.
+
+A sample is a webdataset record: a chat ``json`` member (``{"messages": [...], ...}``, see
+docs/data.md) and one member per media item, whose suffix names the modality (``png`` -> image,
+see ``models.omni.registry``). Each item goes through its modality's processor (patches for an
+image), the text is tokenized with every marker expanded to one placeholder token per encoder
+feature (``veomni.data.chat``), and samples are packed greedily under
+``data.tokens_per_micro_batch``, where a sample costs its text tokens *plus* its encoder work
+(an image: its patches), so rows with many images do not overload the encoders.
+
+A batch is the text loader's dict (labels are -100 except on assistant tokens) plus
+``media[name] = {"inputs": the encoder's collated inputs, "positions": placeholder positions}``
+for each modality present in the row.
+
+Reading order, consumer split, epochs and exact resume are the text loader's
+(``PackedTextDataset``). A media item that does not decode is skipped with its sample and
+counted as a bad record; a sample whose placeholders and items do not pair up stops the run
+with its key (``InvalidSampleError``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from models.omni.registry import MediaItem, collate_items, get_modality
+from veomni.config.schema import DataConfig
+from veomni.data.chat import ChatEncoder, EncodedChat
+from veomni.data.loader import PackedTextDataset, Position
+from veomni.data.packing import IGNORE_INDEX, greedy_pack, pack_samples
+from veomni.data.sources import InvalidSampleError, ReadStats, count_bad, iter_tar_samples
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatSample:
+    key: str
+    chat: EncodedChat
+    media: dict[str, list[MediaItem]]
+    cost: int
+    """Text tokens plus encoder work (see the module docstring)."""
+
+
+class SampleProcessor:
+    """Raw record -> ``ChatSample``: media through their processors, text through the chat encoder."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: Any, json_key: str = "json") -> None:
+        self.modalities = {name: get_modality(name) for name in model_config.modalities}
+        self.encoder_configs = model_config.encoder_configs
+        self.json_key = json_key
+        self.modality_of_field = {f: name for name, m in self.modalities.items() for f in m.fields}
+        self.chat = ChatEncoder(tokenizer, {name: m.placeholder for name, m in self.modalities.items()})
+        vocab = getattr(model_config, "vocab_size", None)
+        if vocab is not None and len(tokenizer) > vocab:
+            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens with the placeholders "
+                             f"{sorted(self.chat.token_of)}, more than the LLM's vocab_size {vocab}; raise it")
+
+    def media_fields(self, record: dict) -> dict[str, list[str]]:
+        """Modality -> the record's member suffixes holding its items, in sorted order
+        (``png``, or ``0.png``, ``1.png``... for several)."""
+        found: dict[str, list[str]] = {name: [] for name in self.modalities}
+        for member in sorted(k for k in record if not k.startswith("__")):
+            name = self.modality_of_field.get(member.rsplit(".", 1)[-1])
+            if name is not None:
+                found[name].append(member)
+        return found
+
+    def messages(self, record: dict) -> dict:
+        raw = record.get(self.json_key)
+        if raw is None:
+            raise InvalidSampleError(f"sample {record.get('__key__')!r} has no {self.json_key!r} member")
+        meta = json.loads(raw)
+        if not isinstance(meta, dict) or not isinstance(meta.get("messages"), list):
+            raise InvalidSampleError(f"sample {record.get('__key__')!r}: {self.json_key} must be an object with a "
+                                     "'messages' list")
+        return meta
+
+    def media(self, record: dict) -> dict[str, list[MediaItem]]:
+        """Every media item processed; raises whatever the processor raises on a corrupt item."""
+        return {name: [self.modalities[name].processor(record[f], self.encoder_configs[name]) for f in fields]
+                for name, fields in self.media_fields(record).items()}
+
+    def __call__(self, record: dict, add_generation_prompt: bool = False) -> ChatSample:
+        key = record.get("__key__", "?")
+        meta = self.messages(record)
+        media = self.media(record)
+        chat = self.chat.encode(meta["messages"], {n: [i.num_tokens for i in items] for n, items in media.items()},
+                                key, add_generation_prompt)
+        cost = len(chat.ids) + sum(item.cost for items in media.values() for item in items)
+        return ChatSample(key, chat, media, cost)
+
+
+def pack_chat_samples(samples: list[ChatSample]) -> dict:
+    """One packed row: ``pack_samples`` of the ids, labels kept only where the next token is a
+    target, and each modality's collated encoder inputs with its placeholder positions."""
+    batch = pack_samples([s.chat.ids for s in samples])
+    is_target = torch.tensor([t for s in samples for t in s.chat.targets], dtype=torch.bool)
+    next_is_target = torch.zeros_like(is_target)
+    next_is_target[:-1] = is_target[1:]  # a sample's last label is already -100 (pack_samples)
+    batch["labels"] = torch.where(next_is_target, batch["labels"], IGNORE_INDEX)
+    media: dict[str, dict] = {}
+    offsets = batch["cu_seqlens"][:-1].tolist()
+    for name in samples[0].media:
+        items = [item for s in samples for item in s.media.get(name, [])]
+        if items:
+            positions = [offset + p for s, offset in zip(samples, offsets) for p in s.chat.placeholders[name]]
+            media[name] = {"inputs": collate_items(items), "positions": torch.tensor(positions, dtype=torch.long)}
+    batch["media"] = media
+    return batch
+
+
+class MultimodalChatDataset(PackedTextDataset):
+    """``PackedTextDataset`` (consumer split, epochs, state) over chat samples with media."""
+
+    def __init__(self, cfg: DataConfig, path: str, split: str, tokenizer: PreTrainedTokenizerBase, dp_rank: int,
+                 dp_size: int, seed: int, model_config: Any) -> None:
+        super().__init__(cfg, path, split, tokenizer, dp_rank, dp_size, seed)
+        if self.fmt != "webdataset":
+            raise ValueError(f"data path {path!r}: samples with media must be webdataset .tar shards, got {self.fmt}")
+        self.process = SampleProcessor(tokenizer, model_config, cfg.text_key)
+
+    def _samples(self, start: Position) -> Iterator[tuple[ChatSample, Position]]:
+        consumer, consumers = self._consumer()
+        prior_records, prior_bad = start.records_prior_epochs, start.bad_prior_epochs
+        begin, epoch = start, start.epoch
+        while self.split == "train" or epoch == 0:
+            stats = ReadStats()
+            records = iter_tar_samples(self._epoch_files(epoch), self.cfg.max_bad_fraction, stats,
+                                       warn=consumer == 0)
+            produced = False
+            for index, record in enumerate(records):
+                if index < begin.next_doc or index % consumers != consumer:
+                    continue
+                sample = self._process(record, stats)
+                if sample is None:
+                    continue
+                produced = True
+                yield sample, Position(epoch, index, 0, prior_records, prior_bad, stats.records - 1, stats.bad)
+            if self.split == "train" and begin.next_doc == 0 and not produced:
+                raise ValueError(f"consumer {consumer} of {consumers} got no usable sample in a whole epoch of "
+                                 f"{self.files[0].parent}: fewer samples than dp ranks x workers")
+            prior_records += stats.records
+            prior_bad += stats.bad
+            epoch += 1
+            begin = Position(epoch)
+        self._end = Position(epoch, 0, 0, prior_records, prior_bad)
+
+    def _process(self, record: dict, stats: ReadStats) -> ChatSample | None:
+        """The processed sample, or None (counted as bad) when a media item does not decode or
+        the sample cannot fit a row."""
+        key, url = record.get("__key__"), record.get("__url__", "?")
+        try:
+            sample = self.process(record)
+        except InvalidSampleError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a corrupt media file must not stop the run
+            logger.warning("%s: sample %s skipped: a media item does not decode (%s: %s)", url, key,
+                           type(error).__name__, error)
+            count_bad(stats, url, self.cfg.max_bad_fraction)
+            return None
+        if len(sample.chat.ids) > self.cfg.max_seq_len or sample.cost > self.cfg.tokens_per_micro_batch:
+            logger.warning("%s: sample %s skipped: %d tokens / cost %d exceed data.max_seq_len=%d or "
+                           "data.tokens_per_micro_batch=%d", url, key, len(sample.chat.ids), sample.cost,
+                           self.cfg.max_seq_len, self.cfg.tokens_per_micro_batch)
+            count_bad(stats, url, self.cfg.max_bad_fraction)
+            return None
+        return sample
+
+    def _batches(self, start: Position) -> Iterator[dict]:
+        packed = greedy_pack(self._samples(start), self.cfg.tokens_per_micro_batch, cost=lambda s: s.cost)
+        for samples, next_position in packed:
+            self._pos = next_position if next_position is not None else self._end
+            yield pack_chat_samples(samples)

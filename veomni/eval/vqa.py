@@ -1,0 +1,134 @@
+"""Held-out answer accuracy of a trained omni model, per question type, against the majority class.
+
+    python -m veomni.eval.vqa OUTPUT_DIR [--checkpoint STEP_DIR] [--split eval] [--limit N]
+    bash scripts/eval_vqa.sh OUTPUT_DIR
+
+Loads the newest complete checkpoint of the run (or ``--checkpoint``) into one CPU process,
+greedily decodes an answer for every sample of the split from its prompt (the chat up to the
+assistant's turn, media included) and counts exact matches with the reference answer (both
+stripped and lower-cased). Samples are grouped by their ``question_type`` field. The baseline
+answers every question of a type with that type's most common answer in the *training* split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from models.registry import build_model
+from veomni.checkpoint.export import load_checkpoint_weights
+from veomni.checkpoint.manager import list_checkpoints
+from veomni.data.loader import load_tokenizer
+from veomni.data.multimodal import SampleProcessor, pack_chat_samples
+from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
+from veomni.logging_setup import setup_logging
+
+logger = logging.getLogger(__name__)
+MAX_ANSWER_TOKENS = 8
+
+
+def _records(path: str) -> list[dict]:
+    _, files = resolve_files(path, "webdataset")
+    return list(iter_tar_samples(files, max_bad_fraction=1.0, stats=ReadStats(), warn=True))
+
+
+def _reference(record: dict, process: SampleProcessor) -> tuple[str, str]:
+    meta = process.messages(record)
+    answer = meta["messages"][-1]["content"] if meta["messages"][-1].get("role") == "assistant" else ""
+    return str(meta.get("question_type", "all")), answer.strip().lower()
+
+
+@torch.no_grad()
+def greedy_answer(model: torch.nn.Module, batch: dict, eos_id: int, max_tokens: int = MAX_ANSWER_TOKENS) -> list[int]:
+    """Greedy continuation of one prompt (a one-sample packed batch); the media stay in place."""
+    ids = batch["input_ids"]
+    out: list[int] = []
+    for _ in range(max_tokens):
+        n = ids.numel()
+        logits = model(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n, media=batch["media"])
+        next_id = int(logits[-1].argmax())
+        if next_id == eos_id:
+            break
+        out.append(next_id)
+        ids = torch.cat([ids, torch.tensor([next_id])])
+    return out
+
+
+def majority_answers(records: list[dict], process: SampleProcessor) -> dict[str, str]:
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for record in records:
+        qtype, answer = _reference(record, process)
+        counts[qtype][answer] += 1
+    return {qtype: c.most_common(1)[0][0] for qtype, c in counts.items()}
+
+
+def evaluate(run_dir: Path, checkpoint: Path | None, split: str, limit: int | None) -> dict[str, dict[str, float]]:
+    if checkpoint is None:
+        found = list_checkpoints(run_dir / "checkpoints")
+        if not found:
+            raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+        checkpoint = found[-1][1]
+    run_cfg, _, state = load_checkpoint_weights(checkpoint, run_dir / "config.yaml")
+    model_cfg, model = build_model(run_cfg.model.arch, run_cfg.model.options)
+    model.load_state_dict(state)
+    model.eval()
+    tokenizer = load_tokenizer(run_cfg.data.tokenizer)
+    process = SampleProcessor(tokenizer, model_cfg, run_cfg.data.text_key)
+    path = run_cfg.data.eval_path if split == "eval" else run_cfg.data.train_path
+    records = _records(path)[:limit]
+    majority = majority_answers(_records(run_cfg.data.train_path), process)
+    correct: Counter = Counter()
+    baseline: Counter = Counter()
+    total: Counter = Counter()
+    for record in records:
+        qtype, answer = _reference(record, process)
+        batch = pack_chat_samples([process(record, add_generation_prompt=True)])
+        predicted = tokenizer.decode(greedy_answer(model, batch, tokenizer.eos_token_id)).strip().lower()
+        total[qtype] += 1
+        correct[qtype] += predicted == answer
+        baseline[qtype] += majority.get(qtype) == answer
+    logger.info("evaluated %s on %d %s samples", checkpoint, sum(total.values()), split)
+    result = {q: {"samples": total[q], "accuracy": correct[q] / total[q], "majority": baseline[q] / total[q],
+                  "majority_answer": majority.get(q, "")} for q in sorted(total)}
+    n = sum(total.values())
+    result["all"] = {"samples": n, "accuracy": sum(correct.values()) / n, "majority": sum(baseline.values()) / n,
+                     "majority_answer": "-"}
+    return result
+
+
+def format_table(result: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'question type':<14}{'samples':>8}{'accuracy':>10}{'majority':>10}  majority answer"]
+    for qtype, r in result.items():
+        lines.append(f"{qtype:<14}{r['samples']:>8}{r['accuracy']:>10.1%}{r['majority']:>10.1%}  {r['majority_answer']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="veomni.eval.vqa", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="the run's train.output_dir")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a step_* folder (default: the newest)")
+    parser.add_argument("--split", choices=("eval", "train"), default="eval")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        result = evaluate(args.run_dir, args.checkpoint, args.split, args.limit)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"eval error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
