@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from models.common.encoder import HIDDEN_ACTS
 
 
@@ -38,6 +40,13 @@ class AudioEncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def conv_output_length(self, frames: int | torch.Tensor, layers: int = 2) -> int | torch.Tensor:
+        """Length after the first ``layers`` convs of the stem (kernel 3, padding 1: each gives
+        ``ceil(n / stride)``); ``frames`` may be an int or a tensor of clip lengths."""
+        for stride in self.conv_strides[:layers]:
+            frames = (frames + stride - 1) // stride
+        return frames
 
     @property
     def downsample(self) -> int:

@@ -53,7 +53,8 @@ class AudioEncoder(nn.Module):
         hidden = F.gelu(self.conv1(clips.transpose(1, 2)))  # [B, d, L1]
         # conv2 must see zeros past each clip's end, as a per-clip conv would (conv1 of the zero
         # padding is gelu(bias), not zero)
-        hidden = hidden * self._valid(self._conv_lengths(lengths)[0], hidden.shape[2], hidden.device)[:, None]
+        conv1_lengths = cfg.conv_output_length(lengths, layers=1)
+        hidden = hidden * self._valid(conv1_lengths, hidden.shape[2], hidden.device)[:, None]
         hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # [B, L2, d]
         x = hidden[self._valid(out_lengths, hidden.shape[1], hidden.device)]  # packed, clip after clip
         positions = torch.cat([torch.arange(n, device=x.device) for n in out_lengths.tolist()])
@@ -84,17 +85,9 @@ class AudioEncoder(nn.Module):
         """[B, width] mask of the positions before each clip's length."""
         return torch.arange(width, device=device) < lengths.to(device)[:, None]
 
-    def _conv_lengths(self, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """Per-clip lengths after conv1 and after conv2 (kernel 3, padding 1: ``ceil(n / stride)``)."""
-        out, current = [], torch.as_tensor(lengths, dtype=torch.long)
-        for stride in self.config.conv_strides:
-            current = (current + stride - 1) // stride
-            out.append(current)
-        return out
-
     def num_output_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
         """Tokens per clip after the stem: ``ceil(ceil(frames / s1) / s2)`` (LongTensor [num_clips])."""
-        return self._conv_lengths(lengths)[1]
+        return self.config.conv_output_length(torch.as_tensor(lengths, dtype=torch.long))
 
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan(
@@ -118,7 +111,8 @@ class AudioEncoder(nn.Module):
         projection (per token), plus ``12 * layers * hidden * sum(n^2)`` for bidirectional
         attention within each clip. Padding the stem computes for the shorter clips is not counted."""
         cfg = self.config
-        after_conv1, tokens = self._conv_lengths(lengths)
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        after_conv1, tokens = cfg.conv_output_length(lengths, layers=1), cfg.conv_output_length(lengths)
         conv1 = cfg.n_mels * KERNEL * cfg.hidden_size * int(after_conv1.sum())
         conv2 = cfg.hidden_size * KERNEL * cfg.hidden_size * int(tokens.sum())
         per_token = (
