@@ -10,6 +10,9 @@ from collections.abc import Mapping
 import torch
 from PIL import Image
 
+from models.audio.config import AudioEncoderConfig
+from models.audio.model import AudioEncoder
+from models.audio.processing import wav_to_features
 from models.vit.config import ViTConfig
 from models.vit.model import NativeResolutionViT
 from models.vit.processing import image_to_patches, smart_resize
@@ -57,4 +60,37 @@ register_modality(Modality(
     placeholder="<image>",
     fields=("png", "jpg", "jpeg", "webp"),
     adapter="merger",
+))
+
+
+def process_audio(raw: bytes, cfg: AudioEncoderConfig) -> MediaItem:
+    """WAV bytes -> log-mel features; the encoder's rate and ``max_frames`` limits raise (and
+    the data pipeline skips and counts the sample). Cost: its tokens, the transformer's length
+    (as an image costs its patches)."""
+    features, frames = wav_to_features(raw, cfg)
+    tokens = cfg.conv_output_length(frames)
+    return MediaItem(inputs={"features": features, "lengths": torch.tensor([frames], dtype=torch.long)},
+                     num_tokens=tokens, cost=tokens)
+
+
+def audio_dummy_inputs(cfg: AudioEncoderConfig, largest: bool = False) -> dict[str, torch.Tensor]:
+    """One frame of silence; ``largest``: a clip of ``max_frames``."""
+    frames = cfg.max_frames if largest else 1
+    return {"features": torch.zeros(frames, cfg.n_mels), "lengths": torch.tensor([frames], dtype=torch.long)}
+
+
+def audio_flops(encoder: AudioEncoder, inputs: Mapping[str, torch.Tensor]) -> float:
+    return encoder.training_flops(inputs["lengths"])
+
+
+register_modality(Modality(
+    name="audio",
+    config_cls=AudioEncoderConfig,
+    encoder_cls=AudioEncoder,
+    processor=process_audio,
+    dummy_inputs=audio_dummy_inputs,
+    flops=audio_flops,
+    placeholder="<audio>",
+    fields=("wav",),
+    adapter="proj",
 ))
