@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.vit import NativeResolutionViT, ViTConfig
-from veomni.ops.attention import sdpa_varlen_attention
+from veomni.ops.attention import SeqInfo, bidirectional_varlen_attention, sdpa_varlen_attention
 from veomni.ops.rope import apply_rope, rope_2d_cos_sin
 from veomni.parallel.plan import match_modules
 
@@ -177,6 +177,28 @@ def _naive_attention(q, k, v, seq) -> torch.Tensor:
         weights = torch.softmax(qs @ ks.transpose(1, 2) / qs.shape[-1] ** 0.5, dim=-1)
         out.append((weights @ vs).transpose(0, 1))
     return torch.cat(out)
+
+
+@pytest.mark.parametrize("block_diagonal", [False, True, None])
+def test_bidirectional_varlen_attention_matches_dense_reference(block_diagonal) -> None:
+    """Per-sample full softmax attention, GQA (4 query heads on 2 K/V heads), zero padding tail."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, pad = [5, 1, 9, 4], 3
+    total = sum(lengths) + pad
+    q = torch.randn(total, 4, 8, generator=gen)
+    k, v = torch.randn(total, 2, 8, generator=gen), torch.randn(total, 2, 8, generator=gen)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    out = sdpa_varlen_attention(
+        q, k, v, SeqInfo(cu, max(lengths)), block_diagonal=block_diagonal, causal=False
+    )
+    reference = _naive_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), SeqInfo(cu, 9)
+    )
+    torch.testing.assert_close(out[: sum(lengths)], reference, atol=1e-5, rtol=1e-5)
+    assert out[-pad:].abs().max() == 0
+    torch.testing.assert_close(
+        bidirectional_varlen_attention(q, k, v, SeqInfo(cu, 9)), out, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_naive_attention_is_the_bidirectional_kernel() -> None:

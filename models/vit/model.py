@@ -59,8 +59,8 @@ class NativeResolutionViT(nn.Module):
         are tied together later, by the LLM, through the time index; see docs/vit.md)."""
         cfg = self.config
         grid_thw = self._checked_grid(patches, grid_thw)
-        positions = patch_positions(grid_thw, cfg.merge_size)
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
+        positions = patch_positions(grid_thw, cfg.merge_size).to(x.device)
         cos, sin = rope_2d_cos_sin(positions[:, 1:], cfg.head_dim, cfg.rope_theta, x.dtype)
         frame_sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
         cu_seqlens = F.pad(frame_sizes.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
