@@ -10,7 +10,7 @@ mono, 0.3 - 1.6 s, with random silence around them and a faint noise floor:
     tone   one steady sine: low (150-300 Hz) / middle (400-700) / high (1000-2000 Hz),
            short (0.2-0.4 s) / long (0.8-1.2 s)            "A long high tone."
     chirp  a sine sweeping up or down between ~300 and ~1600 Hz   "A rising chirp."
-    noise  1-3 bursts of white noise (0.1-0.2 s each)              "Two bursts of noise."
+    noise  1-3 bursts of white noise (0.1-0.2 s each)              "Noise twice."
     beeps  2-4 short beeps of one pitch (low / middle / high)       "Three high beeps."
 
 Output: webdataset tar shards in ``--train-out`` and ``--eval-out``; each sample is
@@ -44,7 +44,7 @@ import webdataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.audio.processing import encode_wav  # noqa: E402
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SAMPLE_RATE = 16000
 TRAIN_SAMPLES = 3000
@@ -54,6 +54,7 @@ PROMPT = "<audio>\nDescribe the sound."
 KINDS = ("tone", "chirp", "noise", "beeps")
 PITCHES = {"low": (150.0, 300.0), "middle": (400.0, 700.0), "high": (1000.0, 2000.0)}
 COUNT_WORDS = {1: "One", 2: "Two", 3: "Three", 4: "Four"}
+NOISE_COUNTS = {1: "once", 2: "twice", 3: "three times"}
 FADE_S = 0.01
 
 
@@ -111,8 +112,7 @@ def make_sound(rng: np.random.Generator) -> tuple[np.ndarray, str, str, dict]:
             lambda: _faded(amplitude * rng.uniform(-1, 1, int(rng.uniform(0.1, 0.2) * SAMPLE_RATE))),
             count,
         )
-        noun = "burst" if count == 1 else "bursts"
-        caption, attributes = f"{COUNT_WORDS[count]} {noun} of noise.", {"count": count}
+        caption, attributes = f"Noise {NOISE_COUNTS[count]}.", {"count": count}
     else:
         count = int(rng.integers(2, 5))
         pitch = list(PITCHES)[rng.integers(3)]
@@ -122,6 +122,16 @@ def make_sound(rng: np.random.Generator) -> tuple[np.ndarray, str, str, dict]:
     clip = np.concatenate([_gap(rng, 0.03, 0.2), sound, _gap(rng, 0.03, 0.2)])
     clip += rng.uniform(0.002, 0.01) * rng.standard_normal(clip.shape[0])
     return np.clip(clip, -1.0, 1.0), kind, caption, attributes
+
+
+def possible_captions() -> list[str]:
+    """Every caption ``make_sound`` can give (20). Each is at most 8 tokens of the bundled BPE
+    tokenizer, so a greedy decode capped at 8 tokens can produce it."""
+    tones = [f"A {length} {pitch} tone." for length in ("short", "long") for pitch in PITCHES]
+    chirps = ["A rising chirp.", "A falling chirp."]
+    noise = [f"Noise {word}." for word in NOISE_COUNTS.values()]
+    beeps = [f"{COUNT_WORDS[n]} {pitch} beeps." for n in (2, 3, 4) for pitch in PITCHES]
+    return tones + chirps + noise + beeps
 
 
 def sample_record(index: int, seed: int) -> tuple[dict, str, str, float]:

@@ -17,7 +17,7 @@ from models.audio.processing import decode_wav
 
 BUILDER = Path(__file__).resolve().parents[1] / "data" / "build_audio_captions.py"
 PITCH_BANDS = {"low": (150, 300), "middle": (400, 700), "high": (1000, 2000)}
-COUNTS = {"One": 1, "Two": 2, "Three": 3, "Four": 4}
+COUNTS = {"One": 1, "Two": 2, "Three": 3, "Four": 4, "once": 1, "twice": 2, "three times": 3}
 
 
 def _builder_module():
@@ -102,7 +102,9 @@ def check_caption(sample: dict) -> None:
             _dominant_hz(wave[end - third : end], rate),
         )
         assert (first < last) == (words[1] == "rising"), caption
-    else:  # noise bursts or beeps: count the events
+    elif kind == "noise":
+        assert len(events) == COUNTS[caption[len("Noise ") : -1]], caption
+    else:
         assert len(events) == COUNTS[words[0]], caption
         if kind == "beeps":
             low, high = PITCH_BANDS[words[1]]
@@ -126,8 +128,10 @@ def test_builder_is_deterministic_with_disjoint_truthful_splits(tmp_path) -> Non
     assert not {s["wav"] for s in splits["train"].values()} & {s["wav"] for s in splits["eval"].values()}
     eval_manifest = json.loads((first / "eval" / "manifest.json").read_text())
     assert set(eval_manifest["majority_baseline"]) == {"tone", "chirp", "noise", "beeps", "overall"}
+    captions = set(_builder_module().possible_captions())
     for sample in [*splits["train"].values(), *splits["eval"].values()]:
         check_caption(sample)
+        assert sample["json"]["messages"][1]["content"] in captions
     assert sorted(p.name for p in first.iterdir() if p.name != ".build.lock") == ["eval", "train"]
     assert run_builder_cli(first / "train", first / "eval").startswith("cached")
 
