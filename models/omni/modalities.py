@@ -10,6 +10,9 @@ from collections.abc import Mapping
 import torch
 from PIL import Image
 
+from models.audio.config import AudioEncoderConfig
+from models.audio.model import AudioEncoder
+from models.audio.processing import wav_to_features
 from models.vit.config import ViTConfig
 from models.vit.model import NativeResolutionViT
 from models.vit.processing import image_to_patches, smart_resize
@@ -24,20 +27,10 @@ def process_image(raw: bytes, cfg: ViTConfig) -> MediaItem:
     """
     with Image.open(io.BytesIO(raw)) as image:
         image.load()
-        patches, grid = image_to_patches(
-            image,
-            cfg.patch_size,
-            cfg.merge_size,
-            cfg.min_pixels,
-            cfg.max_pixels,
-            cfg.image_mean,
-            cfg.image_std,
-        )
-    return MediaItem(
-        inputs={"patches": patches, "grid_thw": torch.tensor([grid], dtype=torch.long)},
-        num_tokens=patches.shape[0] // cfg.merge_size**2,
-        cost=patches.shape[0],
-    )
+        patches, grid = image_to_patches(image, cfg.patch_size, cfg.merge_size, cfg.min_pixels, cfg.max_pixels,
+                                         cfg.image_mean, cfg.image_std)
+    return MediaItem(inputs={"patches": patches, "grid_thw": torch.tensor([grid], dtype=torch.long)},
+                     num_tokens=patches.shape[0] // cfg.merge_size**2, cost=patches.shape[0])
 
 
 def image_dummy_inputs(cfg: ViTConfig, largest: bool = False) -> dict[str, torch.Tensor]:
@@ -49,26 +42,55 @@ def image_dummy_inputs(cfg: ViTConfig, largest: bool = False) -> dict[str, torch
         grid = (1, h // cfg.patch_size, w // cfg.patch_size)
     else:
         grid = (1, side, side)
-    return {
-        "patches": torch.zeros(grid[1] * grid[2], cfg.patch_dim),
-        "grid_thw": torch.tensor([grid], dtype=torch.long),
-    }
+    return {"patches": torch.zeros(grid[1] * grid[2], cfg.patch_dim),
+            "grid_thw": torch.tensor([grid], dtype=torch.long)}
 
 
 def image_flops(encoder: NativeResolutionViT, inputs: Mapping[str, torch.Tensor]) -> float:
     return encoder.training_flops(inputs["grid_thw"])
 
 
-register_modality(
-    Modality(
-        name="image",
-        config_cls=ViTConfig,
-        encoder_cls=NativeResolutionViT,
-        processor=process_image,
-        dummy_inputs=image_dummy_inputs,
-        flops=image_flops,
-        placeholder="<image>",
-        fields=("png", "jpg", "jpeg", "webp"),
-        adapter="merger",
-    )
-)
+register_modality(Modality(
+    name="image",
+    config_cls=ViTConfig,
+    encoder_cls=NativeResolutionViT,
+    processor=process_image,
+    dummy_inputs=image_dummy_inputs,
+    flops=image_flops,
+    placeholder="<image>",
+    fields=("png", "jpg", "jpeg", "webp"),
+    adapter="merger",
+))
+
+
+def process_audio(raw: bytes, cfg: AudioEncoderConfig) -> MediaItem:
+    """WAV bytes -> log-mel features; the encoder's rate and ``max_frames`` limits raise (and
+    the data pipeline skips and counts the sample). Cost: its tokens, the transformer's length
+    (as an image costs its patches)."""
+    features, frames = wav_to_features(raw, cfg)
+    tokens = cfg.conv_output_length(frames)
+    return MediaItem(inputs={"features": features, "lengths": torch.tensor([frames], dtype=torch.long)},
+                     num_tokens=tokens, cost=tokens)
+
+
+def audio_dummy_inputs(cfg: AudioEncoderConfig, largest: bool = False) -> dict[str, torch.Tensor]:
+    """One frame of silence; ``largest``: a clip of ``max_frames``."""
+    frames = cfg.max_frames if largest else 1
+    return {"features": torch.zeros(frames, cfg.n_mels), "lengths": torch.tensor([frames], dtype=torch.long)}
+
+
+def audio_flops(encoder: AudioEncoder, inputs: Mapping[str, torch.Tensor]) -> float:
+    return encoder.training_flops(inputs["lengths"])
+
+
+register_modality(Modality(
+    name="audio",
+    config_cls=AudioEncoderConfig,
+    encoder_cls=AudioEncoder,
+    processor=process_audio,
+    dummy_inputs=audio_dummy_inputs,
+    flops=audio_flops,
+    placeholder="<audio>",
+    fields=("wav",),
+    adapter="proj",
+))
