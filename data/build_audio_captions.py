@@ -28,13 +28,8 @@ and renamed into place; a file lock lets concurrent launchers wait for one build
 
 from __future__ import annotations
 
-import argparse
-import fcntl
 import json
-import os
-import shutil
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,9 +38,11 @@ import webdataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.audio.processing import encode_wav  # noqa: E402
+from veomni.data.builders import (  # noqa: E402
+    builder_main, majority_baseline, publish_split, record_baseline, staging_folder, write_generated_splits
+)
 
 FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
 SAMPLE_RATE = 16000
 TRAIN_SAMPLES = 3000
 EVAL_SAMPLES = 400
@@ -150,29 +147,10 @@ def sample_record(index: int, seed: int) -> tuple[dict, str, str, float]:
     return record, kind, caption, wave.shape[0] / SAMPLE_RATE
 
 
-def is_complete(out: Path) -> bool:
-    try:
-        return json.loads((out / MANIFEST).read_text()).get("format_version") == FORMAT_VERSION
-    except (OSError, ValueError):
-        return False
-
-
-def clear_stale(out: Path) -> None:
-    """Remove an old output folder, but only if it holds nothing this script would not write."""
-    if not out.exists():
-        return
-    foreign = [p.name for p in out.iterdir() if p.suffix != ".tar" and p.name != MANIFEST]
-    if foreign:
-        sys.exit(f"{out} holds files this script did not write ({foreign[:3]}); remove it first")
-    shutil.rmtree(out)
-
-
 def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str, Counter]:
     """Write samples ``first_index ..`` to a temporary folder, then rename it to ``out``;
     returns the caption counts per kind."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_folder(out)
     captions: dict[str, Counter] = {kind: Counter() for kind in KINDS}
     seconds = 0.0
     with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=SAMPLES_PER_SHARD, verbose=0) as writer:
@@ -191,23 +169,16 @@ def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str,
         "shards": len(list(tmp.glob("*.tar"))),
         "captions": {kind: dict(sorted(c.items())) for kind, c in captions.items()},
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    clear_stale(out)
-    tmp.rename(out)
+    publish_split(tmp, out, manifest)
     return captions
 
 
-def majority_baseline(
+def caption_baseline(
     train: dict[str, Counter], held_out: dict[str, Counter]
 ) -> dict[str, tuple[str, float]]:
-    """Per kind: the most common training caption and the held-out accuracy of always giving
-    it when the kind is known (what a model that only tells the kinds apart reaches); and
-    "overall": the most common training caption, always given."""
-    result = {}
-    for kind in KINDS:
-        caption = train[kind].most_common(1)[0][0]
-        total = sum(held_out[kind].values())
-        result[kind] = (caption, held_out[kind][caption] / total if total else 0.0)
+    """The majority baseline per kind (what a model that only tells the kinds apart reaches),
+    and "overall": the most common training caption, always given."""
+    result = majority_baseline(train, held_out)
     caption = sum(train.values(), Counter()).most_common(1)[0][0]
     all_held_out = sum(held_out.values(), Counter())
     result["overall"] = (caption, all_held_out[caption] / max(1, sum(all_held_out.values())))
@@ -215,42 +186,16 @@ def majority_baseline(
 
 
 def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_samples: int) -> None:
-    start = time.perf_counter()
-    held_out = write_split(eval_out, 0, eval_samples, seed)
-    train = write_split(train_out, eval_samples, train_samples, seed)
-    baseline = majority_baseline(train, held_out)
-    manifest = json.loads((eval_out / MANIFEST).read_text())
-    manifest["majority_baseline"] = {
-        kind: {"caption": c, "accuracy": acc} for kind, (c, acc) in baseline.items()
-    }
-    tmp = eval_out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(eval_out / MANIFEST)
-    elapsed = time.perf_counter() - start
-    print(f"{train_out}: {train_samples} clips; {eval_out}: {eval_samples} clips ({elapsed:.1f}s)")
-    print("majority-caption baseline on the held-out split (per kind, and overall):")
-    for kind, (caption, acc) in baseline.items():
-        print(f"  {kind:<7} always {caption!r:<24} {acc:6.1%}")
+    train, held_out = write_generated_splits(
+        train_out, eval_out, train_samples, eval_samples,
+        lambda out, first, count: write_split(out, first, count, seed), unit="clips",
+    )
+    record_baseline(eval_out, caption_baseline(train, held_out), "caption",
+                    "majority-caption baseline on the held-out split (per kind, and overall):")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train-out", required=True, type=Path)
-    parser.add_argument("--eval-out", required=True, type=Path)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES)
-    parser.add_argument("--eval-samples", type=int, default=EVAL_SAMPLES)
-    args = parser.parse_args()
-    if is_complete(args.train_out) and is_complete(args.eval_out):
-        print(f"cached: {args.train_out} and {args.eval_out} are complete")
-        return
-    args.train_out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.train_out.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_complete(args.train_out) and is_complete(args.eval_out):
-            print(f"cached: {args.train_out} and {args.eval_out} are complete")
-            return
-        build(args.train_out, args.eval_out, args.seed, args.train_samples, args.eval_samples)
+    builder_main(__doc__, FORMAT_VERSION, build, sample_counts=(TRAIN_SAMPLES, EVAL_SAMPLES))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,10 @@ run never leaves a folder that looks complete. When both manifests exist the scr
 
 from __future__ import annotations
 
-import argparse
-import fcntl
-import json
+import functools
 import os
 import random
 import re
-import shutil
 import sys
 import sysconfig
 import time
@@ -36,12 +33,13 @@ from typing import Callable
 
 import webdataset
 
+from veomni.data.builders import builder_main, publish_split, staging_folder
+
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 MAX_FILE_BYTES = 200_000
 SHARD_BYTES = 8_000_000
 EVAL_FRACTION = 0.02
 PIECE_CHARS = 2000
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 3
 
 
@@ -88,29 +86,9 @@ def sample_key(index: int, name: str) -> str:
     return f"{index:06d}_" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
 
 
-def is_complete(out: Path) -> bool:
-    """A split is complete once its manifest (written last) exists and has the current format."""
-    try:
-        return json.loads((out / MANIFEST).read_text()).get("format_version") == FORMAT_VERSION
-    except (OSError, ValueError):
-        return False
-
-
-def clear_stale(out: Path) -> None:
-    """Remove an old output folder, but only if it holds nothing this script would not write."""
-    if not out.exists():
-        return
-    foreign = [p.name for p in out.iterdir() if p.suffix != ".tar" and p.name != MANIFEST]
-    if foreign:
-        sys.exit(f"{out} holds files this script did not write ({foreign[:3]}); remove it first")
-    shutil.rmtree(out)
-
-
 def write_split(docs: list[tuple[str, str]], out: Path, first_index: int) -> dict:
     """Write one split into a temp folder, add the manifest, then rename it to ``out``."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_folder(out)
     total_bytes = 0
     with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxsize=SHARD_BYTES, verbose=0) as writer:
         for offset, (name, text) in enumerate(docs):
@@ -127,9 +105,7 @@ def write_split(docs: list[tuple[str, str]], out: Path, first_index: int) -> dic
         "format_version": FORMAT_VERSION,
         "source": "python stdlib .py files + pydoc_data topics",
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    clear_stale(out)
-    tmp.rename(out)
+    publish_split(tmp, out, manifest)
     print(f"{out}: {len(docs)} documents, {total_bytes / 1e6:.1f} MB in {shards} shard(s)", flush=True)
     return manifest
 
@@ -141,23 +117,7 @@ def pieces(files: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def main(documents: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] = pieces) -> None:
     """Build (once) the splits, with ``documents`` turning held-out/train files into documents."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train-out", required=True, type=Path)
-    parser.add_argument("--eval-out", required=True, type=Path)
-    parser.add_argument("--seed", type=int, default=1234)
-    args = parser.parse_args()
-    if is_complete(args.train_out) and is_complete(args.eval_out):
-        print(f"cached: {args.train_out} and {args.eval_out} are complete")
-        return
-    # Several launchers (e.g. two nodes on one machine) may prepare at once: one builds, the
-    # others wait for it and then find the cache complete.
-    args.train_out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.train_out.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_complete(args.train_out) and is_complete(args.eval_out):
-            print(f"cached: {args.train_out} and {args.eval_out} are complete")
-            return
-        build(args.train_out, args.eval_out, args.seed, documents)
+    builder_main(__doc__, FORMAT_VERSION, functools.partial(build, documents=documents))
 
 
 def build(train_out: Path, eval_out: Path, seed: int,

@@ -27,23 +27,20 @@ folder and renamed into place; a file lock lets concurrent launchers wait for on
 
 from __future__ import annotations
 
-import argparse
-import fcntl
 import io
 import json
-import os
 import random
-import shutil
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import webdataset
 from PIL import Image, ImageDraw
 
+from veomni.data.builders import (
+    builder_main, majority_baseline, publish_split, record_baseline, staging_folder, write_generated_splits
+)
+
 FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
 TRAIN_SAMPLES = 24_000
 EVAL_SAMPLES = 1_000
 SAMPLES_PER_SHARD = 4_000
@@ -153,18 +150,9 @@ def sample_record(index: int, rng: random.Random) -> tuple[dict, str, str]:
     return record, qtype, answer
 
 
-def is_complete(out: Path) -> bool:
-    try:
-        return json.loads((out / MANIFEST).read_text()).get("format_version") == FORMAT_VERSION
-    except (OSError, ValueError):
-        return False
-
-
 def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str, Counter]:
     """Write ``count`` samples to a temporary folder, then rename it to ``out``; answer counts by type."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_folder(out)
     rng = random.Random(f"{seed}:{out.name}")
     answers: dict[str, Counter] = {q: Counter() for q in QUESTION_TYPES}
     with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=SAMPLES_PER_SHARD, verbose=0) as writer:
@@ -178,63 +166,21 @@ def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str,
         "seed": seed,
         "answers": {q: dict(sorted(c.items())) for q, c in answers.items()},
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish_split(tmp, out, manifest)
     return answers
 
 
-def majority_baseline(
-    train: dict[str, Counter], held_out: dict[str, Counter]
-) -> dict[str, tuple[str, float]]:
-    """Per type: the most common training answer and the held-out accuracy of always answering it."""
-    result = {}
-    for qtype in QUESTION_TYPES:
-        answer = train[qtype].most_common(1)[0][0]
-        total = sum(held_out[qtype].values())
-        result[qtype] = (answer, held_out[qtype][answer] / total if total else 0.0)
-    return result
-
-
 def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_samples: int) -> None:
-    start = time.perf_counter()
-    held_out = write_split(eval_out, 0, eval_samples, seed)
-    train = write_split(train_out, eval_samples, train_samples, seed)
-    baseline = majority_baseline(train, held_out)
-    manifest = json.loads((eval_out / MANIFEST).read_text())
-    manifest["majority_baseline"] = {q: {"answer": a, "accuracy": acc} for q, (a, acc) in baseline.items()}
-    tmp = eval_out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(eval_out / MANIFEST)
-    print(
-        f"{train_out}: {train_samples} samples; {eval_out}: {eval_samples} samples "
-        f"({time.perf_counter() - start:.1f}s)"
+    train, held_out = write_generated_splits(
+        train_out, eval_out, train_samples, eval_samples, lambda out, first, count: write_split(out, first, count, seed)
     )
-    print("majority-class baseline on the held-out split:")
-    for qtype, (answer, acc) in baseline.items():
-        print(f"  {qtype:<9} always {answer!r:<10} {acc:6.1%}")
+    record_baseline(eval_out, majority_baseline(train, held_out), "answer",
+                    "majority-class baseline on the held-out split:")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train-out", required=True, type=Path)
-    parser.add_argument("--eval-out", required=True, type=Path)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES)
-    parser.add_argument("--eval-samples", type=int, default=EVAL_SAMPLES)
-    args = parser.parse_args()
-    if is_complete(args.train_out) and is_complete(args.eval_out):
-        print(f"cached: {args.train_out} and {args.eval_out} are complete")
-        return
-    args.train_out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.train_out.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_complete(args.train_out) and is_complete(args.eval_out):
-            print(f"cached: {args.train_out} and {args.eval_out} are complete")
-            return
-        build(args.train_out, args.eval_out, args.seed, args.train_samples, args.eval_samples)
+    builder_main(__doc__, FORMAT_VERSION, build, sample_counts=(TRAIN_SAMPLES, EVAL_SAMPLES))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

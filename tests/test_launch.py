@@ -114,3 +114,42 @@ def test_sp_that_does_not_divide_the_heads_fails_at_config_time():
                       "--model.num_heads", "6", "--model.num_kv_heads", "3", env={"NPROC_PER_NODE": "4"})
     assert result.returncode == 2 and "process(es)" not in result.stderr
     assert "parallel.sp=4 does not divide the 6 attention heads" in result.stderr
+
+
+def _launch(capfd, *overrides: str) -> tuple[int, str]:
+    """The pre-flight in-process, as train.sh runs it; returns its exit status and all output
+    (the builder's included: it is a subprocess writing to the same file descriptors)."""
+    from veomni.launch import main
+
+    status = main([str(QUICKSTART), *overrides])
+    captured = capfd.readouterr()
+    return status, captured.out + captured.err
+
+
+def test_launcher_rebuilds_a_cache_of_an_older_format_version(tmp_path, capfd):
+    train, eval_ = tmp_path / "stdlib" / "train", tmp_path / "stdlib" / "eval"
+    for split in (train, eval_):  # what an older builder left: shards plus a manifest of version 0
+        split.mkdir(parents=True)
+        (split / "shard-000000.tar").write_bytes(b"")
+        (split / "manifest.json").write_text(json.dumps({"documents": 1, "format_version": 0}))
+    paths = ["--data.train_path", str(train), "--data.eval_path", str(eval_)]
+
+    status, output = _launch(capfd, *paths)
+    assert status == 0, output
+    assert "[launch] preparing data" in output and "cached" not in output
+    manifests = [json.loads((split / "manifest.json").read_text()) for split in (train, eval_)]
+    assert all(m["format_version"] > 0 and m["documents"] > 1 for m in manifests)
+    assert all((split / "shard-000000.tar").stat().st_size > 0 for split in (train, eval_))
+
+    status, output = _launch(capfd, *paths)  # now current: only checked, not rebuilt
+    assert status == 0 and "cached" in output, output
+
+
+def test_launcher_leaves_user_shards_without_a_manifest_alone(tmp_path, capfd):
+    shards = tmp_path / "mine"
+    shards.mkdir()
+    (shards / "shard-000000.tar").write_bytes(b"")
+    status, output = _launch(capfd, "--data.train_path", str(shards), "--data.eval_path", str(shards))
+    assert status == 0, output
+    assert "preparing data" not in output
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-000000.tar"]

@@ -16,16 +16,24 @@ from pathlib import Path
 
 from veomni.config.loader import ConfigError, dump_config, load_config
 from veomni.config.schema import RunConfig
+from veomni.data.builders import MANIFEST
 from veomni.parallel.mesh import LayoutError, ParallelDims
+
+
+def _needs_prepare(paths: dict[str, str | None]) -> bool:
+    """Whether ``data.prepare`` must run: a path is missing, or holds a builder's cache
+    (``manifest.json``), which the builder keeps if current and rebuilds if written by an older
+    ``FORMAT_VERSION`` (a cached check takes well under a second). Folders of the user's own
+    shards (no manifest) are never handed to a builder, which would replace them."""
+    return any(p and (not Path(p).exists() or (Path(p) / MANIFEST).is_file()) for p in paths.values())
 
 
 def _check_data(cfg: RunConfig, prepare: bool) -> list[str]:
     """Missing inputs as messages; runs ``data.prepare`` first when allowed."""
     paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
-    missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
     if not cfg.data.train_path:
         return ["data.train_path is not set"]
-    if missing and cfg.data.prepare and prepare:
+    if cfg.data.prepare and prepare and _needs_prepare(paths):
         script = Path(cfg.data.prepare)
         if not script.is_file():
             return [f"data.prepare: script not found: {script}"]
@@ -33,8 +41,9 @@ def _check_data(cfg: RunConfig, prepare: bool) -> list[str]:
         if cfg.data.eval_path:
             cmd += ["--eval-out", cfg.data.eval_path]
         print(f"[launch] preparing data: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True)
-        missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
+        if subprocess.run(cmd).returncode != 0:
+            return [f"data.prepare: {script} failed (its output is above)"]
+    missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
     problems = [
         f"{k}: path does not exist: {p}" + ("" if cfg.data.prepare else " (and no data.prepare builder is set)")
         for k, p in missing.items()
