@@ -97,37 +97,52 @@ class PackedTextDataset(IterableDataset):
             random.Random(f"{self.seed}:{epoch}").shuffle(files)
         return files
 
-    def _samples(self, start: Position) -> Iterator[tuple[list[int], Position]]:
-        """This consumer's chunks from ``start`` on, each tagged with its own position."""
+    # ----- what a subclass with another record type overrides (see veomni/data/multimodal.py) -----
+    UNIT = ("document", "documents")
+    """How the "no usable record in a whole epoch" error names one record and several."""
+
+    def _records(self, files: list[Path], stats: ReadStats, warn: bool) -> Iterator[Any]:
+        """One epoch's record stream (every consumer reads the same one)."""
+        return iter_texts(files, self.fmt, self.cfg.text_key, self.cfg.max_bad_fraction, stats, warn=warn)
+
+    def _items(self, text: str, first_offset: int, stats: ReadStats) -> Iterator[tuple[int, Any]]:
+        """``(token offset, item)`` for the items of one kept record, from ``first_offset`` on:
+        the document tokenized, ``eos`` appended, cut into ``max_seq_len`` chunks."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return chunk_document(ids, self.cfg.max_seq_len, first_offset)
+
+    def _cost(self, item: Any) -> int:
+        """What an item counts against ``tokens_per_micro_batch``."""
+        return len(item)
+
+    def _pack(self, items: list[Any]) -> dict:
+        """One micro-batch dict from the items packed into it."""
+        return pack_samples(items)
+
+    # ----- the shared reader: consumer split, epochs, positions, packing -----------------------
+    def _samples(self, start: Position) -> Iterator[tuple[Any, Position]]:
+        """This consumer's items from ``start`` on, each tagged with its own position."""
         consumer, consumers = self._consumer()
-        eos = self.tokenizer.eos_token_id
         prior_records, prior_bad = start.records_prior_epochs, start.bad_prior_epochs
         begin = start
         epoch = start.epoch
         while self.split == "train" or epoch == 0:
             stats = ReadStats()
-            texts = iter_texts(
-                self._epoch_files(epoch),
-                self.fmt,
-                self.cfg.text_key,
-                self.cfg.max_bad_fraction,
-                stats,
-                warn=consumer == 0,
-            )
             produced = False
-            for index, text in enumerate(texts):
+            records = self._records(self._epoch_files(epoch), stats, warn=consumer == 0)
+            for index, record in enumerate(records):
                 if index < begin.next_doc or index % consumers != consumer:
                     continue
-                produced = True
-                ids = self.tokenizer.encode(text, add_special_tokens=False) + [eos]
-                offset0 = begin.token_offset if index == begin.next_doc else 0
-                counters = (prior_records, prior_bad, stats.records - 1, stats.bad)  # as of this document
-                for offset, chunk in chunk_document(ids, self.cfg.max_seq_len, offset0):
-                    yield chunk, Position(epoch, index, offset, *counters)
+                first_offset = begin.token_offset if index == begin.next_doc else 0
+                for offset, item in self._items(record, first_offset, stats):
+                    produced = True
+                    counters = (prior_records, prior_bad, stats.records - 1, stats.bad)  # as of this record
+                    yield item, Position(epoch, index, offset, *counters)
             if self.split == "train" and begin.next_doc == 0 and not produced:
+                one, several = self.UNIT
                 raise ValueError(
-                    f"consumer {consumer} of {consumers} got no document in a whole epoch of "
-                    f"{self.files[0].parent}: fewer documents than dp ranks x workers"
+                    f"consumer {consumer} of {consumers} got no {one} in a whole epoch of "
+                    f"{self.files[0].parent}: fewer {several} than dp ranks x workers"
                 )
             prior_records += stats.records
             prior_bad += stats.bad
@@ -142,9 +157,10 @@ class PackedTextDataset(IterableDataset):
         return self._batches(start)
 
     def _batches(self, start: Position) -> Iterator[dict]:
-        for samples, next_position in greedy_pack(self._samples(start), self.cfg.tokens_per_micro_batch):
+        packed = greedy_pack(self._samples(start), self.cfg.tokens_per_micro_batch, cost=self._cost)
+        for items, next_position in packed:
             self._pos = next_position if next_position is not None else self._end
-            yield pack_samples(samples)
+            yield self._pack(items)
 
     def state_dict(self) -> dict[str, Any]:
         consumer, consumers = self._consumer()

@@ -24,6 +24,7 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +33,8 @@ from transformers import PreTrainedTokenizerBase
 from models.omni.registry import MediaItem, collate_items, get_modality
 from veomni.config.schema import DataConfig
 from veomni.data.chat import ChatEncoder, EncodedChat
-from veomni.data.loader import PackedTextDataset, Position
-from veomni.data.packing import IGNORE_INDEX, greedy_pack, pack_samples
+from veomni.data.loader import PackedTextDataset
+from veomni.data.packing import IGNORE_INDEX, pack_samples
 from veomni.data.sources import InvalidSampleError, ReadStats, count_bad, iter_tar_samples
 
 logger = logging.getLogger(__name__)
@@ -149,37 +150,21 @@ class MultimodalChatDataset(PackedTextDataset):
             )
         self.process = SampleProcessor(tokenizer, model_config, cfg.text_key)
 
-    def _samples(self, start: Position) -> Iterator[tuple[ChatSample, Position]]:
-        consumer, consumers = self._consumer()
-        prior_records, prior_bad = start.records_prior_epochs, start.bad_prior_epochs
-        begin, epoch = start, start.epoch
-        while self.split == "train" or epoch == 0:
-            stats = ReadStats()
-            records = iter_tar_samples(
-                self._epoch_files(epoch), self.cfg.max_bad_fraction, stats, warn=consumer == 0
-            )
-            produced = False
-            for index, record in enumerate(records):
-                if index < begin.next_doc or index % consumers != consumer:
-                    continue
-                sample = self._process(record, stats)
-                if sample is None:
-                    continue
-                produced = True
-                yield (
-                    sample,
-                    Position(epoch, index, 0, prior_records, prior_bad, stats.records - 1, stats.bad),
-                )
-            if self.split == "train" and begin.next_doc == 0 and not produced:
-                raise ValueError(
-                    f"consumer {consumer} of {consumers} got no usable sample in a whole epoch of "
-                    f"{self.files[0].parent}: fewer samples than dp ranks x workers"
-                )
-            prior_records += stats.records
-            prior_bad += stats.bad
-            epoch += 1
-            begin = Position(epoch)
-        self._end = Position(epoch, 0, 0, prior_records, prior_bad)
+    UNIT = ("usable sample", "samples")
+
+    def _records(self, files: list[Path], stats: ReadStats, warn: bool) -> Iterator[dict]:
+        return iter_tar_samples(files, self.cfg.max_bad_fraction, stats, warn=warn)
+
+    def _items(self, record: dict, first_offset: int, stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
+        """The record's one sample (offset 0), or nothing when it is skipped and counted."""
+        sample = self._process(record, stats)
+        return iter(() if sample is None else ((0, sample),))
+
+    def _cost(self, item: ChatSample) -> int:
+        return item.cost
+
+    def _pack(self, items: list[ChatSample]) -> dict:
+        return pack_chat_samples(items)
 
     def _process(self, record: dict, stats: ReadStats) -> ChatSample | None:
         """The processed sample, or None (counted as bad) when a media item does not decode or
@@ -213,9 +198,3 @@ class MultimodalChatDataset(PackedTextDataset):
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
         return sample
-
-    def _batches(self, start: Position) -> Iterator[dict]:
-        packed = greedy_pack(self._samples(start), self.cfg.tokens_per_micro_batch, cost=lambda s: s.cost)
-        for samples, next_position in packed:
-            self._pos = next_position if next_position is not None else self._end
-            yield pack_chat_samples(samples)

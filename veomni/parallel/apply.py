@@ -1,8 +1,9 @@
 """The one ordered parallel recipe applied to a plain model.
 
-Order matters: pipeline split (``pipeline.py`` cuts the model before calling this) -> sequence injection (later) / expert injection ->
-activation checkpointing -> compile -> FSDP. Expert injection swaps parameters for EP-sharded
-DTensors and sets the MoE dispatchers, which checkpointing and compile must then capture;
+Order matters: pipeline split (``pipeline.py`` cuts the model before calling this) -> sequence
+and expert injection -> activation checkpointing -> compile -> FSDP. Expert injection swaps
+parameters for EP-sharded DTensors and sets the MoE dispatchers, which checkpointing and
+compile must then capture;
 checkpointing and compile wrap the block's forward, and FSDP must see the final module tree
 so its hooks sit outside both.
 """
@@ -20,7 +21,7 @@ from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
 from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
-from veomni.parallel.sequence import apply_sequence_parallel
+from veomni.parallel.sequence import apply_sequence_parallel, check_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,10 @@ def apply_compile(model: nn.Module, plan: ParallelPlan) -> None:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str) -> nn.Module:
-    declared: ParallelPlan = model.parallel_plan()
-    if meshes.dims.sp > 1 and declared.encoders:
-        raise ValueError(f"parallel.sp={meshes.dims.sp}: sequence parallelism is not supported for models "
-                         f"with encoders ({', '.join(declared.encoders)}); use parallel.sp: 1")
-    plan = flatten_plan(declared)  # encoder blocks are sharded, checkpointed and compiled like the LLM's
+    problems = check_sequence_parallel(model, meshes.dims.sp)  # the launcher's check, for library callers
+    if problems:
+        raise ValueError("; ".join(problems))
+    plan = flatten_plan(model.parallel_plan())  # encoder blocks are treated like the LLM's
     if not match_modules(model, plan.blocks):
         raise ValueError(f"{type(model).__name__}.parallel_plan() blocks {plan.blocks} match no module")
     if meshes.dims.sp > 1:

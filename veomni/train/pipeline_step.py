@@ -18,6 +18,7 @@ from torch import nn
 from veomni.parallel.pipeline import Pipeline, pack_rows, pad_row
 from veomni.train.distributed import all_reduce_values
 from veomni.train.moe_stats import PipelineMoEStats
+from veomni.train.step import count_global_loss_tokens, micro_batch_flops
 from veomni.train.tasks import Task
 
 
@@ -36,16 +37,13 @@ def pipeline_forward_backward(pipeline: Pipeline, task: Task, micro_batches: lis
     is any copy of the full model (meta is fine) that counts FLOPs and tells whether it has
     MoE layers.
     """
-    local_loss_tokens = sum(task.count_tokens(mb) for mb in micro_batches)
-    global_loss_tokens = all_reduce_values([local_loss_tokens], group=loss_group)[0]
-    if global_loss_tokens == 0:
-        raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
+    global_loss_tokens = count_global_loss_tokens(task, micro_batches, loss_group)
     rows = pipeline_rows(micro_batches, pipeline.microbatches, row_tokens)
     has_moe = callable(getattr(flops_model, "moe_layers", None)) and bool(flops_model.moe_layers())
     moe = PipelineMoEStats(pipeline.parts, pipeline.stage_indices, pipeline.microbatches, loss_size) \
         if has_moe else None
     loss_sum = pipeline.step(rows, loss_size / global_loss_tokens, on_output=moe)
-    flops = sum(flops_model.training_flops(mb["cu_seqlens"].diff().tolist()) for mb in micro_batches)
+    flops = sum(micro_batch_flops(flops_model, mb) for mb in micro_batches)
     tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
     # Over the world: the loss lives on the last stages only; tokens and FLOPs are counted pp times.
     total_loss, total_tokens, total_flops = all_reduce_values([loss_sum, tokens, flops])

@@ -38,10 +38,7 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
     With sequence parallelism each micro-batch is this rank's slice of a packed row whose
     ``cu_seqlens`` describe the whole row, so model FLOPs are shared by the ``sp_size`` ranks.
     """
-    local_loss_tokens = sum(task.count_tokens(mb) for mb in micro_batches)
-    global_loss_tokens = all_reduce_values([local_loss_tokens], group=loss_group)[0]
-    if global_loss_tokens == 0:
-        raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
+    global_loss_tokens = count_global_loss_tokens(task, micro_batches, loss_group)
     scale = loss_size / global_loss_tokens
     loss_sum = 0.0
     moe = MoEStepStats.for_model(model, len(micro_batches))
@@ -72,6 +69,17 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
     if moe is not None:
         metrics.update(moe.finish(loss_group))
     return metrics
+
+
+def count_global_loss_tokens(task: Task, micro_batches: list[dict[str, Any]],
+                             loss_group: dist.ProcessGroup) -> int:
+    """The step's loss tokens over every rank of ``loss_group``: the loss normalisation, known
+    before any backward."""
+    local = sum(task.count_tokens(mb) for mb in micro_batches)
+    total = all_reduce_values([local], group=loss_group)[0]
+    if total == 0:
+        raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
+    return total
 
 
 def micro_batch_flops(model: nn.Module, batch: dict[str, Any]) -> float:
