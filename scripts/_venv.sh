@@ -22,14 +22,17 @@ fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 
-if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ]; then
+# The stamp holds a hash of pyproject.toml: a changed dependency list reinstalls, a mere newer
+# file time (a fresh git worktree sharing this venv through VEOMNI_VENV) does not.
+WANT="$(sha256sum "$REPO_ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "[venv] installing torch==2.13.0, then the project (one-time, ~2 min)" >&2
     python -m pip install --quiet --upgrade pip >&2
     python -m pip install --quiet "torch==2.13.0" >&2
     constraints="$VENV/torch-constraint.txt"
     python -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
     python -m pip install --quiet -c "$constraints" -e "$REPO_ROOT[dev]" >&2
-    touch "$STAMP"
+    echo "$WANT" > "$STAMP"
 fi
 flock -u 9
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
