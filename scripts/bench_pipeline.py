@@ -33,14 +33,15 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.registry import build_model  # noqa: E402
+import models  # noqa: E402,F401  (registers the zoo)
+from veomni.spec import build_model  # noqa: E402
 from veomni.config.schema import ParallelConfig  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.pipeline import build_pipeline  # noqa: E402
 from veomni.parallel.pipeline_plan import analytic_bubble, check_pipeline, virtual_stages  # noqa: E402
-from veomni.train.tasks import LanguageModelingTask  # noqa: E402
+from veomni.tasks import LanguageModelingTask  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
@@ -72,7 +73,7 @@ def _worker(rank: int, args, schedule: str, microbatches: int, port: int, queue)
 
     task = LanguageModelingTask()
     pipe = build_pipeline(build, lambda m: m.init_weights(), lambda m: parallelize(m, parallel, meshes, "cpu"),
-                          parallel, microbatches, meshes.pp, torch.device("cpu"), task.output_loss)
+                          parallel, microbatches, meshes.pp, torch.device("cpu"), task)
     compute = [0.0]
     for stage in pipe.stages:
         for name in COMPUTE:

@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from _plot import Series, line_chart
 
-from models.registry import build_model
+import models  # noqa: E402,F401  (registers the zoo)
+from veomni.spec import build_model
 from veomni.config.loader import load_config
 
 RUNS = ("baseline", "r1p5", "r2", "r4", "r8")

@@ -11,7 +11,7 @@ import torch
 import webdataset
 from PIL import Image, ImageDraw
 
-from models.registry import build_model
+from veomni.spec import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizers" / "stdlib-bpe-8k"

@@ -13,8 +13,10 @@ import torch
 import webdataset
 
 from veomni.config.schema import DataConfig
-from veomni.data.loader import build_dataloader, load_tokenizer, merge_loader_states
-from veomni.data.packing import IGNORE_INDEX, chunk_document
+from veomni.data.datasets import build_dataloader
+from veomni.data.loader import load_tokenizer, merge_loader_states
+from veomni.data.packing import chunk_document
+from veomni.tasks import IGNORE_INDEX
 from veomni.data.sources import BadDataError
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "stdlib-bpe-8k"

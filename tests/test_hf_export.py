@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.registry import build_model
+from veomni.spec import build_model
 from tests.dist_harness import run_distributed
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config

@@ -11,7 +11,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.llm import hf_adapter
-from models.registry import build_model
+from veomni.spec import build_model
 from veomni.checkpoint.hf_io import load_hf_pretrained, save_hf_pretrained
 from veomni.data.packing import pack_samples
 

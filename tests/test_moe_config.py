@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from models.llm import hf_adapter
-from models.registry import build_config, build_model
+from veomni.spec import build_config, build_model
 from veomni.launch import main as launch_main
 
 REPO = Path(__file__).resolve().parents[1]

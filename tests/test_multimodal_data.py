@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from tests.omni_utils import TOKENIZER, TINY_OMNI, chat_record, png_bytes, write_shard
-from models.registry import build_config
+from veomni.spec import build_config
 from veomni.config.schema import DataConfig
-from veomni.data.loader import build_dataloader, load_tokenizer
+from veomni.data.datasets import build_dataloader
+from veomni.data.loader import load_tokenizer
 from veomni.data.sources import InvalidSampleError
 
 
@@ -29,7 +30,7 @@ def _loader(path, split="eval", budget=2048, **overrides):
         tokens_per_micro_batch=budget,
         **{"max_seq_len": 256, **overrides},
     )
-    return build_dataloader(cfg, split, load_tokenizer(str(TOKENIZER)), 0, 1, 0, _config())
+    return build_dataloader(cfg, split, load_tokenizer(str(TOKENIZER)), 0, 1, 0, _config(), kind="chat_media")
 
 
 def _records(n: int, start: int = 0) -> list[dict]:

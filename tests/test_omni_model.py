@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.registry import build_config, build_model
+from veomni.spec import build_config, build_model
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
 from veomni.config.schema import TrainConfig
 from veomni.data.loader import load_tokenizer

@@ -16,6 +16,7 @@ from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.spec import get_model_spec
 from veomni.train.step import clip_and_step, forward_backward
 
 
@@ -37,7 +38,7 @@ def _run(rank: int, world: int, parallel: ParallelConfig, freeze: list[str], llm
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     config, model = tiny_omni(freeze=freeze, llm=llm)
-    task = model.training_task()
+    task = get_model_spec("omni").task(config)
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
     model = parallelize(model, parallel, meshes, "cpu")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)

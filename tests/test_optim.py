@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from veomni.config.schema import TrainConfig
-from veomni.train.optim import ParamRule, build_optimizer, lr_multiplier
+from veomni.spec import ParamRule
+from veomni.train.optim import build_optimizer, lr_multiplier
 
 
 def test_schedule_warmup_then_cosine_to_floor():
@@ -18,15 +19,11 @@ def test_schedule_warmup_then_cosine_to_floor():
 
 
 class Tiny(nn.Module):
-    def __init__(self, rules=()):
+    def __init__(self):
         super().__init__()
         self.proj = nn.Linear(4, 4)
         self.norm = nn.LayerNorm(4)
         self.static = nn.Parameter(torch.zeros(3, 3))
-        self._rules = list(rules)
-
-    def optimizer_param_rules(self):
-        return self._rules
 
 
 def _decay_of(optimizer, param):
@@ -34,8 +31,9 @@ def _decay_of(optimizer, param):
 
 
 def test_vectors_do_not_decay_and_models_add_rules():
-    model = Tiny([ParamRule({"weight_decay": 0.0}, pattern="static", name="static_no_decay")])
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    model = Tiny()
+    rules = [ParamRule({"weight_decay": 0.0}, pattern="static", name="static_no_decay")]
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), rules)
     assert _decay_of(opt, model.proj.weight) == 0.1
     assert _decay_of(opt, model.proj.bias) == 0.0
     assert _decay_of(opt, model.norm.weight) == 0.0

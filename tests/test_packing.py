@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from veomni.data.packing import IGNORE_INDEX, chunk_document, greedy_pack, pack_samples
+from veomni.data.packing import chunk_document, greedy_pack, pack_samples
+from veomni.tasks import IGNORE_INDEX
 
 
 def test_pack_samples_builds_the_contract():

@@ -8,7 +8,7 @@ parameters are merged by name and compared with the one-process run on the same 
 import pytest
 import torch
 
-from models.registry import build_model
+from veomni.spec import build_model
 from tests.dist_harness import run_distributed
 from tests.parity_utils import TINY_LLM, assert_records_close, full_grads, full_params, run_steps, sample_lengths
 from veomni.config.schema import ParallelConfig
@@ -20,7 +20,7 @@ from veomni.train.optim import build_optimizer
 from veomni.config.schema import TrainConfig
 from veomni.train.pipeline_step import pipeline_forward_backward
 from veomni.train.step import clip_and_step
-from veomni.train.tasks import LanguageModelingTask
+from veomni.tasks import LanguageModelingTask
 
 STEPS = 2
 LAYERS = 4
@@ -51,7 +51,7 @@ def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbat
     task = LanguageModelingTask()
     pipe = build_pipeline(lambda: build(options, arch), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, microbatches, meshes.pp,
-                          torch.device("cpu"), task.output_loss)
+                          torch.device("cpu"), task)
     optimizer = build_optimizer(pipe.parts, TrainConfig(optimizer="sgd", lr=lr, weight_decay=0.0))
     with torch.device("meta"):
         flops_model = build(options, arch)

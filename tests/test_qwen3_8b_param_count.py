@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from models.llm import hf_adapter
-from models.registry import build_model
+from veomni.spec import build_model
 
 QWEN3_8B = {
     "vocab_size": 151936,

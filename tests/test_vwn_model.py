@@ -10,14 +10,14 @@ import torch
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.registry import build_config, build_model
+from veomni.spec import build_config, build_model, get_model_spec
 from models.vwn.hyper_connection import GeneralizedHyperConnection
 from tests.test_llm_model import _naive_attention
 from veomni.config.schema import TrainConfig
 from veomni.data.packing import pack_samples
 from veomni.ops.grouped_gemm import grouped_mm
 from veomni.parallel.plan import match_modules
-from veomni.train.mtp_task import MultiTokenLMTask, next_two_token_labels
+from veomni.tasks import MultiTokenLMTask, next_two_token_labels
 from veomni.train.optim import build_optimizer
 
 BACKBONE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -132,7 +132,7 @@ def test_packed_row_equals_each_sample_alone_with_mtp():
 def test_mtp_task_reports_both_losses_and_weights_the_sum():
     model = _vwn(vwn_m=2, vwn_n=4, mtp=True, mtp_loss_weight=0.5)
     batch = pack_samples(_samples())
-    task = model.training_task()
+    task = get_model_spec("vwn").task(model.config)
     assert isinstance(task, MultiTokenLMTask)
     out = task(model, batch)
     (ntp, n_ntp), (mtp, n_mtp) = out.metrics["loss_ntp"], out.metrics["loss_mtp"]
@@ -142,7 +142,7 @@ def test_mtp_task_reports_both_losses_and_weights_the_sum():
 
 def test_static_maps_do_not_decay_dynamic_parts_do():
     model = _vwn(vwn_m=2, vwn_n=3, mtp=True)
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), get_model_spec("vwn").param_rules(model.config))
     decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     for name, param in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]

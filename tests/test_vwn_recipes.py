@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from models.registry import build_config
+from veomni.spec import build_config
 from tests.test_launch import REPO, train_sh
 from veomni.config.loader import config_to_dict, load_config
 

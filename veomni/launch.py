@@ -13,11 +13,15 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from veomni.config.loader import ConfigError, dump_config, load_config
 from veomni.config.schema import RunConfig
 from veomni.data.builders import MANIFEST
+from veomni.data.datasets import dataset_kind_name
+from veomni.data.registry import get_dataset_kind
 from veomni.parallel.mesh import LayoutError, ParallelDims
+from veomni.spec import get_model_spec
 
 
 def _needs_prepare(paths: dict[str, str | None]) -> bool:
@@ -44,46 +48,43 @@ def _check_data(cfg: RunConfig, prepare: bool) -> list[str]:
         if subprocess.run(cmd).returncode != 0:
             return [f"data.prepare: {script} failed (its output is above)"]
     missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
-    problems = [
+    return [
         f"{k}: path does not exist: {p}" + ("" if cfg.data.prepare else " (and no data.prepare builder is set)")
         for k, p in missing.items()
     ]
-    if not cfg.data.tokenizer or not Path(cfg.data.tokenizer).is_dir():
-        problems.append(f"data.tokenizer: tokenizer folder not found: {cfg.data.tokenizer or '(unset)'}")
-    return problems
 
 
-def _check_tokenizer_fits(cfg: RunConfig) -> list[str]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
-    vocab = cfg.model.options.get("vocab_size")
-    if vocab is not None and len(tokenizer) > vocab:
-        return [f"model.vocab_size={vocab} is smaller than the tokenizer's {len(tokenizer)} tokens "
-                f"({cfg.data.tokenizer}); raise model.vocab_size"]
-    return []
+def _check_dataset(cfg: RunConfig, model_config: Any) -> list[str]:
+    """The dataset kind's own pre-flight checks (a text kind: the tokenizer exists and fits)."""
+    try:
+        kind = get_dataset_kind(dataset_kind_name(cfg.data, get_model_spec(cfg.model.arch).dataset))
+    except ValueError as exc:
+        return [f"data.kind: {exc}"]
+    return kind.check(cfg.data, model_config)
 
 
-def _validate_model(cfg: RunConfig) -> list[str]:
-    """Build on meta (no memory): impossible model configs and parallel sizes the model cannot take."""
+def _validate_model(cfg: RunConfig) -> tuple[Any, list[str]]:
+    """Build on meta (no memory): the model config, and the impossible model configs and parallel
+    sizes the model cannot take."""
     import torch
 
-    from models.registry import build_model
-    from veomni.parallel.expert import check_expert_layout
-    from veomni.parallel.pipeline import check_pipeline_model
+    from veomni.parallel.expert import check_model_experts
+    from veomni.parallel.pipeline import check_pipeline_model, check_pipeline_task
     from veomni.parallel.sequence import check_sequence_parallel
+    from veomni.spec import build_model
 
     try:
         with torch.device("meta"):
             model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
     except (ValueError, TypeError) as exc:
-        return [f"model: {exc}"]
+        return None, [f"model: {exc}"]
     try:
-        check_expert_layout(cfg.parallel.ep, getattr(model_cfg, "num_experts", 0))
+        check_model_experts(model, cfg.parallel.ep)
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
-        return check_sequence_parallel(model, cfg.parallel.sp)
+        check_pipeline_task(get_model_spec(cfg.model.arch).task(model_cfg), cfg.parallel)
+        return model_cfg, check_sequence_parallel(model, cfg.parallel.sp)
     except ValueError as exc:
-        return [str(exc)]
+        return model_cfg, [str(exc)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,12 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    problems = _validate_model(cfg)
+    model_cfg, problems = _validate_model(cfg)
     if args.dry_run:
         from veomni.train.estimate import estimate, format_report
 
         print("# resolved config\n" + dump_config(cfg))
-        for problem in problems + _check_data(cfg, prepare=False):
+        data_problems = _check_data(cfg, prepare=False) + (_check_dataset(cfg, model_cfg) if model_cfg else [])
+        for problem in problems + data_problems:
             print(f"warning: {problem}")
         if problems:
             return 2
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     problems += _check_data(cfg, prepare=True)
     if not problems:
-        problems += _check_tokenizer_fits(cfg)
+        problems += _check_dataset(cfg, model_cfg)
     if problems:
         for problem in problems:
             print(f"config error: {problem}", file=sys.stderr)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from veomni.ops.grouped_gemm import grouped_mm
+from veomni.spec.hooks import MoEHooks
 
 from .config import LLMConfig
 
@@ -206,7 +207,7 @@ class MoE(nn.Module):
         return delta
 
 
-class MoEHost:
+class MoEHost(MoEHooks):
     """What the engine reads from a model with MoE layers after each forward (``moe_stats.py``),
     shared by every model family whose blocks may hold ``MoE`` FFNs (DecoderLM, VWN)."""
 

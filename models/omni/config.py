@@ -19,7 +19,7 @@ from typing import Any
 
 from models.llm.config import LLMConfig
 
-from .registry import get_modality, registered_modalities
+from .registry import Modality, get_modality, registered_modalities
 
 
 def _build(cls: type, options: dict[str, Any], where: str) -> Any:
@@ -53,6 +53,11 @@ class OmniConfig:
     def modalities(self) -> tuple[str, ...]:
         """Modality names in recipe order (the order of their placeholder tokens in the tokenizer)."""
         return tuple(self.encoders)
+
+    def media_kinds(self) -> dict[str, Modality]:
+        """Modality name -> its registry entry, in recipe order (what the engine's chat-with-media
+        dataset reads: ``veomni.spec.media.MediaModelConfig``)."""
+        return {name: get_modality(name) for name in self.encoders}
 
     @property
     def vocab_size(self) -> int:

@@ -94,11 +94,6 @@ class OmniModel(MoEHost, nn.Module):
             encoders={f"encoders.{name}": enc.parallel_plan() for name, enc in self.encoders.items()},
         )
 
-    def training_task(self):
-        from veomni.train.omni_task import OmniTask
-
-        return OmniTask()
-
     @torch.no_grad()
     def init_weights(self) -> None:
         self.llm.init_weights()

@@ -6,7 +6,8 @@ so adding one touches no engine code:
 - ``config_cls`` / ``encoder_cls``: the encoder, built from the ``model.encoders.<name>`` block of
   a recipe. ``encoder(**inputs)`` maps the collated inputs of a micro-batch to one feature row
   of the LLM's width per placeholder token, in order.
-- ``processor(raw_bytes, config)``: one media item from a shard member -> ``MediaItem`` (encoder
+- ``processor(raw_bytes, config)``: one media item from a shard member -> ``MediaItem`` (the
+  engine's ``veomni.spec.media`` type: encoder
   inputs, the number of features the encoder will produce for it, and its packing cost).
 - ``dummy_inputs(config, largest=False)``: the smallest valid input, run by a rank whose
   micro-batch holds no item of this modality so that every rank runs the same collectives (FSDP
@@ -27,18 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class MediaItem:
-    """One processed media item (an image, a clip)."""
-
-    inputs: dict[str, torch.Tensor]
-    """Encoder inputs of this item; a micro-batch concatenates every key along dim 0."""
-    num_tokens: int
-    """Features the encoder produces for it: the placeholder tokens the text gets in its place."""
-    cost: int
-    """Work it adds to a micro-batch, counted against ``data.tokens_per_micro_batch`` with the
-    text tokens (for an image: its patches)."""
+from veomni.spec.media import MediaItem
 
 
 @dataclass(frozen=True)
@@ -80,8 +70,3 @@ def get_modality(name: str) -> Modality:
         raise ValueError(
             f"unknown modality {name!r}; registered: {', '.join(registered_modalities())}"
         ) from None
-
-
-def collate_items(items: list[MediaItem]) -> dict[str, torch.Tensor]:
-    """The encoder inputs of a micro-batch: each key's tensors concatenated along dim 0."""
-    return {key: torch.cat([item.inputs[key] for item in items]) for key in items[0].inputs}

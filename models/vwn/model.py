@@ -19,9 +19,6 @@ from veomni.ops.attention import SeqInfo
 from veomni.ops.norm import RMSNorm
 from veomni.ops.rope import rope_cos_sin, rope_inv_freq
 from veomni.parallel.plan import ParallelPlan
-from veomni.train.mtp_task import MultiTokenLMTask
-from veomni.train.optim import ParamRule
-from veomni.train.tasks import LanguageModelingTask, Task
 
 from .blocks import NextTwoTokenHead, VWNBlock, WideReduce
 from .config import VWNConfig
@@ -78,10 +75,6 @@ class VWNLM(MoEHost, nn.Module):
             next_ids = torch.cat([input_ids[1:], input_ids[-1:]])
         return logits, self.lm_head(self.mtp(h, self.embed(next_ids), cos, sin, seq, valid_tokens))
 
-    def training_task(self) -> Task:
-        """The task the trainer runs for this model: next-token CE, plus next-2-token CE with MTP."""
-        return MultiTokenLMTask(self.config.mtp_loss_weight) if self.config.mtp else LanguageModelingTask()
-
     def parallel_plan(self) -> ParallelPlan:
         """Blocks are the hyper-connected layers (their wide state is per token, so sequence
         parallelism may split it like the plain residual); the MTP block is one more block."""
@@ -93,11 +86,6 @@ class VWNLM(MoEHost, nn.Module):
             stages=("embed_tokens", *(("embed_expand",) if self.embed_expand is not None else ()),
                     "layers", "reduce", "norm", "lm_head", *(("mtp",) if mtp else ())),
         )
-
-    def optimizer_param_rules(self) -> list[ParamRule]:
-        """The static maps B and A get no weight decay (the paper); dynamic parts and scales do."""
-        return [ParamRule({"weight_decay": 0.0}, pattern=f"**.{name}", name="vwn_static_no_decay")
-                for name in GeneralizedHyperConnection.STATIC]
 
     @torch.no_grad()
     def init_weights(self, seed_generator: torch.Generator | None = None) -> None:

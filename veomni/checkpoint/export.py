@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from models.registry import build_model
+from veomni.spec import build_model
 from veomni.checkpoint.hf_io import save_hf_pretrained
 from veomni.checkpoint.manager import COMPLETE_MARKER
 from veomni.config.loader import load_config

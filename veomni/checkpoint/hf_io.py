@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.registry import get_model_spec, spec_for_hf_model_type
+from veomni.spec import get_model_spec, spec_for_hf_model_type
 
 SAFE_INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30

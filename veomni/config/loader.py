@@ -156,15 +156,28 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported field type {annotation}")
 
 
-def _model_field_types(arch: str, where: str) -> dict[str, Any]:
-    """Field name -> type of the registered model's config dataclass."""
-    from models.registry import get_model_spec  # importing the zoo registers its models
+def _model_field_types(arch: str, where: str, plugins: list[str]) -> dict[str, Any]:
+    """Field name -> type of the registered model's config dataclass (after importing the
+    ``model.plugins`` packages, which register the families)."""
+    from veomni.spec import get_model_spec, load_plugins
 
     try:
+        load_plugins(plugins)
         spec = get_model_spec(arch)
-    except (KeyError, ValueError) as exc:
+    except (ImportError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return typing.get_type_hints(spec.config_cls)
+
+
+def _plugins(values: dict[tuple[str, ...], _Value]) -> list[str]:
+    """``model.plugins``: module names as given, paths (``/`` or ``.py`` inside) resolved against the
+    recipe's folder (or the cwd on the command line), like other path keys."""
+    item = values.get(("model", "plugins"))
+    if item is None:
+        return ModelConfig().plugins
+    entries = _coerce(item.value, list[str], f"{item.origin}: model.plugins")
+    return [str((item.base_dir / os.path.expanduser(e)).resolve()) if "/" in e or e.endswith(".py") else e
+            for e in entries]
 
 
 def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -> RunConfig:
@@ -179,7 +192,8 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
     section_types = typing.get_type_hints(RunConfig)
     arch_value = values.get(("model", "arch"))
     arch = arch_value.value if arch_value else ModelConfig().arch
-    model_fields = _model_field_types(arch, arch_value.origin if arch_value else "model.arch")
+    cfg.model.plugins = _plugins(values)
+    model_fields = _model_field_types(arch, arch_value.origin if arch_value else "model.arch", cfg.model.plugins)
 
     for key, item in values.items():
         section = key[0]
@@ -192,9 +206,11 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
         if len(key) > 2:
             raise ConfigError(f"{item.origin}: '{dotted}' is nested too deep; sections hold flat keys")
         where = f"{item.origin}: {dotted}"
+        if section == "model" and name == "plugins":
+            continue
         if section == "model" and name != "arch":
             if name not in model_fields:
-                valid = ["arch", *model_fields]
+                valid = ["arch", "plugins", *model_fields]
                 raise ConfigError(f"{item.origin}: unknown key '{dotted}' for model arch '{arch}'{_closest(name, valid, 'model.')}")
             cfg.model.options[name] = _coerce(item.value, model_fields[name], where)
             continue
@@ -248,10 +264,12 @@ def _check_ranges(cfg: RunConfig, values: dict[tuple[str, ...], _Value]) -> None
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """Plain nested dict (model options flattened into the model section), for saving."""
+    """Plain nested dict (model options flattened into the model section; ``plugins`` only when not
+    the default zoo), for saving."""
     out = dataclasses.asdict(cfg)
     model = out.pop("model")
-    out = {"model": {"arch": model["arch"], **model["options"]}, **out}
+    plugins = {"plugins": model["plugins"]} if model["plugins"] != ModelConfig().plugins else {}
+    out = {"model": {"arch": model["arch"], **plugins, **model["options"]}, **out}
     for section in out.values():
         for key, value in section.items():
             if isinstance(value, tuple):

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 @dataclass
 class DataConfig:
+    kind: str = ""
+    """Registered dataset kind to read (``packed_text``, ``chat_media``, or a plugin's); empty
+    takes the one the model family's spec names."""
     train_path: str = ""
     """Folder of webdataset ``.tar`` shards, a ``.jsonl`` file, or a folder of ``.jsonl`` files."""
     eval_path: str | None = None
@@ -24,7 +27,8 @@ class DataConfig:
     text_key: str = "txt"
     """Key of the text field: the member suffix in webdataset shards, the JSON key in jsonl."""
     tokenizer: str = ""
-    """Folder loadable by ``transformers.AutoTokenizer.from_pretrained`` (offline)."""
+    """Folder loadable by ``transformers.AutoTokenizer.from_pretrained`` (offline); needed only
+    by dataset kinds that read text."""
     max_seq_len: int = 1024
     """Longest sample; longer documents are cut into consecutive chunks of this length."""
     tokens_per_micro_batch: int = 4096
@@ -130,9 +134,12 @@ class LogConfig:
 
 @dataclass
 class ModelConfig:
-    """``arch`` picks a registered model; the remaining keys belong to its config dataclass."""
+    """``arch`` picks a registered model family; ``plugins`` lists the packages that register
+    families (module names or package folders, see ``veomni.spec.load_plugins``); the remaining
+    keys belong to the family's config dataclass."""
 
     arch: str = "llm"
+    plugins: list[str] = field(default_factory=lambda: ["models"])
     options: dict[str, Any] = field(default_factory=dict)
 
 

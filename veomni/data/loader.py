@@ -12,13 +12,11 @@ Resume is exact: the dataset state is the position of the first sample not yet y
 travels through torchdata's ``StatefulDataLoader`` protocol, so ``loader.state_dict()`` after k
 batches, loaded into a freshly built loader with the same layout, yields batch k+1 onwards.
 Skipped documents are read but never tokenized. For a different layout see
-:func:`merge_loader_states`.
+:func:`merge_loader_states`. Registered as the ``packed_text`` dataset kind.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import random
 import warnings
 from collections.abc import Iterator
@@ -26,21 +24,18 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from veomni.config.schema import DataConfig
 from veomni.data.packing import chunk_document, greedy_pack, pack_samples
+from veomni.data.registry import MERGED_KEY, DatasetKind, DatasetRequest, ResumableDataset, register_dataset
 from veomni.data.sources import ReadStats, iter_texts, resolve_files
 
 # torchdata 0.11 calls a torch API that torch 2.13 deprecates, once per iterator; not ours to fix.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
-logger = logging.getLogger(__name__)
-
 STATE_FORMAT = "veomni.packed_text.v1"
-MERGED_KEY = "veomni_merged_data_position"
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,7 @@ class Position:
     bad_in_epoch: int = 0
 
 
-class PackedTextDataset(IterableDataset):
+class PackedTextDataset(ResumableDataset):
     """Iterable of packed micro-batch dicts for one consumer; implements torchdata's state protocol."""
 
     def __init__(
@@ -73,22 +68,17 @@ class PackedTextDataset(IterableDataset):
         dp_size: int,
         seed: int,
     ) -> None:
+        super().__init__(dp_rank, dp_size)
         self.fmt, self.files = resolve_files(path, cfg.format)
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id; documents need an end-of-text token")
         self.cfg = cfg
         self.split = split
         self.tokenizer = tokenizer
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.seed = seed
         self._start = Position()
         self._pos = Position()
         self._end = Position(epoch=1)  # eval's position after its pass; _samples adds the counters
-
-    def _consumer(self) -> tuple[int, int]:
-        """(this consumer's index, number of consumers), worker-aware."""
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return self.dp_rank * workers + worker, self.dp_size * workers
 
     def _epoch_files(self, epoch: int) -> list[Path]:
         """Shard order of one epoch: shuffled with seed and epoch for training, sorted otherwise."""
@@ -122,7 +112,7 @@ class PackedTextDataset(IterableDataset):
     # ----- the shared reader: consumer split, epochs, positions, packing -----------------------
     def _samples(self, start: Position) -> Iterator[tuple[Any, Position]]:
         """This consumer's items from ``start`` on, each tagged with its own position."""
-        consumer, consumers = self._consumer()
+        consumer, consumers = self.consumer()
         prior_records, prior_bad = start.records_prior_epochs, start.bad_prior_epochs
         begin = start
         epoch = start.epoch
@@ -163,13 +153,13 @@ class PackedTextDataset(IterableDataset):
             yield self._pack(items)
 
     def state_dict(self) -> dict[str, Any]:
-        consumer, consumers = self._consumer()
+        consumer, consumers = self.consumer()
         return {"format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers, **asdict(self._pos)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
-        consumer, consumers = self._consumer()
+        consumer, consumers = self.consumer()
         if (state["consumer"], state["num_consumers"]) != (consumer, consumers):
             raise ValueError(
                 f"loader state of consumer {state['consumer']}/{state['num_consumers']} loaded into consumer "
@@ -181,22 +171,29 @@ class PackedTextDataset(IterableDataset):
         """Begin the next iteration at a layout-independent position from :func:`merge_loader_states`."""
         self._start = self._pos = Position(**{f.name: merged[f.name] for f in fields(Position)})
 
+    def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
+        for state in _dataset_states(loader_state):
+            if state["num_consumers"] != consumers:
+                raise ValueError(
+                    f"loader state was saved with {state['num_consumers']} consumers (dp ranks x workers), this "
+                    f"loader has {consumers}; convert the old ranks' states with merge_loader_states"
+                )
+
+    @classmethod
+    def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return merge_loader_states(loader_states)
+
 
 class PackedDataLoader(StatefulDataLoader):
-    """StatefulDataLoader that also accepts the layout-independent state of :func:`merge_loader_states`."""
+    """StatefulDataLoader over a ``ResumableDataset`` that also accepts the layout-independent
+    state of its ``merge_states``."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if MERGED_KEY in state_dict:
             super().load_state_dict({})
             self.dataset.start_from(state_dict[MERGED_KEY])
             return
-        expected = self.dataset.dp_size * max(self.num_workers, 1)
-        for state in _dataset_states(state_dict):
-            if state["num_consumers"] != expected:
-                raise ValueError(
-                    f"loader state was saved with {state['num_consumers']} consumers (dp ranks x workers), this "
-                    f"loader has {expected}; convert the old ranks' states with merge_loader_states"
-                )
+        self.dataset.check_loader_state(state_dict, self.dataset.dp_size * max(self.num_workers, 1))
         super().load_state_dict(state_dict)
 
 
@@ -253,54 +250,24 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_dataloader(
-    cfg: DataConfig,
-    split: str,
-    tokenizer: PreTrainedTokenizerBase,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    model_config: Any = None,
-) -> PackedDataLoader:
-    """Loader of packed micro-batch dicts for one data-parallel rank.
+def check_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
+    """A text dataset needs a tokenizer that fits the model's vocabulary."""
+    folder = Path(cfg.tokenizer) if cfg.tokenizer else None
+    if folder is None or not folder.is_dir():
+        return [f"data.tokenizer: tokenizer folder not found: {cfg.tokenizer or '(unset)'}"]
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is None:
+        return [f"data.kind reads token ids, but the model config {type(model_config).__name__} has no vocab_size"]
+    size = len(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    if size > vocab:
+        return [f"model.vocab_size={vocab} is smaller than the tokenizer's {size} tokens ({cfg.tokenizer}); "
+                "raise model.vocab_size"]
+    return []
 
-    A model config that lists ``modalities`` (an omni model) gets chat samples with media
-    (``veomni.data.multimodal``), processed for its encoders; any other model gets packed text.
 
-    ``split="train"`` reads ``cfg.train_path`` and loops over epochs forever; ``"eval"`` reads
-    ``cfg.eval_path`` once, in order (each new ``iter()`` starts over). Every rank must use the
-    same ``seed`` and files so that all ranks agree on the document order.
-    """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    path = cfg.train_path if split == "train" else cfg.eval_path
-    if not path:
-        raise ValueError(f"data.{split}_path is not set")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
-    if not 0 < cfg.max_seq_len <= cfg.tokens_per_micro_batch:
-        raise ValueError(
-            f"need 0 < max_seq_len ({cfg.max_seq_len}) <= tokens_per_micro_batch "
-            f"({cfg.tokens_per_micro_batch})"
-        )
-    if getattr(model_config, "modalities", ()):
-        from veomni.data.multimodal import MultimodalChatDataset  # imports this module
+def _build_packed_text(request: DatasetRequest) -> PackedTextDataset:
+    r = request
+    return PackedTextDataset(r.cfg, r.path, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed)
 
-        dataset: PackedTextDataset = MultimodalChatDataset(cfg, path, split, tokenizer, dp_rank, dp_size, seed,
-                                                           model_config)
-    else:
-        dataset = PackedTextDataset(cfg, path, split, tokenizer, dp_rank, dp_size, seed)
-    if cfg.num_workers > 0:
-        # Workers are forked; HF tokenizers would otherwise warn and turn its thread pool off in each one.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logger.info(
-        "%s data: %d %s file(s) from %s, rank %d/%d, %d worker(s)",
-        split,
-        len(dataset.files),
-        dataset.fmt,
-        path,
-        dp_rank,
-        dp_size,
-        cfg.num_workers,
-    )
-    return PackedDataLoader(dataset, batch_size=None, num_workers=cfg.num_workers)
+
+register_dataset(DatasetKind("packed_text", _build_packed_text, needs_tokenizer=True, check=check_text_data))

@@ -2,7 +2,8 @@
 
 A sample is a webdataset record: a chat ``json`` member (``{"messages": [...], ...}``, see
 docs/data.md) and one member per media item, whose suffix names the modality (``png`` -> image,
-see ``models.omni.registry``). Each item goes through its modality's processor (patches for an
+the model config's ``media_kinds()``, see ``veomni.spec.media``). Each item goes through its
+modality's processor (patches for an
 image), the text is tokenized with every marker expanded to one placeholder token per encoder
 feature (``veomni.data.chat``), and samples are packed greedily under
 ``data.tokens_per_micro_batch``, where a sample costs its text tokens *plus* its encoder work
@@ -13,7 +14,7 @@ A batch is the text loader's dict (labels are -100 except on assistant tokens) p
 for each modality present in the row.
 
 Reading order, consumer split, epochs and exact resume are the text loader's
-(``PackedTextDataset``). A media item that does not decode is skipped with its sample and
+(``PackedTextDataset``). Registered as the ``chat_media`` dataset kind. A media item that does not decode is skipped with its sample and
 counted as a bad record; a sample whose placeholders and items do not pair up stops the run
 with its key (``InvalidSampleError``).
 """
@@ -30,12 +31,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from models.omni.registry import MediaItem, collate_items, get_modality
 from veomni.config.schema import DataConfig
 from veomni.data.chat import ChatEncoder, EncodedChat
-from veomni.data.loader import PackedTextDataset
-from veomni.data.packing import IGNORE_INDEX, pack_samples
+from veomni.data.loader import PackedTextDataset, check_text_data
+from veomni.data.registry import DatasetKind, DatasetRequest, register_dataset
+from veomni.data.packing import pack_samples
 from veomni.data.sources import InvalidSampleError, ReadStats, count_bad, iter_tar_samples
+from veomni.spec.media import MediaItem, MediaModelConfig, collate_items
+from veomni.tasks.base import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +55,15 @@ class ChatSample:
 class SampleProcessor:
     """Raw record -> ``ChatSample``: media through their processors, text through the chat encoder."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: Any, json_key: str = "json") -> None:
-        self.modalities = {name: get_modality(name) for name in model_config.modalities}
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: MediaModelConfig,
+                 json_key: str = "json") -> None:
+        self.modalities = model_config.media_kinds()
         self.encoder_configs = model_config.encoder_configs
         self.json_key = json_key
         self.modality_of_field = {f: name for name, m in self.modalities.items() for f in m.fields}
         self.chat = ChatEncoder(tokenizer, {name: m.placeholder for name, m in self.modalities.items()})
-        vocab = getattr(model_config, "vocab_size", None)
-        if vocab is not None and len(tokenizer) > vocab:
+        vocab = model_config.vocab_size
+        if len(tokenizer) > vocab:
             raise ValueError(
                 f"the tokenizer has {len(tokenizer)} tokens with the placeholders "
                 f"{sorted(self.chat.token_of)}, more than the LLM's vocab_size {vocab}; raise it"
@@ -198,3 +202,11 @@ class MultimodalChatDataset(PackedTextDataset):
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
         return sample
+
+
+def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
+    r = request
+    return MultimodalChatDataset(r.cfg, r.path, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed, r.model_config)
+
+
+register_dataset(DatasetKind("chat_media", _build_chat_media, needs_tokenizer=True, check=check_text_data))

@@ -13,7 +13,8 @@ from typing import TypeVar
 
 import torch
 
-IGNORE_INDEX = -100
+from veomni.tasks.base import IGNORE_INDEX
+
 Tag = TypeVar("Tag")
 Item = TypeVar("Item")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from models.registry import build_model
+from veomni.spec import build_model
 from veomni.checkpoint.export import load_checkpoint_weights
 from veomni.checkpoint.manager import list_checkpoints
 from veomni.data.loader import load_tokenizer

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,12 @@ def check_expert_layout(ep: int, num_experts: int) -> None:
     if ep > 1 and num_experts % ep:
         raise ValueError(f"parallel.ep={ep} does not divide model.num_experts={num_experts}; pick a divisor of "
                          f"{num_experts}")
+
+
+def check_model_experts(model: nn.Module, ep: int) -> None:
+    """``check_expert_layout`` for the grouped-expert modules the (meta) model's plan declares."""
+    experts = match_modules(model, flatten_plan(model.parallel_plan()).experts)
+    check_expert_layout(ep, experts[0][1].gate_up_proj.shape[0] if experts else 0)
 
 
 def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None,

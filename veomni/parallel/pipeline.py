@@ -8,15 +8,17 @@ holding only its own blocks, each under its original index. So stage 1 of a 4-la
 pipeline sizes by resharding alone, and the model's own ``forward`` runs unchanged (on a later
 stage ``embed_tokens`` passes the incoming hidden state through).
 
-Micro-batches. A pipeline micro-batch is one packed row (``pack_rows`` joins loader rows) padded
-to a fixed token count: the schedule's point-to-point buffers are sized once, from the first
-micro-batch, so every micro-batch must send the same shape. Padding tokens sit after
-``cu_seqlens[-1]`` (attention gives them zero output without computing them) and carry no
-label. Sample boundaries (``cu_seqlens``, ``max_seqlen``) and ``position_ids`` go to every stage
-as keyword inputs; only hidden states travel between stages.
+Micro-batches. What a row holds is the task's batch contract (``veomni.tasks``). A pipeline
+micro-batch is one packed row (``pack_rows`` joins loader rows) padded to a fixed length: the
+schedule's point-to-point buffers are sized once, from the first micro-batch, so every
+micro-batch must send the same shape. Padding sits after ``cu_seqlens[-1]`` (attention gives it
+zero output without computing it) and carries the contract's pad values (labels: no target).
+The first stage takes the contract's ``stage_input``; its ``stage_kwargs`` (for token rows:
+sample boundaries and positions) and ``valid_tokens`` go to every stage as keyword inputs; only
+hidden states travel between stages; the last stage's loss reads the contract's ``target``.
 
-Loss. The last stage computes each micro-batch's summed token loss times ``scale`` (the caller's
-``loss_size / global_tokens``, the same normalisation as without pipelining) and the schedule
+Loss. The last stage computes each micro-batch's summed loss times ``scale`` (the caller's
+``loss_size / global_units``, the same normalisation as without pipelining) and the schedule
 runs with ``scale_grads=False``, so gradients equal the one-process gradients of the step.
 MoE models also tie each stage's auxiliary losses to its output and sum its expert loads,
 through the stage-output hook ``step`` accepts (``veomni/train/moe_stats.PipelineMoEStats``).
@@ -37,11 +39,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from veomni.config.schema import ParallelConfig
-from veomni.data.packing import IGNORE_INDEX
 from veomni.parallel.materialize import build_sharded_parts
 from veomni.parallel.pipeline_plan import (PipelineConfigError, balanced_split, check_pipeline, microbatch_count,
                                            stage_ids, virtual_stages)
 from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.tasks.base import BatchContract, Task
 
 logger = logging.getLogger(__name__)
 
@@ -117,46 +119,50 @@ def cut_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     return model
 
 
-def pack_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Join packed rows into one (boundaries shifted); ``[rows[0]]`` is returned as is."""
+def pack_rows(rows: list[dict[str, Any]], contract: BatchContract) -> dict[str, Any]:
+    """Join packed rows into one (sequence fields concatenated, sample boundaries shifted);
+    ``[rows[0]]`` is returned as is."""
     if len(rows) == 1:
         return rows[0]
-    offsets = [0]
-    for row in rows[:-1]:
-        offsets.append(offsets[-1] + int(row["input_ids"].numel()))
-    cu = [rows[0]["cu_seqlens"]] + [r["cu_seqlens"][1:] + o for r, o in zip(rows[1:], offsets[1:])]
-    return {
-        **{k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")},
-        "cu_seqlens": torch.cat(cu),
-        "max_seqlen": max(int(r["max_seqlen"]) for r in rows),
-    }
+    out = {k: torch.cat([r[k] for r in rows]) for k in contract.sequence_fields}
+    out.update({k: v for k, v in rows[0].items() if k not in out and k not in ("cu_seqlens", "max_seqlen")})
+    if "cu_seqlens" in rows[0]:
+        offsets, total = [], 0
+        for row in rows:
+            offsets.append(total)
+            total += contract.row_length(row)
+        out["cu_seqlens"] = torch.cat([rows[0]["cu_seqlens"]] + [r["cu_seqlens"][1:] + o
+                                                                 for r, o in zip(rows[1:], offsets[1:])])
+        out["max_seqlen"] = max(int(r["max_seqlen"]) for r in rows)
+    return out
 
 
-def pad_row(row: dict[str, Any], tokens: int) -> dict[str, Any]:
-    """Pad a packed row to ``tokens`` with label-free tokens after its last sample; its
-    ``valid_tokens`` counts the real ones (MoE layers route only those)."""
-    n = int(row["input_ids"].numel())
+def pad_row(row: dict[str, Any], length: int, contract: BatchContract) -> dict[str, Any]:
+    """Pad a packed row to ``length`` with the contract's pad values after its last sample; its
+    ``valid_tokens`` counts the real rows (MoE layers route only those)."""
+    n = contract.row_length(row)
     row = {**row, "valid_tokens": row.get("valid_tokens", n)}
-    if n > tokens:
-        raise ValueError(f"a pipeline micro-batch of {n} tokens exceeds its fixed size {tokens}; "
+    if n > length:
+        raise ValueError(f"a pipeline micro-batch of {n} {contract.unit}s exceeds its fixed size {length}; "
                          "raise data.tokens_per_micro_batch")
-    if n == tokens:
+    if n == length:
         return row
-    pad = tokens - n
-
-    def extend(t: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.cat([t, t.new_full((pad,), value)])
-
-    return {**row, "input_ids": extend(row["input_ids"], 0), "labels": extend(row["labels"], IGNORE_INDEX),
-            "position_ids": extend(row["position_ids"], 0)}
+    pad = length - n
+    for key in contract.sequence_fields:
+        value = row[key]
+        row[key] = torch.cat([value, value.new_full((pad, *value.shape[1:]), contract.pad_value(key))])
+    return row
 
 
-def empty_row(device: torch.device) -> dict[str, Any]:
-    """A row without loss tokens (one label-free token, padding once padded): fills a short
-    group of eval rows; attention kernels want at least one sample."""
-    token = torch.zeros(1, dtype=torch.long, device=device)
-    return {"input_ids": token, "labels": torch.full_like(token, IGNORE_INDEX), "position_ids": token,
-            "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device=device), "max_seqlen": 1}
+def empty_row(template: dict[str, Any], contract: BatchContract) -> dict[str, Any]:
+    """A row without loss units, shaped like ``template``: one element of pad values per sequence
+    field (padding once padded); it fills a short group of eval rows, and attention kernels
+    want at least one sample."""
+    row = {k: template[k][:1].clone().fill_(contract.pad_value(k)) for k in contract.sequence_fields}
+    if "cu_seqlens" in template:
+        row["cu_seqlens"] = torch.tensor([0, 1], dtype=torch.int32, device=template["cu_seqlens"].device)
+        row["max_seqlen"] = 1
+    return row
 
 
 def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int) -> None:
@@ -164,20 +170,34 @@ def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int)
     starts: the settings against its block count, and what stage cutting cannot handle."""
     if cfg.pp == 1:
         return
-    _, blocks = _container(model, model.parallel_plan())
+    plan = model.parallel_plan()
+    _, blocks = _container(model, plan)
     check_pipeline(cfg, grad_accum, num_blocks=len(blocks))
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_embeddings", False):
-        raise PipelineConfigError("model.tie_embeddings shares the embedding with the head, which sit on different "
-                                  "pipeline stages; set model.tie_embeddings=false or parallel.pp=1")
+    shared = _shared_across_pieces(model, plan)
+    if shared:
+        raise PipelineConfigError(f"parameters shared between pipeline pieces would sit on different stages: "
+                                  f"{'; '.join(' = '.join(names) for names in shared)}; untie them (for the zoo's "
+                                  "LMs: model.tie_embeddings=false) or set parallel.pp=1")
 
 
-def check_pipeline_task(task: Any, cfg: ParallelConfig) -> None:
-    """Pipelines compute the loss from the last stage's output alone (``task.output_loss``)."""
-    if cfg.pp > 1 and not hasattr(task, "output_loss"):
-        raise PipelineConfigError(f"parallel.pp={cfg.pp}: the task {type(task).__name__} has no "
-                                  "output_loss(output, labels), so it cannot run on a pipeline's last stage; "
-                                  "set parallel.pp=1")
+def _shared_across_pieces(model: nn.Module, plan: ParallelPlan) -> list[list[str]]:
+    """Names of each parameter that appears under two different stage pieces (a tied embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+
+    def piece(name: str) -> str | None:
+        return next((p for p in plan.stages if name == p or name.startswith(p + ".")), None)
+
+    return [group for group in names.values() if len({piece(n) for n in group}) > 1]
+
+
+def check_pipeline_task(task: Task, cfg: ParallelConfig) -> None:
+    """Pipelines feed the contract's ``stage_input`` to the first stage and compute the loss from
+    the last stage's output alone (``task.output_loss``)."""
+    if cfg.pp > 1 and task.contract.stage_input is None:
+        raise PipelineConfigError(f"parallel.pp={cfg.pp}: the task {type(task).__name__} does not run on a pipeline "
+                                  "(its batch contract names no stage input); set parallel.pp=1")
 
 
 StageOutputHook = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -201,17 +221,17 @@ class _Stage(PipelineStage):
 class Pipeline:
     """This rank's stage modules and the schedule that drives them.
 
-    ``loss_fn(output, labels)`` returns a micro-batch's summed loss; ``step`` multiplies it by
+    ``task.output_loss(output, target)`` gives a micro-batch's summed loss; ``step`` multiplies it by
     the step's ``scale`` before backward and returns the unscaled sum of this rank's last-stage
     micro-batches (0 on other ranks).
     """
 
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], cfg: ParallelConfig, microbatches: int,
                  pp_group: dist.ProcessGroup, device: torch.device,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 task: Task) -> None:
         self.parts, self.stage_indices = parts, stage_indices
         self.microbatches = microbatches
-        self._loss_fn = loss_fn
+        self.task, self.contract = task, task.contract
         self._scale = 1.0
         self._row_tokens: int | None = None
         n_stages = cfg.pp * virtual_stages(cfg)
@@ -228,8 +248,8 @@ class Pipeline:
         self.schedule = schedule_cls(self.stages[0] if single else self.stages, n_microbatches=microbatches,
                                      loss_fn=self._scaled_loss, scale_grads=False)
 
-    def _scaled_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(output, labels) * self._scale
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.task.output_loss(output, target) * self._scale
 
     def step(self, rows: list[dict[str, Any]], scale: float, on_output: StageOutputHook | None = None) -> float:
         """Forward and backward over ``rows`` (one per micro-batch, same token count).
@@ -237,14 +257,14 @@ class Pipeline:
         join a stage's auxiliary losses to backward (``moe_stats.PipelineMoEStats``)."""
         if len(rows) != self.microbatches:
             raise ValueError(f"the pipeline runs {self.microbatches} micro-batches per step, got {len(rows)}")
-        sizes = {int(row["input_ids"].numel()) for row in rows}
+        sizes = {self.contract.row_length(row) for row in rows}
         self._row_tokens = self._row_tokens or min(sizes)
         if sizes != {self._row_tokens}:
             raise ValueError(f"pipeline micro-batches must all hold {self._row_tokens} tokens (the stages' "
                              f"buffers are sized once), got {sorted(sizes)}; pad them with pad_row")
         self._scale = scale
-        args = [(row["input_ids"],) for row in rows]
-        kwargs = [_stage_kwargs(row) for row in rows]
+        args = [(row[self.contract.stage_input],) for row in rows]
+        kwargs = [self._stage_kwargs(row) for row in rows]
         losses: list[torch.Tensor] = []
         # What ``schedule.step`` does, minus its splitting of one batch tensor into equal chunks:
         # packed rows come already cut, with per-row boundaries.
@@ -253,7 +273,7 @@ class Pipeline:
             stage.clear_runtime_states()
             stage.on_output = on_output
         try:
-            self.schedule._step_microbatches(args, kwargs, [row["labels"] for row in rows], losses,
+            self.schedule._step_microbatches(args, kwargs, [row[self.contract.target] for row in rows], losses,
                                              return_outputs=False)
         finally:
             for stage in self.stages:
@@ -270,8 +290,8 @@ class Pipeline:
         """
         loss_sum = 0.0
         for row in rows:
-            kwargs = _stage_kwargs(row)
-            x = row["input_ids"]
+            kwargs = self._stage_kwargs(row)
+            x = row[self.contract.stage_input]
             for index in range(self.n_stages):
                 owner, previous = self._owner[index], self._owner.get(index - 1)
                 if owner != self.pp_rank:
@@ -282,8 +302,15 @@ class Pipeline:
                     x = self._recv(previous)
                 x = self._by_index[index](x, **kwargs)
             if self.has_last_stage:
-                loss_sum += float(self._loss_fn(x, row["labels"]))
+                loss_sum += float(self.task.output_loss(x, row[self.contract.target]))
         return loss_sum
+
+    def _stage_kwargs(self, row: dict[str, Any]) -> dict[str, Any]:
+        """What every stage gets besides the hidden state: the contract's stage keyword inputs
+        (``max_seqlen`` as an int) and the count of real rows before the row's padding (MoE
+        layers route only those)."""
+        kwargs = {k: int(row[k]) if k == "max_seqlen" else row[k] for k in self.contract.stage_kwargs}
+        return {**kwargs, "valid_tokens": row.get("valid_tokens")}
 
     def _send(self, x: torch.Tensor, to: int) -> None:
         dst = dist.get_global_rank(self.pp_group, to)
@@ -301,26 +328,19 @@ class Pipeline:
         return x
 
 
-def _stage_kwargs(row: dict[str, Any]) -> dict[str, Any]:
-    """What every stage gets besides the hidden state: sample boundaries, positions, and the
-    count of real tokens before the row's padding (MoE layers route only those)."""
-    return {"position_ids": row["position_ids"], "cu_seqlens": row["cu_seqlens"],
-            "max_seqlen": int(row["max_seqlen"]), "valid_tokens": row.get("valid_tokens")}
-
-
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 
 
 def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                    parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
-                   pp_mesh: DeviceMesh, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+                   pp_mesh: DeviceMesh, device: torch.device, task: Task) -> Pipeline:
     """This rank's stages, cut from the model ``build()`` makes, parallelised by ``parallelize``
     (FSDP / EP within the stage's ranks) and filled with rank 0's initial weights exactly as in
     one process (see ``materialize.py``)."""
     with torch.device("meta"):
         probe = build()
     check_pipeline_model(probe, cfg, grad_accum)
+    check_pipeline_task(task, cfg)
     counts = stage_block_counts(probe, cfg)
     indices = stage_ids(pp_mesh.get_local_rank(), cfg.pp, virtual_stages(cfg), cfg.pp_schedule)
     logger.info("pipeline %s: %d stages with %s blocks; this rank runs stages %s", cfg.pp_schedule, len(counts),
@@ -328,7 +348,7 @@ def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Modu
     makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize)
               for i in indices]
     parts = build_sharded_parts(build, initialise, makers, device, strict=False)
-    return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, loss_fn)
+    return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task)
 
 
 def _cut_and_parallelize(model: nn.Module, stage: int, counts: list[int],

@@ -6,9 +6,11 @@ scatters the heads: attention then runs over the whole row for ``H / sp`` heads,
 global ``cu_seqlens``, so sample boundaries survive any split point; the inverse all-to-all
 restores the token layout. Everything else in the model is per token and runs unchanged.
 
-- Rows whose length does not divide by ``sp`` are padded at the end; padding lies past
-  ``cu_seqlens[-1]`` (attention gives it zero output), has no label and is marked by the
-  batch's ``valid_tokens`` (MoE layers do not route it), so it changes nothing.
+- What is sliced is the task's batch contract: its ``sequence_fields``, padded with its
+  ``pad_values`` (labels: no target). Rows whose length does not divide by ``sp`` are padded at
+  the end; padding lies past ``cu_seqlens[-1]`` (attention gives it zero output), has no label
+  and is marked by the batch's ``valid_tokens`` (MoE layers do not route it), so it changes
+  nothing.
 - GQA: K/V heads are repeated just enough that their count divides ``sp`` and still divides
   the query heads, keeping each query head with its own K/V head.
 - Positions: ``position_ids`` are sliced from the full row, so RoPE sees global positions.
@@ -29,26 +31,26 @@ from torch import nn
 from veomni.ops.attention import AttentionFn, SeqInfo
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.tasks.base import BatchContract
 
-IGNORE_INDEX = -100
 
-
-def shard_batch(batch: dict[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
-    """This rank's slice of every per-token tensor of a packed row (``input_ids``, ``labels``,
-    ``position_ids`` and whatever a task's ``prepare`` added); ``cu_seqlens``/``max_seqlen``
-    stay global. Padding is -100 in label tensors (names containing "labels"), 0 elsewhere;
-    ``valid_tokens`` counts the slice's leading real tokens, so MoE layers leave the padding
-    unrouted."""
-    total = batch["input_ids"].numel()
+def shard_batch(batch: dict[str, Any], sp_rank: int, sp_size: int, contract: BatchContract) -> dict[str, Any]:
+    """This rank's slice of each of the contract's sequence fields of a packed row (padded with
+    the contract's pad values); every other field (``cu_seqlens``, ``max_seqlen``) stays
+    global. ``valid_tokens`` counts the slice's leading real rows, so MoE layers leave the
+    padding unrouted."""
+    total = contract.row_length(batch)
     padded = math.ceil(total / sp_size) * sp_size
     local = padded // sp_size
     out = dict(batch)
-    for key, value in batch.items():
-        if key == "cu_seqlens" or not torch.is_tensor(value) or value.shape[:1] != (total,):
-            continue
+    for key in contract.sequence_fields:
+        value = batch[key]
+        if value.shape[0] != total:
+            raise ValueError(f"batch field {key!r} has {value.shape[0]} rows, the row has {total}: every "
+                             "sequence field of the task's contract must run along the row")
         if padded > total:
-            fill = IGNORE_INDEX if "labels" in key else 0
-            value = torch.cat([value, value.new_full((padded - total, *value.shape[1:]), fill)])
+            value = torch.cat([value, value.new_full((padded - total, *value.shape[1:]),
+                                                     contract.pad_value(key))])
         out[key] = value[sp_rank * local:(sp_rank + 1) * local]
     out["valid_tokens"] = min(max(total - sp_rank * local, 0), local)
     return out

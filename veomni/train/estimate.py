@@ -8,8 +8,9 @@ recipes. Memory per rank (bytes):
 - gathered parameters: FSDP holds the root's parameters (embeddings, head; kept gathered) plus
   two blocks (the current one and the prefetched next) unsharded in the compute dtype; with
   expert parallelism a block gathers only its ``E / ep`` local experts;
-- activations: the model's own per-token estimate for the checkpointing mode, times the
-  tokens a rank holds (the micro-batch budget, divided by ``sp`` under sequence parallelism).
+- activations: the family's per-unit estimate (its spec's cost model) for the checkpointing
+  mode, times the units a rank holds (the micro-batch budget, divided by ``sp`` under sequence
+  parallelism).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.registry import build_model
 from veomni.config.schema import RunConfig
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.plan import flatten_plan, match_modules
+from veomni.spec import build_model, get_model_spec
 
 GiB = 2**30
 
@@ -30,8 +31,9 @@ GiB = 2**30
 class Estimate:
     total_params: int
     activated_params: int
-    """Parameters one token uses (MoE: only its k routed experts); = total for dense models."""
+    """Parameters one unit uses (MoE: only its k routed experts); = total for dense models."""
     flops_per_token: float
+    """Per unit of the family's task (a token for LMs)."""
     params_gb: float
     grads_gb: float
     optimizer_gb: float
@@ -40,7 +42,7 @@ class Estimate:
     compute_bytes: int = 4
     """Bytes per element of gathered parameters and activations (2 under bf16 compute)."""
     model_lines: list[str] = field(default_factory=list)
-    """Lines the model adds about itself (optional ``report_lines(seq_len)``, e.g. VWN's overhead)."""
+    """Lines the family adds about itself (its cost model's ``report_lines``, e.g. VWN's overhead)."""
 
     @property
     def total_gb(self) -> float:
@@ -50,9 +52,10 @@ class Estimate:
 def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
     with torch.device("meta"):
         _, model = build_model(cfg.model.arch, cfg.model.options)
+    cost = get_model_spec(cfg.model.arch).cost
     total = sum(p.numel() for p in model.parameters())
     seq = cfg.data.max_seq_len
-    flops_per_token = model.training_flops([seq]) / seq
+    flops_per_token = cost.sample_flops(model, seq) / seq
     compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
                           (cfg.parallel.mixed_precision == "auto" and compute_on_gpu)) else 4
     plan = flatten_plan(model.parallel_plan())
@@ -63,8 +66,8 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     not_local = expert_params * (1 - 1 / dims.ep) / max(1, len(blocks))  # per block, left on other EP ranks
     shard = dims.dp_shard * dims.sp
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
-    activations = model.activation_bytes_per_token(compute_bytes, cfg.parallel.activation_checkpointing)
-    activated = model.activated_params() if hasattr(model, "activated_params") else total
+    activations = cost.activation_bytes_per_unit(model, compute_bytes, cfg.parallel.activation_checkpointing)
+    activated = cost.activated_params(model)
     return Estimate(
         total_params=total,
         activated_params=activated,
@@ -75,7 +78,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
         compute_bytes=compute_bytes,
-        model_lines=model.report_lines(seq) if hasattr(model, "report_lines") else [],
+        model_lines=cost.report_lines(model, seq),
     )
 
 

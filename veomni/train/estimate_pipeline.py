@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from models.registry import build_model
 from veomni.config.schema import RunConfig
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.pipeline import stage_block_counts
 from veomni.parallel.pipeline_plan import (SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES,
                                            microbatch_count, stage_ids, virtual_stages)
 from veomni.parallel.plan import match_modules
+from veomni.spec import build_model, get_model_spec
 
 GiB = 2**30
 
@@ -48,7 +48,8 @@ def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: 
 def _activation_bytes(cfg: RunConfig, layers: int, bytes_per_elem: int) -> float:
     with torch.device("meta"):
         _, model = build_model(cfg.model.arch, {**cfg.model.options, "num_layers": layers})
-    return model.activation_bytes_per_token(bytes_per_elem, cfg.parallel.activation_checkpointing)
+    cost = get_model_spec(cfg.model.arch).cost
+    return cost.activation_bytes_per_unit(model, bytes_per_elem, cfg.parallel.activation_checkpointing)
 
 
 def _gathered_block_sizes(model, blocks: list, block_sizes: list[int], ep: int) -> list[float]:

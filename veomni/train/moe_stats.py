@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.spec.hooks import has_moe
+
 
 class MoEStepStats:
     """One optimizer step's MoE statistics; ``None`` from ``for_model`` for dense models."""
@@ -26,8 +28,7 @@ class MoEStepStats:
 
     @classmethod
     def for_model(cls, model: nn.Module, micro_batches: int) -> MoEStepStats | None:
-        has_moe = callable(getattr(model, "moe_layers", None)) and model.moe_layers()
-        return cls(model, micro_batches) if has_moe else None
+        return cls(model, micro_batches) if has_moe(model) else None
 
     def aux_loss(self) -> torch.Tensor | None:
         """The latest forward's auxiliary losses (this rank's share of the global value), to be

@@ -2,36 +2,21 @@
 
 Parameter groups are rules matched in order against parameter names: the first rule that
 matches a parameter sets its options. The default rule removes weight decay from 1-D
-parameters (norm scales, biases); a model can add its own rules (for example parameters that
-must never decay) by defining ``optimizer_param_rules()``, with no change to the engine.
+parameters (norm scales, biases); a model family adds its own rules (for example parameters
+that must never decay) through its spec's ``param_rules``, with no change to the engine.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from veomni.config.schema import TrainConfig
-from veomni.parallel.plan import module_path_matches
-
-
-@dataclass(frozen=True)
-class ParamRule:
-    """Options for parameters whose name matches ``pattern`` (plan glob syntax) or ``predicate``."""
-
-    options: dict[str, Any]
-    pattern: str | None = None
-    predicate: Callable[[str, nn.Parameter], bool] | None = field(default=None, compare=False)
-    name: str = ""
-
-    def matches(self, name: str, param: nn.Parameter) -> bool:
-        if self.pattern is not None and module_path_matches(name, self.pattern):
-            return True
-        return self.predicate is not None and self.predicate(name, param)
+from veomni.spec.hooks import ParamRule
 
 
 NO_DECAY_FOR_VECTORS = ParamRule({"weight_decay": 0.0}, predicate=lambda _, p: p.ndim < 2, name="no_decay_1d")
@@ -42,8 +27,10 @@ def _clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
-def param_groups(model: nn.Module, base: dict[str, Any]) -> list[dict[str, Any]]:
-    rules: list[ParamRule] = [*getattr(model, "optimizer_param_rules", lambda: [])(), NO_DECAY_FOR_VECTORS]
+def param_groups(model: nn.Module, base: dict[str, Any], family_rules: Sequence[ParamRule] = ()
+                 ) -> list[dict[str, Any]]:
+    """Trainable parameters grouped by the first matching rule: the family's, then the default."""
+    rules = [*family_rules, NO_DECAY_FOR_VECTORS]
     groups: dict[str, dict[str, Any]] = {}
     for raw_name, param in model.named_parameters():
         if not param.requires_grad:
@@ -78,13 +65,15 @@ class StageOptimizers(torch.optim.Optimizer):
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def build_optimizer(model: nn.Module | list[nn.Module], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (or SGD) over the model; over each module of a list (pipeline stages) separately."""
+def build_optimizer(model: nn.Module | list[nn.Module], cfg: TrainConfig, rules: Sequence[ParamRule] = ()
+                    ) -> torch.optim.Optimizer:
+    """AdamW (or SGD) over the model; over each module of a list (pipeline stages) separately.
+    ``rules``: the model family's parameter rules (its spec's ``param_rules``)."""
     if isinstance(model, list):
-        optimizers = [build_optimizer(part, cfg) for part in model]
+        optimizers = [build_optimizer(part, cfg, rules) for part in model]
         return optimizers[0] if len(optimizers) == 1 else StageOptimizers(optimizers)
     base = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    groups = param_groups(model, base)
+    groups = param_groups(model, base, rules)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr)
     # foreach=True: one fused kernel launch per group; works with DTensor (FSDP2) params.

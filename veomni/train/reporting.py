@@ -15,8 +15,10 @@ logger = logging.getLogger(__name__)
 
 class MetricsReporter:
     def __init__(self, output_dir: Path, log_cfg, run_config: dict[str, Any], total_steps: int,
-                 start_step: int, enabled: bool) -> None:
+                 start_step: int, enabled: bool, throughput_key: str = "tokens_per_s") -> None:
+        """``throughput_key``: the metric the progress bar shows as speed (named after the task's unit)."""
         self.enabled = enabled
+        self.throughput_key = throughput_key
         self.interval = max(1, log_cfg.interval)
         self._jsonl = None
         self._wandb = None
@@ -54,8 +56,9 @@ class MetricsReporter:
                 self._tb.add_scalar(key, value, step)
         if self._bar is not None and "loss" in metrics:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
-                                  mfu=f"{metrics['mfu']:.1%}")
+            self._bar.set_postfix({"loss": f"{metrics['loss']:.3f}",
+                                   self.throughput_key: f"{metrics[self.throughput_key]:.0f}",
+                                   "mfu": f"{metrics['mfu']:.1%}"})
         elif step % self.interval == 0 or "eval_loss" in metrics:
             # lists (e.g. MoE tokens per expert, layers x experts) go to metrics.jsonl only
             logger.info("step %d  %s", step, "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()

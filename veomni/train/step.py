@@ -1,10 +1,11 @@
-"""The math of one optimizer step, shared by the trainer and the parity tests.
+"""The math of one optimizer step, shared by the step runners and the parity tests.
 
-``forward_backward`` counts the loss tokens of the whole global step first and scales each
-micro-batch's summed loss by ``loss_size / global_tokens``: FSDP averages gradients over the
-``loss_size`` ranks that hold the step's tokens (data-parallel x sequence-parallel), so the
-resulting gradient is exactly that of the mean loss over every loss token of the step,
-however tokens were split across ranks, sequence slices and micro-batches.
+``forward_backward`` counts the loss units (the task's: tokens, latent patches, nodes) of the
+whole global step first and scales each micro-batch's summed loss by ``loss_size /
+global_units``: FSDP averages gradients over the ``loss_size`` ranks that hold the step's units
+(data-parallel x sequence-parallel), so the resulting gradient is exactly that of the mean loss
+over every loss unit of the step, however units were split across ranks, sequence slices and
+micro-batches.
 
 MoE models add their auxiliary losses (load balance, z-loss) per micro-batch. Each rank's value
 is already its share of the global micro-batch's loss (the layers normalise by globally reduced
@@ -13,6 +14,9 @@ global auxiliary loss. After backward the step's expert loads are reduced once a
 biases updated (``moe_stats.py``).
 A task's extra metrics (``LossOutput.metrics``, e.g. the terms of a composite loss) ride on the
 same final all-reduce and are reported as global sum / global count.
+
+Metrics use generic names (``units``: row elements processed, ``loss_units``, ``flops``); the
+trainer names them after the task's unit when it reports them.
 """
 
 from __future__ import annotations
@@ -26,20 +30,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.spec.hooks import CostModel
+from veomni.tasks.base import Task
 from veomni.train.distributed import all_reduce_values
 from veomni.train.moe_stats import MoEStepStats
-from veomni.train.tasks import Task
 
 
 def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str, Any]],
-                     loss_group: dist.ProcessGroup, loss_size: int, sp_size: int = 1) -> dict[str, Any]:
-    """Accumulate gradients of the global token-mean loss; return global loss/token counts.
+                     loss_group: dist.ProcessGroup, loss_size: int, sp_size: int = 1,
+                     cost: CostModel | None = None) -> dict[str, Any]:
+    """Accumulate gradients of the global unit-mean loss; return global loss/unit counts.
 
-    With sequence parallelism each micro-batch is this rank's slice of a packed row whose
-    ``cu_seqlens`` describe the whole row, so model FLOPs are shared by the ``sp_size`` ranks.
+    With sequence parallelism each micro-batch is this rank's slice of a packed row that still
+    describes the whole row (``cu_seqlens``), so model FLOPs are shared by the ``sp_size``
+    ranks. ``flops`` is reported when a cost model is given (0 otherwise).
     """
-    global_loss_tokens = count_global_loss_tokens(task, micro_batches, loss_group)
-    scale = loss_size / global_loss_tokens
+    global_loss_units = count_global_loss_units(task, micro_batches, loss_group)
+    scale = loss_size / global_loss_units
     loss_sum = 0.0
     moe = MoEStepStats.for_model(model, len(micro_batches))
     extra: dict[str, list[float]] = {}  # name -> [sum, count] of the task's extra metrics
@@ -53,40 +60,47 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
         if moe is not None:
             moe.record()
         loss_sum += float(out.loss_sum.detach())
-        for name, (value, count) in out.metrics.items():
-            acc = extra.setdefault(name, [0.0, 0])
-            acc[0] += float(value)
-            acc[1] += count
-    flops = sum(micro_batch_flops(model, mb) for mb in micro_batches) / sp_size
-    tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
+        add_task_metrics(extra, out.metrics)
+    flops = step_flops(cost, model, micro_batches) / sp_size
+    units = sum(task.contract.row_length(mb) for mb in micro_batches)
     names = sorted(extra)  # every rank runs the same task, so the same names in the same order
-    total_loss, total_tokens, total_flops, *totals = all_reduce_values(
-        [loss_sum, tokens, flops, *(v for name in names for v in extra[name])], group=loss_group)
-    metrics = {"loss": total_loss / global_loss_tokens, "tokens": int(total_tokens),
-               "loss_tokens": int(global_loss_tokens), "flops": total_flops}
-    for i, name in enumerate(names):
-        metrics[name] = totals[2 * i] / max(totals[2 * i + 1], 1)
+    total_loss, total_units, total_flops, *totals = all_reduce_values(
+        [loss_sum, units, flops, *(v for name in names for v in extra[name])], group=loss_group)
+    metrics = {"loss": total_loss / global_loss_units, "units": int(total_units),
+               "loss_units": int(global_loss_units), "flops": total_flops}
+    metrics.update(task_metric_means(names, totals))
     if moe is not None:
         metrics.update(moe.finish(loss_group))
     return metrics
 
 
-def count_global_loss_tokens(task: Task, micro_batches: list[dict[str, Any]],
-                             loss_group: dist.ProcessGroup) -> int:
-    """The step's loss tokens over every rank of ``loss_group``: the loss normalisation, known
+def add_task_metrics(acc: dict[str, list[float]], metrics: dict[str, tuple[torch.Tensor, int]]) -> None:
+    """Add one micro-batch's ``LossOutput.metrics`` to running ``name -> [sum, count]`` pairs."""
+    for name, (value, count) in metrics.items():
+        pair = acc.setdefault(name, [0.0, 0])
+        pair[0] += float(value)
+        pair[1] += count
+
+
+def task_metric_means(names: list[str], totals: Sequence[float]) -> dict[str, float]:
+    """Global means from the reduced ``[sum, count]`` pairs of ``names``, in order."""
+    return {name: totals[2 * i] / max(totals[2 * i + 1], 1) for i, name in enumerate(names)}
+
+
+def count_global_loss_units(task: Task, micro_batches: list[dict[str, Any]],
+                            loss_group: dist.ProcessGroup) -> int:
+    """The step's loss units over every rank of ``loss_group``: the loss normalisation, known
     before any backward."""
-    local = sum(task.count_tokens(mb) for mb in micro_batches)
+    local = sum(task.count_loss_units(mb) for mb in micro_batches)
     total = all_reduce_values([local], group=loss_group)[0]
     if total == 0:
-        raise RuntimeError("no loss tokens on any rank in this step; check the data and its labels")
+        raise RuntimeError("no loss units on any rank in this step; check the data and its labels")
     return total
 
 
-def micro_batch_flops(model: nn.Module, batch: dict[str, Any]) -> float:
-    """The model's own count for a whole micro-batch when it has one (omni models add their
-    encoders' work on the batch's media), else its FLOPs for the text rows."""
-    count = getattr(model, "micro_batch_flops", None)
-    return count(batch) if count is not None else model.training_flops(batch["cu_seqlens"].diff().tolist())
+def step_flops(cost: CostModel | None, model: nn.Module, micro_batches: list[dict[str, Any]]) -> float:
+    """Forward + backward model FLOPs of the micro-batches by the family's cost model."""
+    return sum(cost.batch_flops(model, mb) for mb in micro_batches) if cost is not None else 0.0
 
 
 def clip_and_step(model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer,

@@ -1,8 +1,13 @@
-"""The one training loop: every task, every parallel layout.
+"""The one training loop: every model family, every parallel layout.
 
-Set-up (process group, mesh, model, parallel recipe, optimizer, data, resume), then steps of
-``grad_accum`` packed micro-batches per data-parallel rank (the step math is in ``step.py``),
-periodic eval and checkpoints, metrics, and a greedy sample at the end.
+Set-up (process group, mesh, the family's spec, its task, the step runner, data, resume), then
+steps of ``grad_accum`` micro-batches per data-parallel rank (the step math is in ``step.py``,
+the layout-specific part in ``runner.py``), periodic eval and checkpoints, metrics, and an end
+of run that says what was learned.
+
+Everything family-specific comes from the model spec (``veomni.spec``): how to build the model,
+the task (whose batch contract says what a micro-batch is), the dataset kind, the cost model and
+the parameter rules. The trainer itself assumes no field names and no tokenizer.
 """
 
 from __future__ import annotations
@@ -17,24 +22,20 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from models.registry import build_model
 from veomni.checkpoint.manager import CheckpointManager, resolve_resume
 from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
-from veomni.data.loader import build_dataloader, load_tokenizer, merge_loader_states
-from veomni.parallel.apply import parallelize
-from veomni.parallel.materialize import build_sharded
-from veomni.parallel.pipeline import Pipeline, build_pipeline, check_pipeline_task, empty_row
-from veomni.parallel.sequence import full_sequence_attention, shard_batch
+from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_tokenizer
 from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.parallel.sequence import full_sequence_attention, shard_batch
+from veomni.spec import build_config, get_model_spec, load_plugins
+from veomni.tasks.base import Task, task_generator
+from veomni.tasks.lm import LanguageModelingTask
 from veomni.train.distributed import all_reduce_values, init_distributed
 from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
-from veomni.train.pipeline_step import pipeline_forward_backward, pipeline_rows
-from veomni.train.optim import build_optimizer, build_scheduler
 from veomni.train.reporting import MetricsReporter
-from veomni.train.step import clip_and_step, forward_backward
-from veomni.train.tasks import Task, task_for_model
+from veomni.train.runner import build_runner
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,6 @@ class Trainer:
         self.rank = dist.get_rank()
         self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
         self.meshes = build_mesh(self.dims, self.device.type)
-        self.loss_group = self.meshes.loss.get_group()
         self.sp_rank = self.meshes.sp.get_local_rank()
         self.output_dir = Path(cfg.train.output_dir)
         if self.rank == 0:
@@ -64,32 +64,24 @@ class Trainer:
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         logger.info("layout: %s", self.dims.describe())
 
+        load_plugins(cfg.model.plugins)
+        self.spec = get_model_spec(cfg.model.arch)
+        self.model_config = build_config(cfg.model.arch, cfg.model.options)
+        self.task = task or self.spec.task(self.model_config)
+        self.unit = self.task.contract.unit
         self.resume_path = resolve_resume(cfg.checkpoint.resume, self.output_dir / "checkpoints")
         torch.manual_seed(cfg.train.seed)
-        recipe = lambda m: parallelize(m, cfg.parallel, self.meshes, self.device.type)  # noqa: E731
-        self.pipeline: Pipeline | None = None
-        if self.dims.pp > 1:
-            self.pipeline = build_pipeline(self._build_plain_model, self._initialise, recipe, cfg.parallel,
-                                           cfg.train.grad_accum, self.meshes.pp, self.device,
-                                           self._pipeline_loss)
-            self.parts = self.pipeline.parts
-            with torch.device("meta"):
-                self.model = self._build_plain_model()  # the whole model, for FLOPs and the task only
-        else:
-            self.model = build_sharded(build=self._build_plain_model, initialise=self._initialise,
-                                       parallelize=recipe, device=self.device)
-            self.parts = [self.model]
+        self.runner = build_runner(cfg, self.spec, self.model_config, self.task, self.meshes, self.device,
+                                   self._initialise)
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
-        self.task = task or task_for_model(self.model)  # a model may declare its task (e.g. with MTP)
-        check_pipeline_task(self.task, cfg.parallel)
-        self.optimizer = build_optimizer(self.parts, cfg.train)
-        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.parts, self.model = self.runner.parts, self.runner.whole_model
+        self.optimizer, self.scheduler = self.runner.optimizer, self.runner.scheduler
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        self.train_loader = build_dataloader(cfg.data, "train", self.tokenizer, self.meshes.dp_rank,
-                                             self.dims.dp_size, cfg.train.seed, self.model_config)
+        self.data_kind = dataset_kind_name(cfg.data, self.spec.dataset)
+        self.tokenizer = load_run_tokenizer(cfg.data, self.data_kind)
+        self.train_loader = self._loader("train")
         self.step = 0
-        self.tokens_seen = 0
+        self.units_seen = 0
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
             layout={"world_size": self.dims.world_size, "dp_size": self.dims.dp_size,
@@ -107,19 +99,23 @@ class Trainer:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
         peak, how = device_peak_flops(self.device)
-        self.peak_flops = all_reduce_values([peak], group=self.loss_group)[0] / self.dims.loss_size
+        self.peak_flops = all_reduce_values([peak], group=self.meshes.loss.get_group())[0] / self.dims.loss_size
         logger.info("MFU peak: %s", how)
         self.reporter = MetricsReporter(self.output_dir, cfg.log, config_to_dict(cfg), cfg.train.max_steps,
-                                        self.step, enabled=self.rank == 0)
+                                        self.step, enabled=self.rank == 0, throughput_key=self._key("s_per_s"))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """Preemption: finish the current step, checkpoint, exit (ranks agree in run_step)."""
         self._signal_received = signum
 
+    def _key(self, suffix: str) -> str:
+        """A metric named after the task's unit: ``tokens_per_s`` for ``_key("s_per_s")``."""
+        return f"{self.unit}{suffix}"
+
     # ----- state ------------------------------------------------------------------------
-    def _build_plain_model(self) -> torch.nn.Module:
-        self.model_config, model = build_model(self.cfg.model.arch, self.cfg.model.options)
-        return model
+    def _loader(self, split: str):
+        return build_dataloader(self.cfg.data, split, self.tokenizer, self.meshes.dp_rank, self.dims.dp_size,
+                                self.cfg.train.seed, self.model_config, self.data_kind)
 
     def _initialise(self, model: torch.nn.Module) -> None:
         """Rank 0's full copy: seeded init, or Hugging Face weights for a fresh run."""
@@ -132,11 +128,8 @@ class Trainer:
             model.load_state_dict(state_dict, strict=True)
             logger.info("initialised weights from Hugging Face folder %s", path)
 
-    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.task.output_loss(output, labels)
-
     def _app_state(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen}
+        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "units_seen": self.units_seen}
 
     def _rank_state(self) -> dict[str, Any]:
         return {
@@ -155,7 +148,7 @@ class Trainer:
         meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state)
         self.scheduler.load_state_dict(app_state["scheduler"])
         self.step = int(app_state["step"])
-        self.tokens_seen = int(app_state["tokens_seen"])
+        self.units_seen = int(app_state["units_seen"])
         # Ranks of one pipeline read the same data: a changed pp size keeps the data layout.
         same_layout = (meta["dp_size"], meta["num_workers"]) == (self.dims.dp_size, self.cfg.data.num_workers)
         if same_layout:
@@ -169,32 +162,26 @@ class Trainer:
         else:
             logger.warning("data-parallel layout changed (dp %d -> %d): data loader positions merged",
                            meta["dp_size"], self.dims.dp_size)
-            self.train_loader.load_state_dict(merge_loader_states([s["loader"] for s in rank_states]))
+            merged = type(self.train_loader.dataset).merge_states([s["loader"] for s in rank_states])
+            self.train_loader.load_state_dict(merged)
 
     # ----- steps ------------------------------------------------------------------------
-    def _local(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This rank's part of a loader batch (its sequence slice under SP), on the device."""
-        batch = self.task.prepare(batch)
+    def _local(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        """This rank's part of a loader batch (its sequence slice under SP), on the device. The
+        task draws its randomness on the whole row, before slicing."""
+        batch = self.task.prepare(batch, generator)
         if self.dims.sp > 1:
-            batch = shard_batch(batch, self.sp_rank, self.dims.sp)
+            batch = shard_batch(batch, self.sp_rank, self.dims.sp, self.task.contract)
         return _to_device(batch, self.device)
 
     def _next_micro_batches(self) -> list[dict[str, Any]]:
-        return [self._local(next(self._train_iter)) for _ in range(self.cfg.train.grad_accum)]
+        seed, dp_rank = self.cfg.train.seed, self.meshes.dp_rank
+        return [self._local(next(self._train_iter), task_generator(seed, self.step, i, dp_rank))
+                for i in range(self.cfg.train.grad_accum)]
 
-    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns global metrics."""
-        if self.pipeline is not None:
-            metrics = pipeline_forward_backward(self.pipeline, self.task, micro_batches, self.loss_group,
-                                                self.dims.loss_size, self.dims.pp,
-                                                self.cfg.data.tokens_per_micro_batch, self.model)
-        else:
-            metrics = forward_backward(self.model, self.task, micro_batches, self.loss_group, self.dims.loss_size,
-                                       self.dims.sp)
-        pp_group = self.meshes.pp.get_group() if self.pipeline is not None else None
-        metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
-                                     pp_group))
-        return metrics
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches; returns global metrics (generic names)."""
+        return self.runner.train_step(micro_batches)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -203,69 +190,35 @@ class Trainer:
             return {}
         for part in self.parts:
             part.eval()
-        loader = build_dataloader(self.cfg.data, "eval", self.tokenizer, self.meshes.dp_rank,
-                                  self.dims.dp_size, self.cfg.train.seed, self.model_config)
-        if self.pipeline is not None:
-            (loss_sum, tokens), extra = self._pipeline_eval(self._eval_batches(loader)), {}
-        else:
-            loss_sum, tokens, extra = self._plain_eval(self._eval_batches(loader))
+        result = self.runner.evaluate(self._eval_batches(self._loader("eval")))
         for part in self.parts:
             part.train()
-        names = sorted(extra)
-        # Pipelines: the loss sums live on the last stages, so reduce over the world and count
-        # the tokens once per pipeline (every stage counted them).
-        group = None if self.pipeline is not None else self.loss_group
-        total_loss, total_tokens, *totals = all_reduce_values(
-            [loss_sum, tokens, *(v for name in names for v in extra[name])], group=group)
-        total_tokens /= self.dims.pp if self.pipeline is not None else 1
-        if not total_tokens:
-            return {}
-        result = {"eval_loss": total_loss / total_tokens}
-        result.update({f"eval_{name}": totals[2 * i] / max(totals[2 * i + 1], 1) for i, name in enumerate(names)})
         return result
 
     def _eval_batches(self, loader) -> Iterator[dict[str, Any]]:
         it = iter(loader)
-        for _ in range(self.cfg.train.eval_batches):
+        loss_group = self.meshes.loss.get_group()
+        for index in range(self.cfg.train.eval_batches):
             batch = next(it, None)
             # Ranks may run out at different times; all must run the same number of
             # forwards or FSDP's all-gathers would hang.
-            if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=self.loss_group)[0] == 0:
+            if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=loss_group)[0] == 0:
                 return
-            yield self._local(batch)
+            yield self._local(batch, task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval"))
 
-    def _plain_eval(self, batches: Iterator[dict[str, Any]]) -> tuple[float, int, dict[str, list[float]]]:
-        loss_sum, tokens = 0.0, 0
-        extra: dict[str, list[float]] = {}
-        for batch in batches:
-            out = self.task(self.model, batch)
-            loss_sum += float(out.loss_sum)
-            tokens += out.num_tokens
-            for name, (value, count) in out.metrics.items():
-                acc = extra.setdefault(name, [0.0, 0])
-                acc[0] += float(value)
-                acc[1] += count
-        return loss_sum, tokens, extra
-
-    def _pipeline_eval(self, batches: Iterator[dict[str, Any]]) -> tuple[float, int]:
-        """Eval batches in groups of one step's micro-batches; a short last group is filled with
-        label-free rows (the schedule always runs its full micro-batch count)."""
-        size, loss_sum, tokens = self.cfg.train.grad_accum, 0.0, 0
-        batches = list(batches)
-        for start in range(0, len(batches), size):
-            group = batches[start:start + size]
-            tokens += sum(self.task.count_tokens(b) for b in group)
-            group += [empty_row(self.device)] * (size - len(group))
-            loss_sum += self.pipeline.evaluate(pipeline_rows(group, self.pipeline.microbatches,
-                                                             self.cfg.data.tokens_per_micro_batch))
-        return loss_sum, tokens
+    def _named(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The runner's generic counts renamed after the task's unit (``tokens``, ``loss_tokens``)."""
+        metrics[self._key("s")] = metrics.pop("units")
+        metrics[f"loss_{self._key('s')}"] = metrics.pop("loss_units")
+        return metrics
 
     def run_step(self) -> dict[str, float]:
         """One optimizer step plus what follows it: metrics, eval and checkpoint when due."""
         cfg = self.cfg
-        metrics = self.train_step(self._next_micro_batches())
+        metrics = self._named(self.train_step(self._next_micro_batches()))
+        units = metrics[self._key("s")]
         self.step += 1
-        self.tokens_seen += metrics["tokens"]
+        self.units_seen += units
         elapsed = self._timer.lap()
         # The stop flag rides on this all-reduce so every rank learns of a signal at the same step
         # (over the world: with pipelines the loss group leaves out the other stages).
@@ -273,12 +226,12 @@ class Trainer:
             [peak_memory_gb(self.device), elapsed, float(self._signal_received is not None)],
             op=dist.ReduceOp.MAX)
         world = self.dims.world_size
-        metrics.update(
-            tokens_per_s=metrics["tokens"] / slowest,
-            tokens_per_s_per_device=metrics["tokens"] / slowest / world,
-            mfu=metrics["flops"] / slowest / world / self.peak_flops,
-            peak_mem_gb=peak_mem, step_time_s=slowest, tokens_seen=self.tokens_seen,
-        )
+        metrics.update({
+            self._key("s_per_s"): units / slowest,
+            self._key("s_per_s_per_device"): units / slowest / world,
+            "mfu": metrics["flops"] / slowest / world / self.peak_flops,
+            "peak_mem_gb": peak_mem, "step_time_s": slowest, self._key("s_seen"): self.units_seen,
+        })
         if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
             metrics.update(self.evaluate())
             self._last_eval_step = self.step
@@ -316,18 +269,23 @@ class Trainer:
         if cfg.checkpoint.save_final and self._last_saved_step != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()
-        if cfg.train.sample_prompt and self.pipeline is not None:
-            logger.warning("train.sample_prompt skipped: sampling runs the whole model in one process, and "
-                           "under parallel.pp each rank holds only its stages")
-        elif cfg.train.sample_prompt:
-            prompt = self.tokenizer.encode(cfg.train.sample_prompt)
-            with full_sequence_attention(self.model):  # every rank decodes the whole prompt
-                out = sample_tokens(self.model, prompt, cfg.train.sample_tokens, self.device,
-                                    self.tokenizer.eos_token_id, cfg.train.sample_temperature,
-                                    cfg.train.sample_top_k, seed=cfg.train.seed)
-            if self.rank == 0:
-                how = f"T={cfg.train.sample_temperature}, top-k {cfg.train.sample_top_k}" \
-                    if cfg.train.sample_temperature > 0 else "greedy"
-                logger.info("sample (%s) after %d steps:\n%s%s", how, self.step, cfg.train.sample_prompt,
-                            self.tokenizer.decode(out))
+        if cfg.train.sample_prompt:
+            self._sample()
         self.reporter.close()
+
+    def _sample(self) -> None:
+        """Decode a continuation of ``train.sample_prompt`` (text models whose ranks hold the whole model)."""
+        cfg, model = self.cfg, self.model
+        if model is None or self.tokenizer is None or not isinstance(self.task, LanguageModelingTask):
+            logger.warning("train.sample_prompt skipped: sampling decodes text with the whole model in one process "
+                           "(not under parallel.pp, and only for language-modelling tasks with a tokenizer)")
+            return
+        prompt = self.tokenizer.encode(cfg.train.sample_prompt)
+        with full_sequence_attention(model):  # every rank decodes the whole prompt
+            out = sample_tokens(model, prompt, cfg.train.sample_tokens, self.device, self.tokenizer.eos_token_id,
+                                cfg.train.sample_temperature, cfg.train.sample_top_k, seed=cfg.train.seed)
+        if self.rank == 0:
+            how = f"T={cfg.train.sample_temperature}, top-k {cfg.train.sample_top_k}" \
+                if cfg.train.sample_temperature > 0 else "greedy"
+            logger.info("sample (%s) after %d steps:\n%s%s", how, self.step, cfg.train.sample_prompt,
+                        self.tokenizer.decode(out))

@@ -12,11 +12,21 @@ w). The reported ``loss_ntp`` and ``loss_mtp`` are exact means over their own ta
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.train.tasks import IGNORE_INDEX, LanguageModelingTask, LossOutput
+from veomni.tasks.base import IGNORE_INDEX, LossOutput
+from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
+
+MTP_CONTRACT = dataclasses.replace(
+    LM_CONTRACT,
+    sequence_fields=(*LM_CONTRACT.sequence_fields, "mtp_labels", "mtp_next_ids"),
+    pad_values={**LM_CONTRACT.pad_values, "mtp_labels": IGNORE_INDEX},
+    stage_input=None,  # the next-2-token head needs the first stage's embedding on the last stage
+)
 
 
 def next_two_token_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -33,10 +43,12 @@ def next_two_token_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> tor
 class MultiTokenLMTask(LanguageModelingTask):
     """Next-token CE plus ``mtp_weight`` x next-2-token CE; both reported as metrics."""
 
+    contract = MTP_CONTRACT
+
     def __init__(self, mtp_weight: float) -> None:
         self.mtp_weight = float(mtp_weight)
 
-    def prepare(self, batch: dict) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
         """Look-ahead tensors from the whole row, so a sequence-parallel slice sees its
         neighbour's first tokens: the next-2 targets, and the next token feeding each row's MTP
         input (the label itself, where the row has one)."""
@@ -53,10 +65,10 @@ class MultiTokenLMTask(LanguageModelingTask):
         mtp_labels = batch["mtp_labels"]
         ntp = F.cross_entropy(logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
         mtp = F.cross_entropy(mtp_logits.float(), mtp_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        num_tokens = self.count_tokens(batch)
+        num_tokens = self.count_loss_units(batch)
         return LossOutput(
             loss_sum=ntp + self.mtp_weight * mtp,
-            num_tokens=num_tokens,
+            loss_units=num_tokens,
             metrics={"loss_ntp": (ntp.detach(), num_tokens),
                      "loss_mtp": (mtp.detach(), int((mtp_labels != IGNORE_INDEX).sum()))},
         )

@@ -1,0 +1,24 @@
+"""The engine's task library: losses a model family trains with, each with its batch contract.
+
+Families name their task in their ``ModelSpec``; models may import this package (it depends on
+nothing but torch and the contract types). Language modelling, multi-token prediction and the
+VLM answer loss live here now; flow matching and node classification join them.
+"""
+
+from veomni.tasks.base import IGNORE_INDEX, BatchContract, LossOutput, Task, task_generator
+from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
+from veomni.tasks.mtp import MultiTokenLMTask, next_two_token_labels
+from veomni.tasks.vlm import VLMTask
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LM_CONTRACT",
+    "BatchContract",
+    "LanguageModelingTask",
+    "LossOutput",
+    "MultiTokenLMTask",
+    "Task",
+    "VLMTask",
+    "next_two_token_labels",
+    "task_generator",
+]

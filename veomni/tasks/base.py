@@ -1,0 +1,97 @@
+"""What a task is: a batch contract, a loss, and the randomness it may draw.
+
+A task turns a micro-batch into a *summed* loss and the number of loss units it is summed over
+(tokens, latent patches, labelled nodes), so the trainer can divide by the global count of the
+whole step and the result does not depend on how the batch is split across ranks and
+micro-batches.
+
+The batch belongs to the task, not to the engine: the task's ``BatchContract`` says what one
+row element is (its unit, for throughput), which fields run along the row (what sequence
+parallelism slices and pipelines pad, and with what), and what crosses pipeline stage
+boundaries. The engine works from that contract and assumes no field names of its own, except
+the packed-row conventions ``cu_seqlens`` / ``max_seqlen`` (sample boundaries, kept whole when
+a row is sliced) and ``valid_tokens`` (the engine sets it when it pads a row: rows from there
+on are padding).
+
+Randomness (diffusion noise and timesteps, condition dropout) is drawn in ``prepare`` from the
+generator the engine passes: seeded from (seed, step, micro-batch, data-parallel rank), so it
+differs across data-parallel ranks, is identical inside a sequence-parallel group and across
+pipeline stages (they share a data-parallel rank and run ``prepare`` on the whole row), and is
+replayed exactly after a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+"""Label value that is no target (the convention of ``torch.nn.functional.cross_entropy``)."""
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor
+    """Sum of per-unit losses (differentiable)."""
+    loss_units: int
+    """Loss units the sum runs over."""
+    metrics: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    """Extra named ``(sum, count)`` pairs to report (e.g. the terms of a composite loss); the
+    step reports each as its global sum over its global count. Not differentiated."""
+
+
+@dataclass(frozen=True)
+class BatchContract:
+    """The layout of a task's micro-batches, as the engine may rely on it."""
+
+    unit: str
+    """What one row element is ("token", "patch", "node", "sample"): throughput is reported in
+    ``<unit>s_per_s``."""
+    sequence_fields: tuple[str, ...]
+    """Fields shaped [row length, ...]; the first gives the row length. Sequence parallelism
+    slices exactly these; padding appends ``pad_values[name]`` (0 when absent)."""
+    pad_values: Mapping[str, float] = field(default_factory=dict)
+    stage_input: str | None = None
+    """The field the first pipeline stage takes; None: the task cannot run on a pipeline."""
+    stage_kwargs: tuple[str, ...] = ()
+    """Fields every pipeline stage takes as keyword inputs (whole row; ``valid_tokens`` added)."""
+    target: str | None = None
+    """The field the last pipeline stage's ``output_loss`` reads."""
+
+    def row_length(self, batch: Mapping[str, Any]) -> int:
+        """Elements in the (local) row: the units of work this batch holds."""
+        return int(batch[self.sequence_fields[0]].shape[0])
+
+    def pad_value(self, name: str) -> float:
+        return self.pad_values.get(name, 0)
+
+
+class Task(Protocol):
+    contract: BatchContract
+
+    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+        """Add what needs the whole row or randomness (look-ahead targets, noise, timesteps),
+        before sequence parallelism cuts the row into slices. ``generator`` is the engine's
+        (CPU) generator for this micro-batch; None outside training (tests, tools)."""
+        ...
+
+    def count_loss_units(self, batch: dict) -> int: ...
+
+    def __call__(self, model: nn.Module, batch: dict) -> LossOutput: ...
+
+    def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Summed loss from the model's output alone: what a pipeline's last stage computes."""
+        ...
+
+
+def task_generator(seed: int, step: int, micro_batch: int, dp_rank: int, stream: str = "train") -> torch.Generator:
+    """The CPU generator a task draws from for one micro-batch: a hash of all five inputs, so
+    streams never overlap by accident (``stream="eval"`` keeps eval draws apart from training)."""
+    key = f"{stream}:{seed}:{step}:{micro_batch}:{dp_rank}".encode()
+    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
+    return torch.Generator().manual_seed(value)

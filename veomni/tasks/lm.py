@@ -1,0 +1,47 @@
+"""Language modelling: next-token cross entropy on packed rows of token ids."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veomni.tasks.base import IGNORE_INDEX, BatchContract, LossOutput
+
+LM_CONTRACT = BatchContract(
+    unit="token",
+    sequence_fields=("input_ids", "labels", "position_ids"),
+    pad_values={"labels": IGNORE_INDEX},
+    stage_input="input_ids",
+    stage_kwargs=("position_ids", "cu_seqlens", "max_seqlen"),
+    target="labels",
+)
+"""A packed row of token ids (``veomni.data.packing``): labels already shifted, -100 = no target."""
+
+
+class LanguageModelingTask:
+    """Next-token cross entropy on a packed row; labels already shifted, -100 = no target.
+
+    The model also gets the batch's ``valid_tokens`` (set where rows were padding: a
+    sequence-parallel slice, a pipeline row; None = no padding), so MoE layers leave padding
+    unrouted and out of their statistics."""
+
+    contract = LM_CONTRACT
+
+    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+        return batch
+
+    def count_loss_units(self, batch: dict) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def forward(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The model's logits [T, vocab] for the row."""
+        return model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"],
+                     valid_tokens=batch.get("valid_tokens"))
+
+    def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
+        logits = self.forward(model, batch)
+        return LossOutput(self.output_loss(logits, batch["labels"]), self.count_loss_units(batch))
+
+    def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
