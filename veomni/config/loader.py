@@ -235,8 +235,8 @@ def _check_ranges(cfg: RunConfig, values: dict[tuple[str, ...], _Value]) -> None
         (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),
         (0 <= cfg.data.max_bad_fraction <= 1, ("data", "max_bad_fraction"), "must be in [0, 1]"),
         (cfg.data.tokens_per_micro_batch >= cfg.data.max_seq_len, ("data", "tokens_per_micro_batch"),
-         f"({cfg.data.tokens_per_micro_batch}) must be >= data.max_seq_len ({cfg.data.max_seq_len}) "
-         "so that every sample fits a micro-batch"),
+         (f"({cfg.data.tokens_per_micro_batch}) must be >= data.max_seq_len ({cfg.data.max_seq_len}) "
+          "so that every sample fits a micro-batch")),
     ]
     max_positions = cfg.model.options.get("max_position_embeddings")
     if max_positions is not None:
