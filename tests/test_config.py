@@ -134,6 +134,26 @@ def test_closed_sections_stay_flat(tmp_path, override, needle):
     assert needle in str(err.value)
 
 
+def test_bad_nested_model_key_names_the_flag(capsys):
+    from veomni.launch import main
+
+    assert main([str(VLM), "--dry-run", "--model.encoders.image.num_layer", "3"]) == 2
+    assert ("config error: --model.encoders.image.num_layer: unknown option 'num_layer' in "
+            "model.encoders.image; did you mean 'num_layers'?") in capsys.readouterr().err
+
+
+def test_bad_nested_model_key_in_the_file_names_its_line(tmp_path):
+    from models.registry import build_config
+
+    text = VLM.read_text().replace("      num_layers: 4", "      num_layer: 4")
+    path = write(tmp_path, text)
+    cfg = load_config(path)
+    with pytest.raises(ValueError) as err:
+        build_config(cfg.model.arch, cfg.model.options)
+    line = text.splitlines().index("      num_layer: 4") + 1
+    assert loader.locate_model_error(cfg, err.value).startswith(f"{path}:{line}: unknown option 'num_layer'")
+
+
 @dataclasses.dataclass
 class _CheckpointWithInit(CheckpointConfig):
     init: dict[str, str] = dataclasses.field(default_factory=dict)

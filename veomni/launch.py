@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from veomni.config.loader import ConfigError, dump_config, load_config
+from veomni.config.loader import ConfigError, dump_config, load_config, locate_model_error
 from veomni.config.schema import RunConfig
 from veomni.data.builders import MANIFEST
 from veomni.parallel.mesh import LayoutError, ParallelDims
@@ -77,13 +77,21 @@ def _validate_model(cfg: RunConfig) -> list[str]:
         with torch.device("meta"):
             model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
     except (ValueError, TypeError) as exc:
-        return [f"model: {exc}"]
+        return [locate_model_error(cfg, exc)]
     try:
         check_expert_layout(cfg.parallel.ep, getattr(model_cfg, "num_experts", 0))
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
         return check_sequence_parallel(model, cfg.parallel.sp)
     except ValueError as exc:
         return [str(exc)]
+
+
+def _fail(problems: list[str]) -> int:
+    """Report problems the recipe must fix (also in a dry run: that plan could not run) and return
+    the exit status that says so."""
+    for problem in problems:
+        print(f"config error: {problem}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         from veomni.train.estimate import estimate, format_report
 
         print("# resolved config\n" + dump_config(cfg))
-        for problem in problems + _check_data(cfg, prepare=False):
+        for problem in _check_data(cfg, prepare=False):  # a plan may be for a machine that has the data
             print(f"warning: {problem}")
         if problems:
-            return 2
+            return _fail(problems)
         device = f"{world_size} x {'GPU (bf16 compute)' if args.gpus else 'CPU (fp32)'}"
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device))
         return 0
@@ -123,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         problems += _check_tokenizer_fits(cfg)
     if problems:
-        for problem in problems:
-            print(f"config error: {problem}", file=sys.stderr)
-        return 2
+        return _fail(problems)
     return 0
 
 

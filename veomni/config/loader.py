@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -263,7 +264,9 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
     for section, name in PATH_KEYS:  # defaults and values never set: relative to the cwd
         section_obj = getattr(cfg, section)
         setattr(section_obj, name, _absolute(getattr(section_obj, name)))
-    _check_ranges(cfg, _origins(tree))
+    origins = _origins(tree)
+    cfg.model.origins = {key: origin for key, origin in origins.items() if key.startswith("model.")}
+    _check_ranges(cfg, origins)
     return cfg
 
 
@@ -328,6 +331,22 @@ def _absolute(value: Any) -> Any:
     if isinstance(value, str) and value and not os.path.isabs(value):
         return str(Path(value).resolve())
     return value
+
+
+def locate_model_error(cfg: RunConfig, error: Exception) -> str:
+    """An error from the model config's own validation, prefixed with where the key it names was set.
+
+    The loader cannot check what a model's ``dict`` fields hold (``model.encoders.image`` takes the
+    modality's config fields), so a mistake there surfaces when the model is built. Its message names
+    the key as a dotted path (``model.encoders.image.out_hidden_size (96) must equal ...``) or as
+    ``'num_layer' in model.encoders.image``; the most specific recipe key it names gives the file:line
+    or flag. Without one (``num_heads (8) must be ...``) the message is only prefixed with ``model``."""
+    message = str(error)
+    for key in sorted(cfg.model.origins, key=len, reverse=True):
+        parent, _, name = key.rpartition(".")
+        if re.search(rf"({re.escape(key)}|'{re.escape(name)}' in {re.escape(parent)})(?!\.?\w)", message):
+            return f"{cfg.model.origins[key]}: {message}"
+    return f"model: {message}"
 
 
 def _check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
