@@ -142,16 +142,14 @@ def test_bad_nested_model_key_names_the_flag(capsys):
             "model.encoders.image; did you mean 'num_layers'?") in capsys.readouterr().err
 
 
-def test_bad_nested_model_key_in_the_file_names_its_line(tmp_path):
-    from models.registry import build_config
+def test_bad_nested_model_key_in_the_file_names_its_line(tmp_path, capsys):
+    from veomni.launch import main
 
     text = VLM.read_text().replace("      num_layers: 4", "      num_layer: 4")
     path = write(tmp_path, text)
-    cfg = load_config(path)
-    with pytest.raises(ValueError) as err:
-        build_config(cfg.model.arch, cfg.model.options)
     line = text.splitlines().index("      num_layer: 4") + 1
-    assert loader.locate_model_error(cfg, err.value).startswith(f"{path}:{line}: unknown option 'num_layer'")
+    assert main([str(path), "--dry-run"]) == 2
+    assert f"config error: {path}:{line}: unknown option 'num_layer'" in capsys.readouterr().err
 
 
 @dataclasses.dataclass
