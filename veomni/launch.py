@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from veomni.config.loader import ConfigError, dump_config, load_config
+from veomni.config.loader import ConfigError, dump_config, load_config, locate_model_error
 from veomni.config.schema import RunConfig
 from veomni.data.builders import MANIFEST
 from veomni.data.datasets import dataset_kind_name
@@ -77,7 +77,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, list[str]]:
         with torch.device("meta"):
             model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
     except (ValueError, TypeError) as exc:
-        return None, [f"model: {exc}"]
+        return None, [locate_model_error(cfg, exc)]
     try:
         check_model_experts(model, cfg.parallel.ep)
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
@@ -85,6 +85,14 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, list[str]]:
         return model_cfg, check_sequence_parallel(model, cfg.parallel.sp)
     except ValueError as exc:
         return model_cfg, [str(exc)]
+
+
+def _fail(problems: list[str]) -> int:
+    """Report problems the recipe must fix (also in a dry run: that plan could not run) and return
+    the exit status that says so."""
+    for problem in problems:
+        print(f"config error: {problem}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,11 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         from veomni.train.estimate import estimate, format_report
 
         print("# resolved config\n" + dump_config(cfg))
-        data_problems = _check_data(cfg, prepare=False) + (_check_dataset(cfg, model_cfg) if model_cfg else [])
-        for problem in problems + data_problems:
+        for problem in _check_data(cfg, prepare=False):  # a plan may be for a machine that has the data
             print(f"warning: {problem}")
         if problems:
-            return 2
+            return _fail(problems)
         device = f"{world_size} x {'GPU (bf16 compute)' if args.gpus else 'CPU (fp32)'}"
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device))
         return 0
@@ -125,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         problems += _check_dataset(cfg, model_cfg)
     if problems:
-        for problem in problems:
-            print(f"config error: {problem}", file=sys.stderr)
-        return 2
+        return _fail(problems)
     return 0
 
 

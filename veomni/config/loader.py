@@ -3,6 +3,23 @@
 Every problem is reported as a ``ConfigError`` naming the key, where it came from (file and
 line, or the CLI flag) and, for unknown keys, the closest valid key. Nothing here touches
 torch.distributed, so a bad recipe fails in the launcher before any worker starts.
+
+How a flag names a key:
+
+- In the open ``model`` section every dot nests, at any depth:
+  ``--model.encoders.image.num_layers 3`` sets ``num_layers`` in ``model: encoders: image:``.
+- A closed section (data, parallel, train, checkpoint, log) holds flat fields: ``--train.foo.bar``
+  is an unknown key, ``--train.lr.x`` is nested too deep. Only a field typed ``dict`` takes a
+  key below it, and everything after the field name is ONE key of that dict, dots included:
+  ``--checkpoint.init.encoders.image /p`` sets the key ``"encoders.image"``.
+- In YAML (the recipe file, or a block given as a flag's value) the structure is explicit and a
+  key is one key, dots included; ``--model.x '{a.b: 1}'`` reaches a model dict key with a dot.
+
+How values combine: the overrides are laid onto the recipe in order, and wherever both sides
+hold a mapping they merge key by key, recursively. So ``--model.llm '{hidden_size: 64}'`` changes
+one key of the recipe's ``model.llm`` and keeps the others, exactly like
+``--model.llm.hidden_size 64``; anything that is not a mapping on both sides (a scalar, a list,
+``null``) replaces what was there. Overrides win per leaf.
 """
 
 from __future__ import annotations
@@ -10,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -28,7 +46,9 @@ PATH_KEYS = {
     ("checkpoint", "init_from_hf"),
 }
 """Keys holding paths: relative values in a YAML file are resolved against that file's folder,
-relative values given on the command line against the current directory."""
+relative values given on the command line against the current directory. A field typed ``dict``
+listed here holds a path in each of its values (e.g. sub-module -> folder), each resolved by
+where that entry was set."""
 
 
 class ConfigError(ValueError):
@@ -37,9 +57,16 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class _Value:
+    """One node of the recipe tree: a leaf value, or a mapping whose ``value`` is ``{key: _Value}``.
+    Every node keeps where it was set, so that an error can point at the line or flag to fix."""
+
     value: Any
     origin: str  # "recipe.yaml:12" or "--train.lr"
     base_dir: Path  # for resolving relative paths
+
+    @property
+    def is_mapping(self) -> bool:
+        return isinstance(self.value, dict)
 
 
 def _closest(key: str, valid: list[str], prefix: str = "") -> str:
@@ -49,37 +76,50 @@ def _closest(key: str, valid: list[str], prefix: str = "") -> str:
     return f"; valid keys: {', '.join(prefix + v for v in sorted(valid))}"
 
 
-def _flatten_yaml(path: Path) -> dict[tuple[str, ...], _Value]:
-    """Read YAML keeping the line of every leaf, as {("train", "lr"): _Value}."""
+def _read_yaml(path: Path) -> _Value:
+    """The recipe as a tree: every mapping is walked, so each leaf knows its own line."""
     text = path.read_text()
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    out: dict[tuple[str, ...], _Value] = {}
+    base_dir = path.parent.resolve()
     if root is None:
-        return out
+        return _Value({}, str(path), base_dir)
     if not isinstance(root, yaml.MappingNode):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
 
-    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
-        for key_node, value_node in node.value:
-            key = prefix + (str(key_node.value),)
-            origin = f"{path}:{key_node.start_mark.line + 1}"
-            # Sections and the model block are walked; any other mapping is a leaf value.
-            if isinstance(value_node, yaml.MappingNode) and len(key) == 1:
-                walk(value_node, key)
-            else:
-                value = yaml.safe_load(yaml.serialize(value_node))
-                out[key] = _Value(value, origin, path.parent.resolve())
+    def convert(node: yaml.Node) -> Any:
+        if not isinstance(node, yaml.MappingNode):
+            return yaml.safe_load(yaml.serialize(node))
+        return {str(key.value): _Value(convert(value), f"{path}:{key.start_mark.line + 1}", base_dir)
+                for key, value in node.value}
 
-    walk(root, ())
-    return out
+    return _Value(convert(root), str(path), base_dir)
 
 
-def _parse_overrides(overrides: list[str]) -> dict[tuple[str, ...], _Value]:
-    """``["--train.lr", "3e-4", "--log.wandb=true"]`` -> {("train", "lr"): _Value}."""
-    out: dict[tuple[str, ...], _Value] = {}
+def _tree(value: Any, origin: str, base_dir: Path) -> _Value:
+    """A plain value (a YAML block from the command line) as a tree whose nodes all share one origin."""
+    if isinstance(value, dict):
+        value = {str(key): _tree(child, origin, base_dir) for key, child in value.items()}
+    return _Value(value, origin, base_dir)
+
+
+def _flag_path(flag: str) -> tuple[str, ...]:
+    """The key a flag sets. In the open ``model`` section every dot nests
+    (``--model.encoders.image.num_layers``). A closed section holds flat fields, so after the field
+    name the rest is ONE key of that (dict-typed) field, dots included: ``--checkpoint.init.encoders.image``
+    -> ``("checkpoint", "init", "encoders.image")``, since such keys name sub-modules."""
+    section, _, rest = flag[2:].partition(".")
+    path = (section, *(rest.split(".") if section == "model" else rest.split(".", 1)))
+    if "" in path:
+        raise ConfigError(f"unexpected argument '{flag}': overrides look like --section.key VALUE")
+    return path
+
+
+def _parse_overrides(overrides: list[str]) -> list[tuple[tuple[str, ...], _Value]]:
+    """``["--train.lr", "3e-4", "--log.wandb=true"]`` -> [(("train", "lr"), _Value), ...] in order."""
+    out: list[tuple[tuple[str, ...], _Value]] = []
     i = 0
     while i < len(overrides):
         flag = overrides[i]
@@ -93,12 +133,45 @@ def _parse_overrides(overrides: list[str]) -> dict[tuple[str, ...], _Value]:
                 raise ConfigError(f"{flag} needs a value")
             raw = overrides[i + 1]
             i += 2
-        key = tuple(flag[2:].split("."))
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:
             value = raw
-        out[key] = _Value(value, flag, Path.cwd())
+        out.append((_flag_path(flag), _tree(value, flag, Path.cwd())))
+    return out
+
+
+def _merge(base: _Value | None, over: _Value) -> _Value:
+    """``over`` laid onto ``base``: two mappings merge key by key, recursively, so keys ``over`` does not
+    name keep ``base``'s values; anything else (a leaf on either side) is replaced by ``over``."""
+    if base is None or not (base.is_mapping and over.is_mapping):
+        return over
+    merged = dict(base.value)
+    for key, child in over.value.items():
+        merged[key] = _merge(merged.get(key), child)
+    return _Value(merged, base.origin, base.base_dir)
+
+
+def _merge_at(root: _Value, path: tuple[str, ...], value: _Value) -> _Value:
+    """``root`` with ``value`` merged in at ``path``; mappings missing on the way are created."""
+    for key in reversed(path):
+        value = _Value({key: value}, value.origin, value.base_dir)
+    return _merge(root, value)
+
+
+def _plain(node: _Value) -> Any:
+    if node.is_mapping:
+        return {key: _plain(child) for key, child in node.value.items()}
+    return node.value
+
+
+def _origins(node: _Value, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> where it was set, for every key of the tree (mappings included)."""
+    out: dict[str, str] = {}
+    if node.is_mapping:
+        for key, child in node.value.items():
+            out[prefix + key] = child.origin
+            out.update(_origins(child, f"{prefix}{key}."))
     return out
 
 
@@ -169,14 +242,13 @@ def _model_field_types(arch: str, where: str, plugins: list[str]) -> dict[str, A
     return typing.get_type_hints(spec.config_cls)
 
 
-def _plugins(values: dict[tuple[str, ...], _Value]) -> list[str]:
+def _plugins(node: _Value | None) -> list[str]:
     """``model.plugins``: module names as given, paths (``/`` or ``.py`` inside) resolved against the
     recipe's folder (or the cwd on the command line), like other path keys."""
-    item = values.get(("model", "plugins"))
-    if item is None:
+    if node is None:
         return ModelConfig().plugins
-    entries = _coerce(item.value, list[str], f"{item.origin}: model.plugins")
-    return [str((item.base_dir / os.path.expanduser(e)).resolve()) if "/" in e or e.endswith(".py") else e
+    entries = _coerce(_plain(node), list[str], f"{node.origin}: model.plugins")
+    return [str((node.base_dir / os.path.expanduser(e)).resolve()) if "/" in e or e.endswith(".py") else e
             for e in entries]
 
 
@@ -185,57 +257,118 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
     path = Path(recipe)
     if not path.is_file():
         raise ConfigError(f"recipe not found: {path}")
-    values = _flatten_yaml(path)
-    values.update(_parse_overrides(overrides or []))
+    tree = _read_yaml(path)
+    for key, value in _parse_overrides(overrides or []):
+        tree = _merge_at(tree, key, value)
 
     cfg = RunConfig()
     section_types = typing.get_type_hints(RunConfig)
-    arch_value = values.get(("model", "arch"))
-    arch = arch_value.value if arch_value else ModelConfig().arch
-    cfg.model.plugins = _plugins(values)
-    model_fields = _model_field_types(arch, arch_value.origin if arch_value else "model.arch", cfg.model.plugins)
-
-    for key, item in values.items():
-        section = key[0]
+    for section, node in tree.value.items():
         if section not in section_types:
-            raise ConfigError(f"{item.origin}: unknown section '{section}'{_closest(section, list(section_types))}")
-        if len(key) == 1:
-            raise ConfigError(f"{item.origin}: section '{section}' must be a mapping of keys")
-        name = key[1]
-        dotted = ".".join(key)
-        if len(key) > 2:
-            raise ConfigError(f"{item.origin}: '{dotted}' is nested too deep; sections hold flat keys")
-        where = f"{item.origin}: {dotted}"
-        if section == "model" and name == "plugins":
-            continue
-        if section == "model" and name != "arch":
-            if name not in model_fields:
-                valid = ["arch", "plugins", *model_fields]
-                raise ConfigError(f"{item.origin}: unknown key '{dotted}' for model arch '{arch}'{_closest(name, valid, 'model.')}")
-            cfg.model.options[name] = _coerce(item.value, model_fields[name], where)
-            continue
-        section_obj = getattr(cfg, section)
-        section_hints = typing.get_type_hints(type(section_obj))
-        if name not in section_hints:
-            raise ConfigError(f"{item.origin}: unknown key '{dotted}'{_closest(name, list(section_hints), section + '.')}")
-        value = _coerce(item.value, section_hints[name], where)
-        if (section, name) in PATH_KEYS and isinstance(value, str):
-            value = str((item.base_dir / os.path.expanduser(value)).resolve())
-        setattr(section_obj, name, value)
+            hint = _closest(section, list(section_types))
+            raise ConfigError(f"{node.origin}: unknown section '{section}'{hint}")
+        if not node.is_mapping:
+            raise ConfigError(f"{node.origin}: section '{section}' must be a mapping of keys")
+        if section == "model":
+            _fill_model(cfg.model, node)
+        else:
+            _fill_section(getattr(cfg, section), section, node)
     for section, name in PATH_KEYS:  # defaults and values never set: relative to the cwd
-        value = getattr(getattr(cfg, section), name)
-        if isinstance(value, str) and value and not os.path.isabs(value):
-            setattr(getattr(cfg, section), name, str(Path(value).resolve()))
-    _check_ranges(cfg, values)
+        section_obj = getattr(cfg, section)
+        setattr(section_obj, name, _absolute(getattr(section_obj, name)))
+    origins = _origins(tree)
+    cfg.model.origins = {key: origin for key, origin in origins.items() if key.startswith("model.")}
+    _check_ranges(cfg, origins)
     return cfg
 
 
-def _check_ranges(cfg: RunConfig, values: dict[tuple[str, ...], _Value]) -> None:
+def _fill_model(model: ModelConfig, node: _Value) -> None:
+    """The open section: ``arch`` and ``plugins``, then the registered model's config fields. What a
+    ``dict`` field holds (``model.encoders.image``) is the model config's own business: its
+    ``validate`` checks it."""
+    arch_node = node.value.get("arch")
+    if arch_node is not None:
+        model.arch = _coerce(arch_node.value, str, f"{arch_node.origin}: model.arch")
+    model.plugins = _plugins(node.value.get("plugins"))
+    fields = _model_field_types(model.arch, arch_node.origin if arch_node else "model.arch", model.plugins)
+    for name, child in node.value.items():
+        if name in ("arch", "plugins"):
+            continue
+        if name not in fields:
+            hint = f"for model arch '{model.arch}'{_closest(name, ['arch', 'plugins', *fields], 'model.')}"
+            raise ConfigError(f"{child.origin}: unknown key 'model.{name}' {hint}")
+        model.options[name] = _build_value(child, fields[name], f"model.{name}")
+
+
+def _fill_section(section_obj: Any, section: str, node: _Value) -> None:
+    """A closed section: every key must be one of its dataclass fields."""
+    hints = typing.get_type_hints(type(section_obj))
+    for name, child in node.value.items():
+        if name not in hints:
+            hint = _closest(name, list(hints), section + ".")
+            raise ConfigError(f"{child.origin}: unknown key '{section}.{name}'{hint}")
+        value = _build_value(child, hints[name], f"{section}.{name}", (section, name) in PATH_KEYS)
+        setattr(section_obj, name, value)
+
+
+def _dict_entry_type(annotation: Any) -> Any:
+    """``V`` of a ``dict[K, V]`` annotation, also inside ``X | None``; None for any other type."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next((t for t in map(_dict_entry_type, typing.get_args(annotation)) if t is not None), None)
+    if typing.get_origin(annotation) is dict:
+        return typing.get_args(annotation)[1]
+    return None
+
+
+def _build_value(node: _Value, annotation: Any, dotted: str, is_path: bool = False) -> Any:
+    """The plain value of ``node`` checked against ``annotation``. A mapping given to a ``dict`` field
+    is checked entry by entry, so that a wrong entry names its own line or flag and a path entry
+    resolves against its own folder; a mapping given to any other field is an error."""
+    entry_type = _dict_entry_type(annotation)
+    if node.is_mapping and entry_type is not None:
+        return {key: _build_value(child, entry_type, f"{dotted}.{key}", is_path)
+                for key, child in node.value.items()}
+    if node.is_mapping and node.value and annotation is not Any:
+        key, child = next(iter(node.value.items()))
+        raise ConfigError(f"{child.origin}: '{dotted}.{key}' is nested too deep: '{dotted}' takes one value, "
+                          "not a mapping of keys")
+    value = _coerce(_plain(node), annotation, f"{node.origin}: {dotted}")
+    if is_path and isinstance(value, str):
+        value = str((node.base_dir / os.path.expanduser(value)).resolve())
+    return value
+
+
+def _absolute(value: Any) -> Any:
+    """A path field's value (or each value of a dict of paths) made absolute against the cwd."""
+    if isinstance(value, dict):
+        return {key: _absolute(item) for key, item in value.items()}
+    if isinstance(value, str) and value and not os.path.isabs(value):
+        return str(Path(value).resolve())
+    return value
+
+
+def locate_model_error(cfg: RunConfig, error: Exception) -> str:
+    """An error from the model config's own validation, prefixed with where the key it names was set.
+
+    The loader cannot check what a model's ``dict`` fields hold (``model.encoders.image`` takes the
+    modality's config fields), so a mistake there surfaces when the model is built. Its message names
+    the key as a dotted path (``model.encoders.image.out_hidden_size (96) must equal ...``) or as
+    ``'num_layer' in model.encoders.image``; the most specific recipe key it names gives the file:line
+    or flag. Without one (``num_heads (8) must be ...``) the message is only prefixed with ``model``."""
+    message = str(error)
+    for key in sorted(cfg.model.origins, key=len, reverse=True):
+        parent, _, name = key.rpartition(".")
+        if re.search(rf"({re.escape(key)}|'{re.escape(name)}' in {re.escape(parent)})(?!\.?\w)", message):
+            return f"{cfg.model.origins[key]}: {message}"
+    return f"model: {message}"
+
+
+def _check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
     """Cross-field and range rules the types alone cannot express."""
 
     def where(*key: str) -> str:
-        item = values.get(key)
-        return f"{item.origin}: {'.'.join(key)}" if item else ".".join(key) + " (default)"
+        dotted = ".".join(key)
+        return f"{origins[dotted]}: {dotted}" if dotted in origins else f"{dotted} (default)"
 
     rules = [
         (cfg.train.max_steps >= 1, ("train", "max_steps"), "must be >= 1"),
@@ -251,8 +384,8 @@ def _check_ranges(cfg: RunConfig, values: dict[tuple[str, ...], _Value]) -> None
         (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),
         (0 <= cfg.data.max_bad_fraction <= 1, ("data", "max_bad_fraction"), "must be in [0, 1]"),
         (cfg.data.tokens_per_micro_batch >= cfg.data.max_seq_len, ("data", "tokens_per_micro_batch"),
-         f"({cfg.data.tokens_per_micro_batch}) must be >= data.max_seq_len ({cfg.data.max_seq_len}) "
-         "so that every sample fits a micro-batch"),
+         (f"({cfg.data.tokens_per_micro_batch}) must be >= data.max_seq_len ({cfg.data.max_seq_len}) "
+          "so that every sample fits a micro-batch")),
     ]
     max_positions = cfg.model.options.get("max_position_embeddings")
     if max_positions is not None:

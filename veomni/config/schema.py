@@ -141,6 +141,10 @@ class ModelConfig:
     arch: str = "llm"
     plugins: list[str] = field(default_factory=lambda: ["models"])
     options: dict[str, Any] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Where each ``model.`` key was set (``"model.encoders.image.num_layers"`` -> ``"r.yaml:24"`` or
+    the CLI flag), filled by the loader: errors from the model config's own validation, which the
+    loader cannot run, still point at the line or flag to fix. Not compared, not saved."""
 
 
 @dataclass
