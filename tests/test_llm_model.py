@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.llm import DecoderLM, LLMConfig
-from veomni.spec import build_model, get_model_spec
+from veomni.spec import ModelSpec, build_model, get_model_spec
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo, sdpa_varlen_attention, varlen_attention
 from veomni.parallel.plan import match_modules
@@ -198,3 +198,10 @@ def test_registry_unknown_option_names_the_closest_key() -> None:
 def test_config_validation_messages(options, message) -> None:
     with pytest.raises(ValueError, match=message):
         build_model("llm", TINY | options)
+
+
+def test_a_family_whose_build_returns_no_trainable_model_is_refused():
+    spec = ModelSpec(name="broken", config_cls=LLMConfig, build=lambda config: torch.nn.Linear(2, 2),
+                     task=lambda config: None, dataset="packed_text", cost=None)
+    with pytest.raises(TypeError, match="parallel_plan"):
+        spec.instantiate(LLMConfig())

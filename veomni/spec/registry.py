@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from veomni.spec.hooks import CostModel, ParamRule
+from veomni.spec.hooks import CostModel, ParamRule, TrainableModel
 
 if TYPE_CHECKING:
     from veomni.tasks.base import Task
@@ -68,6 +68,14 @@ class ModelSpec:
     param_rules: Callable[[Any], Sequence[ParamRule]] = _no_rules
     """config -> optimizer rules tried before the engine's default (no decay for 1-D tensors)."""
     hf_adapter: HFAdapter | None = None
+
+    def instantiate(self, config: Any) -> nn.Module:
+        """``build(config)``, checked to be a model the engine can train."""
+        model = self.build(config)
+        if not isinstance(model, nn.Module) or not isinstance(model, TrainableModel):
+            raise TypeError(f"model family {self.name!r}: build() returned {type(model).__name__}, which is not an "
+                            "nn.Module with parallel_plan() and init_weights() (veomni.spec.TrainableModel)")
+        return model
 
 
 _MODELS: dict[str, ModelSpec] = {}
@@ -150,7 +158,7 @@ def build_config(name: str, options: Mapping[str, Any]) -> Any:
 def build_model(name: str, options: Mapping[str, Any]) -> tuple[Any, nn.Module]:
     """``(config, model)`` for model ``name``; build under ``torch.device("meta")`` to defer memory."""
     config = build_config(name, options)
-    return config, get_model_spec(name).build(config)
+    return config, get_model_spec(name).instantiate(config)
 
 
 def load_plugins(entries: Sequence[str] = DEFAULT_PLUGINS) -> None:

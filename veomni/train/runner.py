@@ -132,7 +132,7 @@ def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
                  device: torch.device, initialise: Callable[[nn.Module], None]) -> StepRunner:
     """The model built, initialised (``initialise`` runs on rank 0's full CPU copy), parallelised
     by the one recipe and wrapped in the runner its layout needs."""
-    build = functools.partial(spec.build, model_config)
+    build = functools.partial(spec.instantiate, model_config)
     recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type)
     if meshes.dims.pp > 1:
         pipeline = build_pipeline(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum, meshes.pp,
