@@ -47,7 +47,7 @@ def export(checkpoint: Path, out_dir: Path, config_path: Path | None = None, wit
     run_cfg, model_cfg, state_dict = load_checkpoint_weights(checkpoint, config_path)
     tokenizer = Path(run_cfg.data.tokenizer) if with_tokenizer and run_cfg.data.tokenizer else None
     save_hf_pretrained(run_cfg.model.arch, model_cfg, state_dict, out_dir, tokenizer_dir=tokenizer)
-    logger.info("exported %s -> %s (%s family%s)", checkpoint, out_dir, getattr(model_cfg, "family", "?"),
+    logger.info("exported %s -> %s (model %s%s)", checkpoint, out_dir, run_cfg.model.arch,
                 ", with tokenizer" if tokenizer else "")
     return out_dir
 

@@ -44,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from veomni.train.optim import StageOptimizers
+
 logger = logging.getLogger(__name__)
 
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -56,7 +58,7 @@ def _parts(model) -> list:
 
 
 def _optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "optimizers", [optimizer]))
+    return list(optimizer.optimizers) if isinstance(optimizer, StageOptimizers) else [optimizer]
 
 
 def _stage_state(model, optimizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
