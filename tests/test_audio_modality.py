@@ -15,7 +15,7 @@ from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_
 from tests.test_launch import REPO, train_sh
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
-from veomni.eval.vqa import MAX_ANSWER_TOKENS
+from veomni.eval.vqa import DEFAULT_MAX_ANSWER_TOKENS
 
 AUDIO = dict(n_mels=16, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, out_hidden_size=32)
 ENCODERS = {**TINY_OMNI["encoders"], "audio": AUDIO}
@@ -70,27 +70,31 @@ def test_audio_sample_does_not_depend_on_packing_neighbours():
 
 
 def _builder():
-    spec = importlib.util.spec_from_file_location("build_audio_captions", REPO / "data" / "build_audio_captions.py")
+    path = REPO / "data" / "build_audio_captions.py"
+    spec = importlib.util.spec_from_file_location("build_audio_captions", path)
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
     return builder
 
 
 def test_every_caption_fits_the_greedy_eval():
-    """The eval decodes at most MAX_ANSWER_TOKENS tokens: a longer caption could never match."""
+    """The eval decodes at most DEFAULT_MAX_ANSWER_TOKENS tokens unless told otherwise: a longer caption
+    could never match with the documented command."""
     tokenizer = load_tokenizer(str(TOKENIZER))
     lengths = {c: len(tokenizer.encode(c, add_special_tokens=False)) for c in _builder().possible_captions()}
-    assert len(lengths) == 20 and max(lengths.values()) <= MAX_ANSWER_TOKENS, lengths
+    assert len(lengths) == 20 and max(lengths.values()) <= DEFAULT_MAX_ANSWER_TOKENS, lengths
 
 
 def test_audio_caption_recipe_trains_end_to_end(tmp_path):
     builder = _builder()
     builder.build(tmp_path / "train", tmp_path / "eval", seed=1, train_samples=48, eval_samples=8)
     result = train_sh(str(REPO / "recipes" / "audio" / "tiny_audio_caption.yaml"),
-                      "--data.train_path", str(tmp_path / "train"), "--data.eval_path", str(tmp_path / "eval"),
+                      "--data.train_path", str(tmp_path / "train"),
+                      "--data.eval_path", str(tmp_path / "eval"),
                       "--data.prepare", "null", "--train.max_steps", "2", "--train.eval_interval", "2",
                       "--train.eval_batches", "1", "--train.output_dir", str(tmp_path / "out"),
                       "--checkpoint.interval", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert any("eval_loss" in m for m in metrics) and all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)
+    assert any("eval_loss" in m for m in metrics)
+    assert all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)

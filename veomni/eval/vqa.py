@@ -1,14 +1,18 @@
 """Held-out answer accuracy of a trained omni model, per question type, against the majority class.
 
     python -m veomni.eval.vqa OUTPUT_DIR [--checkpoint STEP_DIR] [--split eval] [--limit N]
-    bash scripts/eval_vqa.sh OUTPUT_DIR
+                              [--max-answer-tokens N]
+    bash scripts/eval_vqa.sh OUTPUT_DIR [same options]
 
 Loads the newest complete checkpoint of the run (or ``--checkpoint``) into one CPU process,
 greedily decodes an answer for every sample of the split from its prompt (the chat up to the
 assistant's turn, media included; prompts are decoded 64 at a time, packed into one row) and
-counts exact matches with the reference answer (both stripped and lower-cased). Samples are
-grouped by their ``question_type`` field. The baseline answers every question of a type with
-that type's most common answer in the *training* split.
+counts exact matches with the reference answer (both stripped and lower-cased). An answer ends
+at the tokenizer's eos or after ``--max-answer-tokens`` tokens (default 8: the bundled sets'
+answers are a word or a short caption), so a reference answer longer than that can never
+match: raise it for longer answers. Samples are grouped by their ``question_type`` field. The
+baseline answers every question of a type with that type's most common answer in the
+*training* split.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 from veomni.logging_setup import setup_logging
 
 logger = logging.getLogger(__name__)
-MAX_ANSWER_TOKENS = 8
+DEFAULT_MAX_ANSWER_TOKENS = 8
+"""Answer tokens decoded per sample unless ``--max-answer-tokens`` says otherwise."""
 DECODE_BATCH = 64
 
 
@@ -49,11 +54,12 @@ def _reference(record: dict, process: SampleProcessor) -> tuple[str, str]:
 
 @torch.no_grad()
 def greedy_answers(
-    model: torch.nn.Module, prompts: list[ChatSample], eos_id: int, max_tokens: int = MAX_ANSWER_TOKENS
+    model: torch.nn.Module, prompts: list[ChatSample], eos_id: int,
+    max_tokens: int = DEFAULT_MAX_ANSWER_TOKENS,
 ) -> list[list[int]]:
-    """Greedy continuations of many prompts at once: each step packs the unfinished prompts
-    (with what they generated so far) into one row, media included, and extends each by its
-    argmax next token."""
+    """Greedy continuations of many prompts at once, each at most ``max_tokens`` long (eos
+    excluded): each step packs the unfinished prompts (with what they generated so far) into
+    one row, media included, and extends each by its argmax next token."""
     answers: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for _ in range(max_tokens):
@@ -97,7 +103,8 @@ def majority_answers(records: list[dict], process: SampleProcessor) -> dict[str,
 
 
 def evaluate(
-    run_dir: Path, checkpoint: Path | None, split: str, limit: int | None
+    run_dir: Path, checkpoint: Path | None, split: str, limit: int | None,
+    max_answer_tokens: int = DEFAULT_MAX_ANSWER_TOKENS,
 ) -> dict[str, dict[str, float]]:
     if checkpoint is None:
         found = list_checkpoints(run_dir / "checkpoints")
@@ -119,7 +126,8 @@ def evaluate(
     for start in range(0, len(records), DECODE_BATCH):
         chunk = records[start : start + DECODE_BATCH]
         prompts = [process(record, add_generation_prompt=True) for record in chunk]
-        for record, generated in zip(chunk, greedy_answers(model, prompts, tokenizer.eos_token_id)):
+        answers = greedy_answers(model, prompts, tokenizer.eos_token_id, max_answer_tokens)
+        for record, generated in zip(chunk, answers):
             qtype, answer = _reference(record, process)
             total[qtype] += 1
             correct[qtype] += tokenizer.decode(generated).strip().lower() == answer
@@ -162,11 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=None, help="a step_* folder (default: the newest)")
     parser.add_argument("--split", choices=("eval", "train"), default="eval")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
+    parser.add_argument("--max-answer-tokens", type=int, default=DEFAULT_MAX_ANSWER_TOKENS,
+                        help="decode at most N tokens per answer (default %(default)s); a reference "
+                             "answer longer than N tokens can never match")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args(argv)
+    if args.max_answer_tokens < 1:
+        parser.error(f"--max-answer-tokens must be at least 1, got {args.max_answer_tokens}")
     setup_logging()
     try:
-        result = evaluate(args.run_dir, args.checkpoint, args.split, args.limit)
+        result = evaluate(args.run_dir, args.checkpoint, args.split, args.limit, args.max_answer_tokens)
     except (FileNotFoundError, ValueError) as exc:
         print(f"eval error: {exc}", file=sys.stderr)
         return 2
