@@ -1,4 +1,4 @@
-"""The one rule: models never import torch.distributed (see ARCHITECTURE.md).
+"""The first rule: models never import torch.distributed (see docs/design.md, "The two rules").
 
 Checked statically on every file under models/ and on every veomni module (and parent package
 ``__init__``) those files import, transitively: ``import torch`` itself loads torch.distributed,
