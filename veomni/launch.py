@@ -80,8 +80,8 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, list[str]]:
         return None, [locate_model_error(cfg, exc)]
     try:
         check_model_experts(model, cfg.parallel.ep)
+        check_pipeline_task(get_model_spec(cfg.model.arch).task(model_cfg), cfg.parallel)  # says why first
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
-        check_pipeline_task(get_model_spec(cfg.model.arch).task(model_cfg), cfg.parallel)
         return model_cfg, check_sequence_parallel(model, cfg.parallel.sp)
     except ValueError as exc:
         return model_cfg, [str(exc)]

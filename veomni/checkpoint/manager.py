@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from veomni.train.optim import StageOptimizers
+from veomni.parallel.stage_optimizers import StageOptimizers
 
 logger = logging.getLogger(__name__)
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from veomni.config.schema import TrainConfig
+from veomni.parallel.stage_optimizers import StageOptimizers
 from veomni.spec.hooks import ParamRule
 
 
@@ -41,28 +42,6 @@ def param_groups(model: nn.Module, base: dict[str, Any], family_rules: Sequence[
         group = groups.setdefault(key, {**base, **(rule.options if rule else {}), "params": [], "group": key})
         group["params"].append(param)
     return list(groups.values())
-
-
-class StageOptimizers(torch.optim.Optimizer):
-    """One optimizer per pipeline stage module, stepped as one.
-
-    Separate optimizers because checkpoints name optimizer state by the parameter names of one
-    module (``get_optimizer_state_dict(module, optimizer)``); ``param_groups`` are the inner
-    optimizers' own group dicts, so an LR scheduler on this object drives all of them.
-    """
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.optimizers = optimizers
-        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def build_optimizer(model: nn.Module | list[nn.Module], cfg: TrainConfig, rules: Sequence[ParamRule] = ()

@@ -1,0 +1,31 @@
+"""The optimizer of a rank holding several pipeline stages. It lives here, below both the trainer
+(which builds it) and the checkpoint manager (which saves each stage's optimizer state under that
+stage's parameter names), so that neither of those imports the other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class StageOptimizers(torch.optim.Optimizer):
+    """One optimizer per pipeline stage module, stepped as one.
+
+    Separate optimizers because checkpoints name optimizer state by the parameter names of one
+    module (``get_optimizer_state_dict(module, optimizer)``); ``param_groups`` are the inner
+    optimizers' own group dicts, so an LR scheduler on this object drives all of them.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
