@@ -2,39 +2,24 @@
 
 Qwen2-VL's tower has the same structure as ours with ``merge_mode="concat"``: native
 resolution, merge-group-major patch order, axial 2D RoPE, per-frame attention segments,
-LayerNorm + concat of 2x2 neighbours + 2-layer MLP. Two differences are mapped exactly for
-still images: its Conv3d patch embedding spans 2 identical frames (so our per-frame weight is
-the sum over its temporal kernel) and its merger names (``ln_q``, ``mlp.0``, ``mlp.2``).
+LayerNorm + concat of 2x2 neighbours + 2-layer MLP. The two differences (its Conv3d patch
+embedding over 2 identical frames, its merger names) are mapped by ``models/vit/hf_adapter.py``,
+the adapter ``checkpoint.init.encoders.image`` reads a vision-tower folder with.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import transformers
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
-from models.vit import NativeResolutionViT, ViTConfig
+from models.vit import NativeResolutionViT, ViTConfig, hf_adapter
 
 GRIDS = [(1, 4, 4), (1, 2, 6), (1, 8, 2), (1, 2, 2)]
 TEMPORAL = 2
-MERGER_NAMES = {
-    "merger.ln_q.": "merger.norm.",
-    "merger.mlp.0.": "merger.fc1.",
-    "merger.mlp.2.": "merger.fc2.",
-}
-
-
-def _state_dict_from_qwen(hf_sd: dict[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in hf_sd.items():
-        if name == "patch_embed.proj.weight":  # [d, C, T, p, p] on T identical frames
-            out["patch_embed.weight"] = value.sum(dim=2).reshape(hidden, -1)
-            continue
-        for old, new in MERGER_NAMES.items():
-            name = name.replace(old, new)
-        out[name] = value
-    return out
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "quick_gelu"])
@@ -74,8 +59,12 @@ def test_matches_qwen2_vl_vision_tower(hidden_act) -> None:
         min_pixels=64,
         max_pixels=4096,
     )
+    read = hf_adapter.config_from_hf(hf_config)
+    for field in dataclasses.fields(cfg):
+        if field.name not in hf_adapter.free_fields:
+            assert getattr(read, field.name) == getattr(cfg, field.name), field.name
     ours = NativeResolutionViT(cfg)
-    ours.load_state_dict(_state_dict_from_qwen(reference.state_dict(), cfg.hidden_size), strict=True)
+    ours.load_state_dict(hf_adapter.state_dict_from_hf(reference.state_dict(), cfg), strict=True)
 
     gen = torch.Generator().manual_seed(1)
     patches = torch.randn(sum(t * h * w for t, h, w in GRIDS), cfg.patch_dim, generator=gen)
@@ -87,3 +76,13 @@ def test_matches_qwen2_vl_vision_tower(hidden_act) -> None:
         got = ours(patches, grid)
     assert got.shape == want.shape == (sum(t * h * w for t, h, w in GRIDS) // 4, 24)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    exported_config = hf_adapter.config_to_hf(cfg)  # and back: our weights in a tower of HF's
+    exported_config._attn_implementation = "eager"
+    exported = transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(
+        exported_config
+    )
+    exported.load_state_dict(hf_adapter.state_dict_to_hf(ours.state_dict(), cfg), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(hf_pixels, grid_thw=grid).pooler_output, want,
+                                   atol=1e-5, rtol=1e-5)

@@ -63,9 +63,9 @@ def _check_dataset(cfg: RunConfig, model_config: Any) -> list[str]:
     return kind.check(cfg.data, model_config)
 
 
-def _validate_model(cfg: RunConfig) -> tuple[Any, list[str]]:
-    """Build on meta (no memory): the model config, and the impossible model configs and parallel
-    sizes the model cannot take."""
+def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
+    """Build on meta (no memory): the model config, the meta model, and the impossible model configs
+    and parallel sizes the model cannot take."""
     import torch
 
     from veomni.parallel.expert import check_model_experts
@@ -77,14 +77,31 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, list[str]]:
         with torch.device("meta"):
             model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
     except (ValueError, TypeError) as exc:
-        return None, [locate_model_error(cfg, exc)]
+        return None, None, [locate_model_error(cfg, exc)]
     try:
         check_model_experts(model, cfg.parallel.ep)
         check_pipeline_task(get_model_spec(cfg.model.arch).task(model_cfg), cfg.parallel)  # says why first
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
-        return model_cfg, check_sequence_parallel(model, cfg.parallel.sp)
+        return model_cfg, model, check_sequence_parallel(model, cfg.parallel.sp)
     except ValueError as exc:
-        return model_cfg, [str(exc)]
+        return model_cfg, model, [str(exc)]
+
+
+def _check_pretrained(cfg: RunConfig, model: Any) -> tuple[list[str], list[str]]:
+    """``(problems, missing folders)`` of ``checkpoint.init`` / ``init_from_hf`` for a fresh run, from
+    the folders' config.json against the meta model's sub-modules (no weights are read); and a
+    frozen part nothing loads. A resumed run loads none of them: nothing to check."""
+    from veomni.checkpoint.component_init import check_init, frozen_problems, init_entries
+    from veomni.checkpoint.manager import resolve_resume
+
+    try:
+        entries = init_entries(cfg.checkpoint)
+        if resolve_resume(cfg.checkpoint.resume, Path(cfg.train.output_dir) / "checkpoints") is not None:
+            return [], []
+    except (ValueError, FileNotFoundError) as exc:
+        return [str(exc)], []
+    problems, missing = check_init(model, entries)
+    return problems + frozen_problems(model, entries), missing
 
 
 def _fail(problems: list[str]) -> int:
@@ -116,18 +133,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    model_cfg, problems = _validate_model(cfg)
+    model_cfg, model, problems = _validate_model(cfg)
+    missing_folders: list[str] = []
+    if model is not None:
+        pretrained_problems, missing_folders = _check_pretrained(cfg, model)
+        problems += pretrained_problems
     if args.dry_run:
         from veomni.train.estimate import estimate, format_report
 
         print("# resolved config\n" + dump_config(cfg))
-        for problem in _check_data(cfg, prepare=False):  # a plan may be for a machine that has the data
+        # a plan may be for a machine that has the data and the pretrained folders
+        for problem in _check_data(cfg, prepare=False) + missing_folders:
             print(f"warning: {problem}")
         if problems:
             return _fail(problems)
         device = f"{world_size} x {'GPU (bf16 compute)' if args.gpus else 'CPU (fp32)'}"
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device))
         return 0
+    problems += missing_folders
+    if problems:  # no data is built for a run that cannot start
+        return _fail(problems)
     problems += _check_data(cfg, prepare=True)
     if not problems:
         problems += _check_dataset(cfg, model_cfg)

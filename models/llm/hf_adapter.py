@@ -31,6 +31,10 @@ from . import hf_moe
 from .config import LLMConfig
 
 hf_model_types = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# Fields a recipe may set apart from a pretrained folder: the context length (RoPE is computed on
+# the fly), the init scale, and the MoE training-only options (losses, bias updates, capacity).
+free_fields = ("max_position_embeddings", "init_std", "router_aux_loss_coef", "router_z_loss_coef",
+               "router_bias_update_rate", "capacity_factor")
 
 _HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

@@ -16,41 +16,70 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from veomni.spec import get_model_spec, spec_for_hf_model_type
+from veomni.spec import HFAdapter, get_model_spec, hf_adapter_for_model_type, spec_for_hf_model_type
 
+CONFIG_FILE = "config.json"
 SAFE_INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 # Files of an HF model folder that are not tokenizer files (never copied from tokenizer_dir).
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-_MODEL_FILE_NAMES = ("config.json",)
+_MODEL_FILE_NAMES = (CONFIG_FILE,)
 
 
 def load_hf_pretrained(path: str | os.PathLike) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """``(arch_name, config, state_dict)`` in our names from a local HF folder.
+    """``(arch_name, config, state_dict)`` in our names from a local HF folder of a whole model.
 
     The architecture is found from ``config.json``'s ``model_type``; weights are read from
     ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
     """
+    folder = Path(path)
+    spec = spec_for_hf_model_type(read_config_json(folder)[0])
+    _, config = read_hf_config(folder)
+    return spec.name, config, spec.hf_adapter.state_dict_from_hf(read_safetensors(folder), config)
+
+
+def read_config_json(folder: Path) -> tuple[str, dict[str, Any]]:
+    """``(architecture, contents)`` of ``folder/config.json``: the architecture is its ``model_type``
+    (transformers) or ``_class_name`` (diffusers). FileNotFoundError / ValueError say what is missing."""
+    config_file = folder / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}; is it a Hugging Face model folder?")
+    contents = json.loads(config_file.read_text())
+    architecture = contents.get("model_type") or contents.get("_class_name")
+    if not architecture:
+        raise ValueError(f"{config_file} has neither model_type (transformers) nor _class_name (diffusers): "
+                         "which architecture it holds is unknown")
+    return architecture, contents
+
+
+def read_hf_config(folder: Path) -> tuple[HFAdapter, Any]:
+    """``(adapter, our config)`` of a Hugging Face / diffusers folder from ``config.json`` alone (no
+    weights read), by the adapter registered for its architecture. A transformers config is read
+    through ``AutoConfig`` (which fills in the defaults ``save_pretrained`` leaves out), a diffusers
+    one is handed to the adapter as its dict."""
     import transformers
 
-    folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    model_type = json.loads(config_file.read_text())["model_type"]
-    spec = spec_for_hf_model_type(model_type)
-    hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    config = spec.hf_adapter.config_from_hf(hf_config)
-    hf_sd: dict[str, torch.Tensor] = {}
+    architecture, contents = read_config_json(folder)
+    adapter = hf_adapter_for_model_type(architecture)
+    if "model_type" in contents:
+        contents = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    return adapter, adapter.config_from_hf(contents)
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``folder``'s safetensors files (the shards an index lists, else ``*.safetensors``)."""
+    tensors: dict[str, torch.Tensor] = {}
     for shard in _weight_files(folder):
-        hf_sd.update(load_file(shard))
-    return spec.name, config, spec.hf_adapter.state_dict_from_hf(hf_sd, config)
+        tensors.update(load_file(shard))
+    return tensors
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    index = folder / SAFE_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+    """The shards an index lists (``model.safetensors.index.json``, or diffusers'
+    ``diffusion_pytorch_model.safetensors.index.json``), else every ``*.safetensors``."""
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = json.loads(indexes[0].read_text())["weight_map"]
         return [folder / name for name in sorted(set(weight_map.values()))]
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -44,6 +44,7 @@ PATH_KEYS = {
     ("data", "tokenizer"),
     ("train", "output_dir"),
     ("checkpoint", "init_from_hf"),
+    ("checkpoint", "init"),
 }
 """Keys holding paths: relative values in a YAML file are resolved against that file's folder,
 relative values given on the command line against the current directory. A field typed ``dict``

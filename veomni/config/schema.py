@@ -119,7 +119,11 @@ class CheckpointConfig:
     async_save: bool = False
     save_final: bool = True
     init_from_hf: str | None = None
-    """Hugging Face folder to initialise weights from when not resuming."""
+    """Hugging Face folder to initialise the whole model from when not resuming."""
+    init: dict[str, str] = field(default_factory=dict)
+    """Sub-module path -> local pretrained folder loaded into it when not resuming, after the seeded
+    init (``llm: /ckpt/Qwen3-0.6B``, ``encoders.image: /ckpt/qwen2vl-vision``): a Hugging Face /
+    diffusers folder (its config must equal the sub-module's) or safetensors in our own names."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ register into it; the engine reads the registry and never imports a family. See
 docs/design.md, "The model spec".
 """
 
-from veomni.spec.hooks import CostModel, MoEHooks, ParamRule, TrainableModel
+from veomni.spec.hooks import ConfiguredModule, CostModel, MoEHooks, ParamRule, TrainableModel
 from veomni.spec.registry import (
     HFAdapter,
     ModelSpec,
@@ -21,6 +21,7 @@ from veomni.spec.registry import (
 )
 
 __all__ = [
+    "ConfiguredModule",
     "CostModel",
     "HFAdapter",
     "ModelSpec",

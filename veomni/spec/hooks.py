@@ -2,6 +2,8 @@
 
 - ``TrainableModel``: what every model built by a spec provides (its ``ParallelPlan`` and its
   own weight initialisation). A protocol: the zoo's models satisfy it without inheriting.
+- ``ConfiguredModule``: a model or sub-module that carries its config dataclass as ``config``;
+  ``checkpoint.init`` compares it with a pretrained folder's before loading into it.
 - ``CostModel``: FLOPs and activation memory per unit of work, for MFU and ``--dry-run``; a
   spec carries one, so the engine never asks a model whether it has a FLOP method.
 - ``MoEHooks``: the base class of models with mixture-of-experts layers; the engine's per-step
@@ -30,6 +32,15 @@ class TrainableModel(Protocol):
     def init_weights(self) -> None:
         """Fill every parameter and buffer from the global torch RNG (seeded by the engine)."""
         ...
+
+
+@runtime_checkable
+class ConfiguredModule(Protocol):
+    """A module built from one config dataclass, kept as ``config`` (the zoo's LLM, ViT, audio
+    encoder and omni model). A pretrained folder loads into it only if the config its HF adapter
+    reads from the folder equals this one (``HFAdapter.free_fields`` aside)."""
+
+    config: Any
 
 
 class CostModel(Protocol):

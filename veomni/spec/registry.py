@@ -36,6 +36,12 @@ class HFAdapter(Protocol):
     hf_model_types: tuple[str, ...]
     """``model_type`` values of ``config.json`` this adapter reads."""
 
+    free_fields: tuple[str, ...]
+    """Fields of our config a recipe may set independently of a pretrained folder, because they do
+    not change what the loaded weights compute (initialisation scale, context length, input
+    budgets, training-only options). ``checkpoint.init`` requires every other field to equal the
+    folder's."""
+
     def config_from_hf(self, hf_config: Any) -> Any: ...
 
     def config_to_hf(self, cfg: Any) -> Any: ...

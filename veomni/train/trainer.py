@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import CheckpointManager, resolve_resume
 from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
@@ -118,15 +119,12 @@ class Trainer:
                                 self.cfg.train.seed, self.model_config, self.data_kind)
 
     def _initialise(self, model: torch.nn.Module) -> None:
-        """Rank 0's full copy: seeded init, or Hugging Face weights for a fresh run."""
+        """Rank 0's full copy: seeded init, then for a fresh run the pretrained folders of
+        ``checkpoint.init_from_hf`` (the whole model) and ``checkpoint.init`` (sub-modules)."""
         model.init_weights()
-        path = self.cfg.checkpoint.init_from_hf
-        if path and self.resume_path is None:
-            from veomni.checkpoint.hf_io import load_hf_pretrained
-
-            _, _, state_dict = load_hf_pretrained(path)
-            model.load_state_dict(state_dict, strict=True)
-            logger.info("initialised weights from Hugging Face folder %s", path)
+        if self.resume_path is None:
+            for line in load_components(model, init_entries(self.cfg.checkpoint)):
+                logger.info(line)
 
     def _app_state(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict(), "step": self.step, "units_seen": self.units_seen}
