@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         from veomni.train.estimate import estimate, format_report
 
         print("# resolved config\n" + dump_config(cfg))
-        for problem in _check_data(cfg, prepare=False):  # a plan may be for a machine that has the data
+        # a plan may be for a machine that has the data (and the tokenizer): what is missing here only warns
+        dataset_problems = _check_dataset(cfg, model_cfg) if model_cfg is not None else []
+        for problem in _check_data(cfg, prepare=False) + dataset_problems:
             print(f"warning: {problem}")
         if problems:
             return _fail(problems)
