@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         from veomni.train.estimate import estimate, format_report
 
         print("# resolved config\n" + dump_config(cfg))
-        # a plan may be for a machine that has the data and the pretrained folders
-        for problem in _check_data(cfg, prepare=False) + missing_folders:
+        # a plan may be for a machine that has the data, the tokenizer and the pretrained folders:
+        # what is missing here only warns
+        dataset_problems = _check_dataset(cfg, model_cfg) if model_cfg is not None else []
+        for problem in _check_data(cfg, prepare=False) + dataset_problems + missing_folders:
             print(f"warning: {problem}")
         if problems:
             return _fail(problems)

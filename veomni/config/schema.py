@@ -30,9 +30,11 @@ class DataConfig:
     """Folder loadable by ``transformers.AutoTokenizer.from_pretrained`` (offline); needed only
     by dataset kinds that read text."""
     max_seq_len: int = 1024
-    """Longest sample; longer documents are cut into consecutive chunks of this length."""
+    """Text kinds: longest sample in tokens; longer documents are cut into consecutive chunks of
+    this length (checked by the kind: >= 2 and <= ``tokens_per_micro_batch``)."""
     tokens_per_micro_batch: int = 4096
-    """Token budget of one packed micro-batch (dynamic batch size)."""
+    """Budget of one micro-batch in the task's units (dynamic batch size): tokens for text kinds,
+    rows for a kind whose unit is a sample."""
     num_workers: int = 0
     shuffle: bool = True
     max_bad_fraction: float = 0.01

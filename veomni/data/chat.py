@@ -18,11 +18,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken
-from transformers import PreTrainedTokenizerBase
 
 from veomni.data.sources import InvalidSampleError
+
+if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant")
 

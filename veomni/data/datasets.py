@@ -51,11 +51,6 @@ def build_dataloader(
         raise ValueError(f"data.{split}_path is not set")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
-    if not 0 < cfg.max_seq_len <= cfg.tokens_per_micro_batch:
-        raise ValueError(
-            f"need 0 < max_seq_len ({cfg.max_seq_len}) <= tokens_per_micro_batch "
-            f"({cfg.tokens_per_micro_batch})"
-        )
     dataset = get_dataset_kind(kind).build(DatasetRequest(cfg, path, split, tokenizer, dp_rank, dp_size, seed,
                                                           model_config))
     if cfg.num_workers > 0:

@@ -22,15 +22,24 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from veomni.config.schema import DataConfig
 from veomni.data.packing import chunk_document, greedy_pack, pack_samples
-from veomni.data.registry import MERGED_KEY, DatasetKind, DatasetRequest, ResumableDataset, register_dataset
+from veomni.data.registry import (
+    MERGED_KEY,
+    DatasetKind,
+    DatasetRequest,
+    ResumableDataset,
+    find_dataset_states,
+    register_dataset,
+)
 from veomni.data.sources import ReadStats, iter_texts, resolve_files
+
+if TYPE_CHECKING:  # transformers loads in a second: imported where a tokenizer is loaded, not by every run
+    from transformers import PreTrainedTokenizerBase
 
 # torchdata 0.11 calls a torch API that torch 2.13 deprecates, once per iterator; not ours to fix.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -69,6 +78,9 @@ class PackedTextDataset(ResumableDataset):
         seed: int,
     ) -> None:
         super().__init__(dp_rank, dp_size)
+        problems = check_sample_length(cfg)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.fmt, self.files = resolve_files(path, cfg.format)
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id; documents need an end-of-text token")
@@ -172,7 +184,7 @@ class PackedTextDataset(ResumableDataset):
         self._start = self._pos = Position(**{f.name: merged[f.name] for f in fields(Position)})
 
     def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
-        for state in _dataset_states(loader_state):
+        for state in find_dataset_states(loader_state, STATE_FORMAT):
             if state["num_consumers"] != consumers:
                 raise ValueError(
                     f"loader state was saved with {state['num_consumers']} consumers (dp ranks x workers), this "
@@ -197,17 +209,6 @@ class PackedDataLoader(StatefulDataLoader):
         super().load_state_dict(state_dict)
 
 
-def _dataset_states(obj: Any) -> list[dict[str, Any]]:
-    """Every dataset state nested anywhere in a loader state (torchdata's layout is internal)."""
-    if isinstance(obj, dict):
-        if obj.get("format") == STATE_FORMAT:
-            return [obj]
-        return [s for value in obj.values() for s in _dataset_states(value)]
-    if isinstance(obj, (list, tuple)):
-        return [s for value in obj for s in _dataset_states(value)]
-    return []
-
-
 def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """Turn the per-rank loader states of an old run (any dp size / workers) into one start position.
 
@@ -220,7 +221,7 @@ def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     Pass the states of *all* old ranks; any new layout loads the result with
     ``loader.load_state_dict(merged)``.
     """
-    found = [s for state in states for s in _dataset_states(state)]
+    found = [s for state in states for s in find_dataset_states(state, STATE_FORMAT)]
     if not found:
         raise ValueError("no packed-text dataset state found in the given loader states")
     consumers = {s["num_consumers"] for s in found}
@@ -244,20 +245,39 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         and not (folder / "tokenizer_config.json").is_file()
     ):
         raise FileNotFoundError(f"tokenizer folder {path!r} not found (expected tokenizer.json inside)")
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {path!r} defines no eos_token")
     return tokenizer
 
 
+def check_sample_length(cfg: DataConfig) -> list[str]:
+    """Documents are cut into samples of at most ``data.max_seq_len`` tokens (at least a token and
+    its next-token target), and a sample must fit one micro-batch."""
+    if cfg.max_seq_len < 2:
+        return [f"data.max_seq_len ({cfg.max_seq_len}) must be >= 2: a sample needs a token and its target"]
+    if cfg.tokens_per_micro_batch < cfg.max_seq_len:
+        return [f"data.tokens_per_micro_batch ({cfg.tokens_per_micro_batch}) must be >= data.max_seq_len "
+                f"({cfg.max_seq_len}) so that every sample fits a micro-batch"]
+    return []
+
+
 def check_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """A text dataset needs a tokenizer that fits the model's vocabulary."""
+    """A text dataset's samples fit its micro-batches, and its tokenizer fits the model's vocabulary."""
+    return check_sample_length(cfg) + _check_tokenizer(cfg, model_config)
+
+
+def _check_tokenizer(cfg: DataConfig, model_config: Any) -> list[str]:
     folder = Path(cfg.tokenizer) if cfg.tokenizer else None
     if folder is None or not folder.is_dir():
         return [f"data.tokenizer: tokenizer folder not found: {cfg.tokenizer or '(unset)'}"]
     vocab = getattr(model_config, "vocab_size", None)
     if vocab is None:
         return [f"data.kind reads token ids, but the model config {type(model_config).__name__} has no vocab_size"]
+    from transformers import AutoTokenizer
+
     size = len(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
     if size > vocab:
         return [f"model.vocab_size={vocab} is smaller than the tokenizer's {size} tokens ({cfg.tokenizer}); "

@@ -26,10 +26,9 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from veomni.config.schema import DataConfig
 from veomni.data.chat import ChatEncoder, EncodedChat
@@ -39,6 +38,9 @@ from veomni.data.packing import pack_samples
 from veomni.data.sources import InvalidSampleError, ReadStats, count_bad, iter_tar_samples
 from veomni.spec.media import MediaItem, MediaModelConfig, collate_items
 from veomni.tasks.base import IGNORE_INDEX
+
+if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -63,6 +63,19 @@ class ResumableDataset(IterableDataset):
         raise NotImplementedError
 
 
+def find_dataset_states(loader_state: Any, state_format: str) -> list[dict[str, Any]]:
+    """Every dataset state (a dict whose ``"format"`` is ``state_format``) nested anywhere in a
+    loader state: torchdata's layout of it (per worker, per fetcher) is internal, so a dataset's
+    ``merge_states`` and ``check_loader_state`` find their own states with this."""
+    if isinstance(loader_state, dict):
+        if loader_state.get("format") == state_format:
+            return [loader_state]
+        return [s for value in loader_state.values() for s in find_dataset_states(value, state_format)]
+    if isinstance(loader_state, (list, tuple)):
+        return [s for value in loader_state for s in find_dataset_states(value, state_format)]
+    return []
+
+
 @dataclass(frozen=True)
 class DatasetRequest:
     """Everything a dataset kind builds from."""

@@ -1,4 +1,7 @@
-"""Static estimates for ``--dry-run``: parameters, FLOPs per token and per-rank memory.
+"""Static estimates for ``--dry-run``: parameters, FLOPs per unit of work and per-rank memory.
+
+A unit is what one row element of the family's task is (its batch contract's ``unit``: a token
+for language models, a sample for a per-row regression); the report names it.
 
 The model is built on the meta device, so the estimate costs no memory even for full-size
 recipes. Memory per rank (bytes):
@@ -32,8 +35,10 @@ class Estimate:
     total_params: int
     activated_params: int
     """Parameters one unit uses (MoE: only its k routed experts); = total for dense models."""
-    flops_per_token: float
+    flops_per_unit: float
     """Per unit of the family's task (a token for LMs)."""
+    unit: str
+    """The task's unit (its batch contract's ``unit``)."""
     params_gb: float
     grads_gb: float
     optimizer_gb: float
@@ -51,11 +56,12 @@ class Estimate:
 
 def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
     with torch.device("meta"):
-        _, model = build_model(cfg.model.arch, cfg.model.options)
-    cost = get_model_spec(cfg.model.arch).cost
+        model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
+    spec = get_model_spec(cfg.model.arch)
+    cost = spec.cost
     total = sum(p.numel() for p in model.parameters())
     seq = cfg.data.max_seq_len
-    flops_per_token = cost.sample_flops(model, seq) / seq
+    flops_per_unit = cost.sample_flops(model, seq) / seq
     compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
                           (cfg.parallel.mixed_precision == "auto" and compute_on_gpu)) else 4
     plan = flatten_plan(model.parallel_plan())
@@ -71,7 +77,8 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     return Estimate(
         total_params=total,
         activated_params=activated,
-        flops_per_token=flops_per_token,
+        flops_per_unit=flops_per_unit,
+        unit=spec.task(model_cfg).contract.unit,
         params_gb=4 * total / shard / GiB,
         grads_gb=4 * total / shard / GiB,
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
@@ -83,7 +90,8 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
 
 
 def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
-    step_tokens = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
+    unit = est.unit
+    step_units = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
     shard = dims.dp_shard * dims.sp
     memory = [
         (f"parameters (fp32, 1/{shard})", est.params_gb),
@@ -104,11 +112,12 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         f"layout        {dims.describe()}",
         f"devices       {device_desc}",
         f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
-        f"activated     {est.activated_params:,} ({est.activated_params / 1e9:.3f} B) per token",
-        f"model FLOPs   {est.flops_per_token / 1e9:.3f} GFLOP per token (forward+backward, seq {cfg.data.max_seq_len})",
+        f"activated     {est.activated_params:,} ({est.activated_params / 1e9:.3f} B) per {unit}",
+        f"model FLOPs   {est.flops_per_unit / 1e9:.3f} GFLOP per {unit} (forward+backward, "
+        f"data.max_seq_len {cfg.data.max_seq_len})",
         *est.model_lines,
-        f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} tokens x "
-        f"{dims.dp_size} dp ranks = {step_tokens:,} tokens",
+        f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} {unit}s x "
+        f"{dims.dp_size} dp ranks = {step_units:,} {unit}s",
         *memory_lines,
     ]
     return "\n".join(lines)
