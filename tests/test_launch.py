@@ -96,7 +96,7 @@ def test_run_ends_with_a_summary_against_the_baseline(tmp_path):
     assert record["eval_loss"] < record["baseline"]["loss"], record
     eval_loss, baseline = record["eval_loss"], record["baseline"]["loss"]
     assert f"{eval_loss:.3f} nats vs {baseline:.3f} for token frequencies alone" in summary
-    assert "below the baseline" in summary and "not below" not in summary
+    assert f"{baseline - eval_loss:.3f} nats below the baseline" in summary
     assert re.search(r"train loss    [\d.]+ at step 1 -> [\d.]+ at step 30", summary)
     assert re.search(r"throughput    [\d,.]+ tokens/s \(median of steps 4-30\), MFU", summary)
     assert str(out / "checkpoints" / "step_00000030") in summary and "def read_config(path):" in summary

@@ -68,10 +68,10 @@ def test_stats_of_different_sizes_sum_over_ranks():
     assert run_distributed(_reduce, 2) == [[1.0, 2.0, 3.0]] * 2
 
 
-def _train(rank, world, tmp, pp):
+def _train(rank, world, tmp, parallel):
     cfg = tiny_run_config(Path(tmp), max_steps=2, grad_accum=2, eval_batches=2)
     cfg.model.options.update(num_layers=2, tie_embeddings=False)
-    cfg.parallel = ParallelConfig(pp=pp)
+    cfg.parallel = parallel
     trainer = Trainer(cfg)
     trainer.train()
     return trainer.baseline
@@ -89,11 +89,14 @@ def _expected_entropy(tmp: Path, dp_size: int) -> float:
     return _entropy(targets)
 
 
-@pytest.mark.parametrize("world, pp", [(2, 1), (2, 2)], ids=["dp2", "pp2"])
-def test_trainer_baseline_covers_every_rank_and_both_runners(tmp_path, world, pp):
-    baselines = run_distributed(_train, world, str(tmp_path), pp)
+@pytest.mark.parametrize("parallel, dp_size", [(ParallelConfig(), 2), (ParallelConfig(sp=2), 1),
+                                              (ParallelConfig(pp=2), 1)], ids=["dp2", "sp2", "pp2"])
+def test_trainer_baseline_covers_every_rank_and_both_runners(tmp_path, parallel, dp_size):
+    """Two ranks: each reads its own eval batches (dp), a slice of the same rows (sp), or the same
+    rows as a pipeline stage (pp); the baseline is that of the eval batches of every dp rank."""
+    baselines = run_distributed(_train, 2, str(tmp_path), parallel)
     assert baselines[0] == baselines[1]
-    assert baselines[0].loss == pytest.approx(_expected_entropy(tmp_path, world // pp), abs=1e-9)
+    assert baselines[0].loss == pytest.approx(_expected_entropy(tmp_path, dp_size), abs=1e-9)
     record = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert record["step"] == 2 and record["eval_loss"] > 0 and record["baseline"]["loss"] == baselines[0].loss
     assert record["checkpoint"].endswith("step_00000002")
@@ -141,7 +144,7 @@ def test_summary_text_reads_the_numbers_against_the_baseline():
 def test_summary_says_when_the_model_is_not_below_the_baseline():
     text = format_summary(_summary(eval_loss=6.5))
     assert "  |     return 1\n  (the model does no better than token frequencies alone yet: expect" in text
-    assert "not below the baseline: on the eval data the model does no better than token frequencies" in text
+    assert "0.380 nats above the baseline: the model does no better than token frequencies alone yet" in text
     assert "eval loss     none" in format_summary(_summary(eval_loss=None, baseline=None))
 
 

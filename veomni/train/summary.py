@@ -115,8 +115,8 @@ def step_of(checkpoint: str) -> int:
 def next_commands(launch: Sequence[str], step: int, checkpoint: str | None, resume: str,
                   export: bool, output_dir: str) -> tuple[tuple[str, str], ...]:
     """What to try next, built from ``launch`` (the recipe and overrides this run was started with):
-    train 4x longer (resuming from ``checkpoint`` when there is one), export it to Hugging Face when
-    the family has an adapter (``export``), other recipes."""
+    train 4x longer (resuming from ``checkpoint`` when there is one), and export it to Hugging Face
+    when the family has an adapter (``export``)."""
     recipe, *overrides = launch
     longer = 4 * max(step, 1)
     args = [*_without_flags(overrides, {"--train.max_steps", "--checkpoint.resume"}),
@@ -132,7 +132,6 @@ def next_commands(launch: Sequence[str], step: int, checkpoint: str | None, resu
         script, target = shown(REPO / "scripts" / "export_hf.sh"), f"exported/{Path(output_dir).name}"
         commands.append(("export the checkpoint to a Hugging Face folder",
                          shlex.join(["bash", script, shown(checkpoint), target])))
-    commands.append(("other recipes, tiny to cluster-sized", f"the table in {shown(REPO / 'README.md')}"))
     return tuple(commands)
 
 
@@ -155,7 +154,7 @@ def _wrapped(label: str, text: str) -> list[str]:
 
 def _eval_lines(s: RunSummary) -> list[str]:
     if s.eval_loss is None:
-        return ["eval loss".ljust(LABEL) + "none (no eval data: set data.eval_path)"]
+        return ["eval loss".ljust(LABEL) + "none (no eval batches: data.eval_path is unset or empty)"]
     base = s.baseline
     if base is None:
         return ["eval loss".ljust(LABEL) + f"{s.eval_loss:.4g}"]
@@ -166,8 +165,8 @@ def _eval_lines(s: RunSummary) -> list[str]:
         share = f" ({gap / base.loss:.0%} lower)" if base.loss > 0 else ""
         lines.append(" " * LABEL + f"{gap:.3f}{unit} below the baseline{share}")
     else:
-        lines.append(" " * LABEL + f"not below the baseline: on the eval data the model does no better than "
-                                   f"{base.name}")
+        lines.append(" " * LABEL + f"{-gap:.3f}{unit} above the baseline: the model does no better than "
+                                   f"{base.name} yet")
     if base.perplexity:
         perplexities = f"{math.exp(s.eval_loss):,.1f} vs {math.exp(base.loss):,.1f}"
         lines.append("perplexity".ljust(LABEL) + perplexities)
@@ -210,6 +209,7 @@ def format_summary(s: RunSummary) -> str:
     for what, command in s.next_commands:
         lines.append(f"  {what}:")
         lines.append(f"    {command}")
+    lines.append(f"  other recipes, tiny to cluster-sized: the table in {shown(REPO / 'README.md')}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 
