@@ -143,7 +143,7 @@ def test_summary_text_reads_the_numbers_against_the_baseline():
 
 def test_summary_says_when_the_model_is_not_below_the_baseline():
     text = format_summary(_summary(eval_loss=6.5))
-    assert "  |     return 1\n  (the model does no better than token frequencies alone yet: expect" in text
+    assert "  |     return 1\n  (the eval loss is not below the baseline yet: expect little structure" in text
     assert "0.380 nats above the baseline: the model does no better than token frequencies alone yet" in text
     assert "eval loss     none" in format_summary(_summary(eval_loss=None, baseline=None))
 

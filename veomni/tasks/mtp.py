@@ -90,7 +90,8 @@ class MultiTokenLMTask(LanguageModelingTask):
             return None
         mtp_share = float(stats[1].sum() / stats[0].sum())
         meaning = (f"the loss of predicting every target token from how often it occurs among the eval "
-                   f"targets (unigram entropy), next-token term plus {self.mtp_weight:g} x next-2-token term "
-                   f"as in the loss; below it, the model uses context")
+                   f"targets themselves (unigram entropy), next-token term plus {self.mtp_weight:g} x "
+                   f"next-2-token term as in the loss, which nothing that ignores context can beat; below "
+                   f"it, the model uses context")
         return Baseline(ntp + self.mtp_weight * mtp_share * (mtp or 0.0), "token frequencies alone", meaning,
                         unit="nats")

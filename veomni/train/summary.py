@@ -203,8 +203,7 @@ def format_summary(s: RunSummary) -> str:
         lines.append("sample".ljust(LABEL) + f"{s.sample_how}:")
         lines += [f"  | {line}" for line in s.sample.splitlines()]
         if s.baseline is not None and s.eval_loss is not None and s.eval_loss >= s.baseline.loss:
-            lines.append(f"  (the model does no better than {s.baseline.name} yet: expect common tokens "
-                         f"in little order)")
+            lines.append("  (the eval loss is not below the baseline yet: expect little structure)")
     lines.append("next")
     for what, command in s.next_commands:
         lines.append(f"  {what}:")
