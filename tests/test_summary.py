@@ -148,6 +148,11 @@ def test_summary_says_when_the_model_is_not_below_the_baseline():
     assert "eval loss     none" in format_summary(_summary(eval_loss=None, baseline=None))
 
 
+def test_summary_sample_shows_runs_of_blank_lines_as_one():
+    text = format_summary(_summary(sample="def f():\n\n    \n\n\n  x\n\n\ny"))
+    assert "  | def f():\n  | (4 blank lines)\n  |   x\n  | \n  | \n  | y\n" in text
+
+
 def test_summary_record_holds_the_numbers():
     record = json.loads(json.dumps(summary_record(_summary())))
     assert record["eval_loss"] == 2.91 and record["baseline"]["loss"] == 6.12

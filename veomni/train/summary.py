@@ -9,6 +9,7 @@ collects the numbers (``Trainer.finish``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import shlex
@@ -190,6 +191,18 @@ def _training_lines(s: RunSummary) -> list[str]:
     ]
 
 
+def _sample_lines(text: str) -> list[str]:
+    """The sample, quoted; a run of 3 or more blank lines (a young model's favourite) as one line."""
+    lines = []
+    for blank, group in itertools.groupby(text.splitlines(), key=lambda line: not line.strip()):
+        group = list(group)
+        if blank and len(group) > 2:
+            lines.append(f"  | ({len(group)} blank lines)")
+        else:
+            lines += [f"  | {line}" for line in group]
+    return lines
+
+
 def format_summary(s: RunSummary) -> str:
     out = Path(s.output_dir)
     lines = [f" run summary: {s.step} steps ".center(WIDTH, "=")]
@@ -201,7 +214,7 @@ def format_summary(s: RunSummary) -> str:
     lines.append(" " * LABEL + f"{shown(out / 'summary.json')} (these numbers)")
     if s.sample is not None:
         lines.append("sample".ljust(LABEL) + f"{s.sample_how}:")
-        lines += [f"  | {line}" for line in s.sample.splitlines()]
+        lines += _sample_lines(s.sample)
         if s.baseline is not None and s.eval_loss is not None and s.eval_loss >= s.baseline.loss:
             lines.append("  (the eval loss is not below the baseline yet: expect little structure)")
     lines.append("next")
