@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import time
@@ -73,6 +74,35 @@ def test_quickstart_recipe_trains_end_to_end(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
     assert (out / "config.yaml").is_file()
     assert "sample" in result.stderr and "def read_config(path):" in result.stderr
+
+
+def test_run_ends_with_a_summary_against_the_baseline(tmp_path):
+    """A run that learns (a tiny model on a corpus it can predict from context) ends with the
+    summary, after the last step's line, and writes its numbers to summary.json."""
+    corpus = tmp_path / "cycle"
+    corpus.mkdir()
+    words = "one two three four five six seven eight".split()
+    (corpus / "docs.jsonl").write_text("".join(
+        json.dumps({"txt": " ".join(words[(i + j) % 8] for j in range(100))}) + "\n" for i in range(40)))
+    out = tmp_path / "run"
+    overrides = [*SMALL, "--data.train_path", str(corpus), "--data.eval_path", str(corpus),
+                 "--data.format", "jsonl", "--data.prepare", "null", "--train.lr", "1e-2",
+                 "--train.warmup_steps", "2", "--train.output_dir", str(out)]
+    result = train_sh(str(QUICKSTART), *overrides, "--train.max_steps", "30")
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stderr
+    summary = log[log.index("run summary: 30 steps", log.rindex("step 30  loss=")):]
+    record = json.loads((out / "summary.json").read_text())
+    assert record["eval_loss"] < record["baseline"]["loss"], record
+    eval_loss, baseline = record["eval_loss"], record["baseline"]["loss"]
+    assert f"{eval_loss:.3f} nats vs {baseline:.3f} for token frequencies alone" in summary
+    assert f"{baseline - eval_loss:.3f} nats below the baseline" in summary
+    assert re.search(r"train loss    [\d.]+ at step 1 -> [\d.]+ at step 30", summary)
+    assert re.search(r"throughput    [\d,.]+ tokens/s \(median of steps 4-30\), MFU", summary)
+    assert str(out / "checkpoints" / "step_00000030") in summary and "def read_config(path):" in summary
+    command = summary.split("train on to step 120, resuming from the checkpoint of step 30:\n")[1]
+    assert shlex.split(command.splitlines()[0]) == ["bash", "scripts/train.sh", str(QUICKSTART), *overrides,
+                                                    "--train.max_steps", "120"]
 
 
 def _free_port() -> int:

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from veomni.config.schema import DataConfig
@@ -79,6 +80,11 @@ def test_plugin_family_trains_from_outside_the_repo_and_resumes_exactly(tmp_path
     y = torch.load(recipe.parent / "data" / "eval.pt", weights_only=True)["y"]
     evals = [r["eval_loss"] for r in records_a if "eval_loss" in r]
     assert len(evals) == 2 and evals[-1] < 0.5 * float(y.var()), (evals, float(y.var()))
+    # ... and the end-of-run summary reads it against the task's own baseline, in samples.
+    summary = json.loads((out_a / "summary.json").read_text())
+    assert summary["baseline"]["loss"] == pytest.approx(float(y.var(unbiased=False)), rel=0.2)
+    assert summary["below_baseline"] > 0 and "samples_per_s" in summary["training"]
+    assert "run summary" in uninterrupted.stderr + uninterrupted.stdout
 
 
 # ----- the dataset kind's contract, in one process ---------------------------------------------
@@ -148,3 +154,14 @@ def test_eval_split_is_one_pass_in_file_order(tmp_path):
     batches = [_row_ids(b) for b in _rows_dataset(path, 0, 1, split="eval")]
     assert batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
+
+
+def test_regression_baseline_is_the_variance_of_the_targets():
+    load_plugins([str(EXAMPLE / "toy_regression")])
+    from toy_regression.task import RegressionTask
+
+    task = RegressionTask(0.0)
+    y = torch.tensor([[1.0, 0.0], [3.0, 2.0], [5.0, 4.0]])
+    halves = [task.baseline_stats({"y": y[:1]}), task.baseline_stats({"y": y[1:]})]
+    baseline = task.baseline_loss(halves[0] + halves[1])
+    assert baseline.loss == pytest.approx(float(y.var(0, unbiased=False).sum()))

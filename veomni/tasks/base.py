@@ -18,6 +18,12 @@ generator the engine passes: seeded from (seed, step, micro-batch, data-parallel
 differs across data-parallel ranks, is identical inside a sequence-parallel group and across
 pipeline stages (they share a data-parallel rank and run ``prepare`` on the whole row), and is
 replayed exactly after a resume.
+
+A task also names the loss a model would reach without learning anything from its inputs (the
+``Baseline``: token frequencies for language modelling, the targets' mean for regression), so the
+end-of-run summary can say what the eval loss means. It is computed from the same eval batches:
+the task sums statistics of each batch's targets (``baseline_stats``), the engine adds them over
+the batches and ranks, and the task turns the total into a loss (``baseline_loss``).
 """
 
 from __future__ import annotations
@@ -71,6 +77,22 @@ class BatchContract:
         return self.pad_values.get(name, 0)
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """The eval loss of a predictor that ignores the inputs, computed from the eval targets."""
+
+    loss: float
+    """In the units of ``eval_loss`` (the task's loss, averaged over its loss units)."""
+    name: str
+    """The predictor in a few words, read after "6.12 for": "token frequencies alone"."""
+    meaning: str
+    """One sentence for a newcomer: what the baseline is and what a loss below it shows."""
+    unit: str = ""
+    """The loss's unit ("nats"); "" when it has none worth naming."""
+    perplexity: bool = False
+    """The loss is a mean negative log-likelihood in nats: ``exp(loss)`` is reported as perplexity."""
+
+
 class Task(Protocol):
     contract: BatchContract
 
@@ -86,6 +108,20 @@ class Task(Protocol):
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Summed loss from the model's output alone: what a pipeline's last stage computes."""
+        ...
+
+    def baseline_stats(self, batch: dict) -> torch.Tensor:
+        """Sums over this eval batch's loss targets that ``baseline_loss`` needs: e.g. a count
+        per token id, or ``[count, sum, sum of squares]`` of scalar targets. The engine adds these
+        tensors over the eval batches and over the ranks that split the data (data and sequence
+        parallel: under sequence parallelism ``batch`` is this rank's slice of the row). The
+        sizes may differ between batches and ranks along any dimension (a batch holds the ids it
+        holds): smaller tensors are zero-padded at the end to the largest before adding."""
+        ...
+
+    def baseline_loss(self, stats: torch.Tensor) -> Baseline | None:
+        """The baseline from the summed ``baseline_stats`` of every eval batch of every rank (a
+        float64 tensor on the batches' device); None when there is none (no loss targets)."""
         ...
 
 

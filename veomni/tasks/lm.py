@@ -1,4 +1,10 @@
-"""Language modelling: next-token cross entropy on packed rows of token ids."""
+"""Language modelling: next-token cross entropy on packed rows of token ids.
+
+Its baseline is the unigram entropy of the eval targets: the cross entropy, in nats per token, of
+predicting every target token from how often it occurs among them, the best a model can do that
+knows token frequencies and nothing else (even the eval split's own: a model trained on another
+split's frequencies does worse). A lower eval loss means the model uses context.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.tasks.base import IGNORE_INDEX, BatchContract, LossOutput
+from veomni.tasks.base import IGNORE_INDEX, Baseline, BatchContract, LossOutput
 
 LM_CONTRACT = BatchContract(
     unit="token",
@@ -17,6 +23,20 @@ LM_CONTRACT = BatchContract(
     target="labels",
 )
 """A packed row of token ids (``veomni.data.packing``): labels already shifted, -100 = no target."""
+
+
+def target_counts(labels: torch.Tensor) -> torch.Tensor:
+    """How often each token id occurs as a target (index = id; -100 left out)."""
+    return torch.bincount(labels[labels != IGNORE_INDEX]).double()
+
+
+def unigram_entropy(counts: torch.Tensor) -> float | None:
+    """Entropy in nats of the distribution ``counts`` / total; None when the total is 0."""
+    total = counts.sum()
+    if total <= 0:
+        return None
+    p = counts[counts > 0] / total
+    return float(-(p * p.log()).sum())
 
 
 class LanguageModelingTask:
@@ -45,3 +65,15 @@ class LanguageModelingTask:
 
     def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def baseline_stats(self, batch: dict) -> torch.Tensor:
+        return target_counts(batch["labels"])
+
+    def baseline_loss(self, stats: torch.Tensor) -> Baseline | None:
+        entropy = unigram_entropy(stats)
+        if entropy is None:
+            return None
+        meaning = ("the loss of predicting every eval target token from how often it occurs among the eval "
+                   "targets themselves (their unigram entropy), which nothing that ignores context can beat; "
+                   "below it, the model uses context")
+        return Baseline(entropy, "token frequencies alone", meaning, unit="nats", perplexity=True)

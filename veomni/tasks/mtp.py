@@ -8,6 +8,9 @@ global count of next-token targets, the one count the step already all-reduces, 
 gradient-accumulation parity hold unchanged. A sample of length L has L-1 next-token but L-2
 next-2-token targets, so the MTP term's effective weight is ``w * N_mtp / N`` (slightly below
 w). The reported ``loss_ntp`` and ``loss_mtp`` are exact means over their own targets.
+
+The baseline weighs the two terms the same way: ``H_ntp + w * N_mtp / N * H_mtp``, with H the
+unigram entropy of each term's eval targets.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.tasks.base import IGNORE_INDEX, LossOutput
-from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
+from veomni.tasks.base import IGNORE_INDEX, Baseline, LossOutput
+from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask, target_counts, unigram_entropy
 
 MTP_CONTRACT = dataclasses.replace(
     LM_CONTRACT,
@@ -72,3 +75,23 @@ class MultiTokenLMTask(LanguageModelingTask):
             metrics={"loss_ntp": (ntp.detach(), num_tokens),
                      "loss_mtp": (mtp.detach(), int((mtp_labels != IGNORE_INDEX).sum()))},
         )
+
+    def baseline_stats(self, batch: dict) -> torch.Tensor:
+        """Target counts per token id: row 0 of the next-token term, row 1 of the next-2-token term."""
+        if "mtp_labels" not in batch:
+            batch = self.prepare(batch)
+        ntp, mtp = target_counts(batch["labels"]), target_counts(batch["mtp_labels"])
+        size = max(len(ntp), len(mtp))
+        return torch.stack([F.pad(ntp, (0, size - len(ntp))), F.pad(mtp, (0, size - len(mtp)))])
+
+    def baseline_loss(self, stats: torch.Tensor) -> Baseline | None:
+        ntp, mtp = unigram_entropy(stats[0]), unigram_entropy(stats[1])
+        if ntp is None:
+            return None
+        mtp_share = float(stats[1].sum() / stats[0].sum())
+        meaning = (f"the loss of predicting every target token from how often it occurs among the eval "
+                   f"targets themselves (unigram entropy), next-token term plus {self.mtp_weight:g} x "
+                   f"next-2-token term as in the loss, which nothing that ignores context can beat; below "
+                   f"it, the model uses context")
+        return Baseline(ntp + self.mtp_weight * mtp_share * (mtp or 0.0), "token frequencies alone", meaning,
+                        unit="nats")

@@ -18,7 +18,7 @@ from veomni.train.trainer import Trainer
 def main(argv: list[str]) -> int:
     setup_logging()
     cfg = load_config(argv[0], argv[1:])
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, launch=argv)
     trainer.train()
     dist.barrier()
     dist.destroy_process_group()

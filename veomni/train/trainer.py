@@ -12,10 +12,13 @@ the parameter rules. The trainer itself assumes no field names and no tokenizer.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import signal
 import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,20 +26,22 @@ import torch
 import torch.distributed as dist
 
 from veomni.checkpoint.component_init import init_entries, load_components
-from veomni.checkpoint.manager import CheckpointManager, resolve_resume
+from veomni.checkpoint.manager import CheckpointManager, list_checkpoints, resolve_resume
 from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_tokenizer
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.sequence import full_sequence_attention, shard_batch
 from veomni.spec import build_config, get_model_spec, load_plugins
-from veomni.tasks.base import Task, task_generator
+from veomni.tasks.base import Baseline, Task, task_generator
 from veomni.tasks.lm import LanguageModelingTask
+from veomni.train.baseline import BaselineCollector
 from veomni.train.distributed import all_reduce_values, init_distributed
 from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.reporting import MetricsReporter
 from veomni.train.runner import build_runner
+from veomni.train.summary import RunSummary, format_summary, next_commands, summary_record, training_stats
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +57,11 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, task: Task | None = None) -> None:
+    def __init__(self, cfg: RunConfig, task: Task | None = None, launch: Sequence[str] | None = None) -> None:
+        """``launch``: the recipe and overrides the run was started with (``scripts/train.sh``'s
+        arguments), for the next commands the end-of-run summary suggests; None: the output
+        folder's resolved ``config.yaml`` stands in for them."""
+        self._started = time.perf_counter()
         self.cfg = cfg
         self.device = init_distributed(cfg.train.device)
         self.rank = dist.get_rank()
@@ -60,6 +69,7 @@ class Trainer:
         self.meshes = build_mesh(self.dims, self.device.type)
         self.sp_rank = self.meshes.sp.get_local_rank()
         self.output_dir = Path(cfg.train.output_dir)
+        self.launch = list(launch) if launch else [str(self.output_dir / "config.yaml")]
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
@@ -94,6 +104,8 @@ class Trainer:
         self._timer = StepTimer()
         self._last_saved_step = self.step if self.resume_path is not None else -1
         self._last_eval_step = -1
+        self.last_eval: dict[str, float] = {}
+        self.baseline: Baseline | None = None
         self.preempted = False
         self._signal_received: int | None = None
         if threading.current_thread() is threading.main_thread():
@@ -183,14 +195,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """``eval_loss`` (the task's loss) and ``eval_<name>`` for each extra task metric; {} without eval data."""
+        """``eval_loss`` (the task's loss) and ``eval_<name>`` for each extra task metric; {} without
+        eval data. Also sets ``last_eval`` and ``baseline`` (the task's, on the same eval batches)."""
         if not self.cfg.data.eval_path:
             return {}
         for part in self.parts:
             part.eval()
-        result = self.runner.evaluate(self._eval_batches(self._loader("eval")))
+        baseline = BaselineCollector(self.task)
+        result = self.runner.evaluate(baseline.observe(self._eval_batches(self._loader("eval"))))
         for part in self.parts:
             part.train()
+        self.baseline = baseline.result(self.meshes.loss.get_group())
+        self.last_eval = result
         return result
 
     def _eval_batches(self, loader) -> Iterator[dict[str, Any]]:
@@ -255,10 +271,11 @@ class Trainer:
             self.checkpoints.wait()
             self.reporter.close()
         else:
-            self.finish()
+            self.finish(history)
         return history
 
-    def finish(self) -> None:
+    def finish(self, history: list[dict[str, float]]) -> None:
+        """Final eval, checkpoint and sample, then the summary (``history``: this run's step metrics)."""
         cfg = self.cfg
         if self._last_eval_step != self.step:
             eval_metrics = self.evaluate()
@@ -267,23 +284,40 @@ class Trainer:
         if cfg.checkpoint.save_final and self._last_saved_step != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()
-        if cfg.train.sample_prompt:
-            self._sample()
+        sample = self._sample() if cfg.train.sample_prompt else None
         self.reporter.close()
+        summary = self._summary(history, sample)
+        if self.rank == 0:
+            record = json.dumps(summary_record(summary), indent=2)
+            (self.output_dir / "summary.json").write_text(record + "\n")
+            logger.info("end of run\n%s", format_summary(summary))
 
-    def _sample(self) -> None:
-        """Decode a continuation of ``train.sample_prompt`` (text models whose ranks hold the whole model)."""
+    def _summary(self, history: list[dict[str, float]], sample: tuple[str, str] | None) -> RunSummary:
+        checkpoints = list_checkpoints(self.output_dir / "checkpoints")
+        checkpoint = str(checkpoints[-1][1]) if checkpoints else None
+        memory = "max allocated per GPU" if self.device.type == "cuda" else "max resident set per process"
+        return RunSummary(
+            step=self.step, unit=self.unit, eval_loss=self.last_eval.get("eval_loss"), baseline=self.baseline,
+            training=training_stats(history, self.unit, self.step),
+            wall_s=time.perf_counter() - self._started, memory=f"{memory}, largest rank",
+            output_dir=str(self.output_dir), checkpoint=checkpoint,
+            next_commands=next_commands(self.launch, self.step, checkpoint, self.cfg.checkpoint.resume,
+                                        self.spec.hf_adapter is not None, str(self.output_dir)),
+            sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
+        )
+
+    def _sample(self) -> tuple[str, str] | None:
+        """(how it was decoded, prompt + continuation of ``train.sample_prompt``), for text models
+        whose ranks hold the whole model; None elsewhere."""
         cfg, model = self.cfg, self.model
         if model is None or self.tokenizer is None or not isinstance(self.task, LanguageModelingTask):
             logger.warning("train.sample_prompt skipped: sampling decodes text with the whole model in one process "
                            "(not under parallel.pp, and only for language-modelling tasks with a tokenizer)")
-            return
+            return None
         prompt = self.tokenizer.encode(cfg.train.sample_prompt)
         with full_sequence_attention(model):  # every rank decodes the whole prompt
             out = sample_tokens(model, prompt, cfg.train.sample_tokens, self.device, self.tokenizer.eos_token_id,
                                 cfg.train.sample_temperature, cfg.train.sample_top_k, seed=cfg.train.seed)
-        if self.rank == 0:
-            how = f"T={cfg.train.sample_temperature}, top-k {cfg.train.sample_top_k}" \
-                if cfg.train.sample_temperature > 0 else "greedy"
-            logger.info("sample (%s) after %d steps:\n%s%s", how, self.step, cfg.train.sample_prompt,
-                        self.tokenizer.decode(out))
+        how = f"sampled at temperature {cfg.train.sample_temperature:g}, top-k {cfg.train.sample_top_k}" \
+            if cfg.train.sample_temperature > 0 else "greedy (the most likely token each time)"
+        return f"{how}, {len(out)} tokens", cfg.train.sample_prompt + self.tokenizer.decode(out)
