@@ -39,7 +39,12 @@ import webdataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.audio.processing import encode_wav  # noqa: E402
 from veomni.data.builders import (  # noqa: E402
-    builder_main, majority_baseline, publish_split, record_baseline, staging_folder, write_generated_splits
+    builder_main,
+    majority_baseline,
+    publish_split,
+    record_baseline,
+    staging_folder,
+    write_generated_splits,
 )
 
 FORMAT_VERSION = 2

@@ -28,8 +28,8 @@ import re
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import webdataset
 

@@ -7,7 +7,8 @@ long-context training needs samples of tens of thousands of tokens. Here every p
 ``MAX_CHARS``; top-level modules are grouped the same way in name order. Same splits,
 caching, locking and manifest as ``build_stdlib_corpus.py``.
 
-    python data/build_stdlib_long_corpus.py --train-out data/cache/stdlib_long/train --eval-out data/cache/stdlib_long/eval
+    python data/build_stdlib_long_corpus.py --train-out data/cache/stdlib_long/train \
+        --eval-out data/cache/stdlib_long/eval
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _group(name: str) -> str:
 
 def packages(files: list[tuple[str, str]]) -> list[tuple[str, str]]:
     docs = []
-    for group, members in itertools.groupby(sorted(files, key=lambda f: (_group(f[0]), f[0])), key=lambda f: _group(f[0])):
+    ordered = sorted(files, key=lambda f: (_group(f[0]), f[0]))
+    for group, members in itertools.groupby(ordered, key=lambda f: _group(f[0])):
         text, part = "", 0
         for name, body in members:
             block = f"# file: {name}\n{body}\n\n"

@@ -37,7 +37,12 @@ import webdataset
 from PIL import Image, ImageDraw
 
 from veomni.data.builders import (
-    builder_main, majority_baseline, publish_split, record_baseline, staging_folder, write_generated_splits
+    builder_main,
+    majority_baseline,
+    publish_split,
+    record_baseline,
+    staging_folder,
+    write_generated_splits,
 )
 
 FORMAT_VERSION = 2

@@ -1,5 +1,7 @@
 """The model zoo. Importing this package registers every model family."""
 
-from . import llm  # noqa: F401  (registers "llm")
-from . import vwn  # noqa: F401  (registers "vwn")
-from . import omni  # noqa: F401  (registers "omni" and the modalities)
+from . import (
+    llm,  # noqa: F401  (registers "llm")
+    omni,  # noqa: F401  (registers "omni" and the modalities)
+    vwn,  # noqa: F401  (registers "vwn")
+)

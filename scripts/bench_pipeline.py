@@ -34,13 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import models  # noqa: E402,F401  (registers the zoo)
-from veomni.spec import build_model  # noqa: E402
 from veomni.config.schema import ParallelConfig  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.pipeline import build_pipeline  # noqa: E402
 from veomni.parallel.pipeline_plan import analytic_bubble, check_pipeline, virtual_stages  # noqa: E402
+from veomni.spec import build_model  # noqa: E402
 from veomni.tasks import LanguageModelingTask  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

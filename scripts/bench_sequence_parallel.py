@@ -28,15 +28,15 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import models  # noqa: E402,F401  (registers the zoo)
 from veomni.config.loader import load_config  # noqa: E402
 from veomni.config.schema import ParallelConfig  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.sequence import shard_batch  # noqa: E402
-from veomni.tasks import LM_CONTRACT  # noqa: E402
-import models  # noqa: E402,F401  (registers the zoo)
 from veomni.spec import build_model  # noqa: E402
+from veomni.tasks import LM_CONTRACT  # noqa: E402
 
 RECIPE = REPO / "recipes" / "long-context" / "tiny_32k.yaml"
 SAMPLE = 8192

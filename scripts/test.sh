@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Run the whole test suite (or pass pytest arguments):  bash scripts/test.sh [pytest args]
+# Lint, then run the whole test suite (or pass pytest arguments):  bash scripts/test.sh [pytest args]
 # Exits non-zero on any failure.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$REPO_ROOT"
 export WANDB_MODE="${WANDB_MODE:-disabled}"
+# Lint first (the rules are pyproject.toml's [tool.ruff.lint]); a finding fails the suite.
+python -m ruff check . || { echo "ruff check failed: fix the findings above ('ruff check --fix .' fixes some)" >&2; exit 1; }
 exec python -m pytest "$@"

@@ -15,7 +15,8 @@ import os
 import queue as queue_module
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

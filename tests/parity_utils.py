@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from veomni.spec import build_model, get_model_spec
 from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.sequence import shard_batch
+from veomni.spec import build_model, get_model_spec
 from veomni.train.step import clip_and_step, forward_backward
 
 TINY_LLM = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -70,7 +70,8 @@ def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: Par
     sp_rank = meshes.sp.get_local_rank()
     record = {"loss": [], "grads": [], "metrics": []}
     for micro_batches in micro_batches_per_step:
-        batches = [shard_batch(task.prepare(pack_samples(samples)), sp_rank, dims.sp, task.contract) for samples in micro_batches]
+        batches = [shard_batch(task.prepare(pack_samples(samples)), sp_rank, dims.sp, task.contract)
+                   for samples in micro_batches]
         metrics = forward_backward(model, task, batches, meshes.loss.get_group(), dims.loss_size, dims.sp)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({k: v for k, v in metrics.items() if k.startswith(("loss_", "moe/"))})

@@ -22,8 +22,15 @@ from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, write_shard
 from tests.parity_utils import full_params
 from veomni.checkpoint.component_init import load_components
-from veomni.config.schema import (CheckpointConfig, DataConfig, LogConfig, ModelConfig, ParallelConfig,
-                                  RunConfig, TrainConfig)
+from veomni.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
 from veomni.spec import register_hf_adapter
 from veomni.train.trainer import Trainer
 

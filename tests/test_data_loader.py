@@ -16,8 +16,8 @@ from veomni.config.schema import DataConfig
 from veomni.data.datasets import build_dataloader
 from veomni.data.loader import load_tokenizer, merge_loader_states
 from veomni.data.packing import chunk_document
-from veomni.tasks import IGNORE_INDEX
 from veomni.data.sources import BadDataError
+from veomni.tasks import IGNORE_INDEX
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "stdlib-bpe-8k"
 MAX_SEQ_LEN, BUDGET = 64, 160

@@ -5,11 +5,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from veomni.spec import build_model
 from tests.dist_harness import run_distributed
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.checkpoint.export import main as export_main
+from veomni.spec import build_model
 from veomni.train.trainer import Trainer
 
 

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.llm import DecoderLM, LLMConfig
-from veomni.spec import ModelSpec, build_model, get_model_spec
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo, sdpa_varlen_attention, varlen_attention
 from veomni.parallel.plan import match_modules
+from veomni.spec import ModelSpec, build_model, get_model_spec
 
 TINY = {
     "vocab_size": 64,

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from veomni.spec import build_model
 from tests.dist_harness import run_distributed
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.checkpoint.export import main as export_main
+from veomni.spec import build_model
 from veomni.train.trainer import Trainer
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.01)

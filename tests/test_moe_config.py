@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from models.llm import hf_adapter
-from veomni.spec import build_config, build_model
 from veomni.launch import main as launch_main
+from veomni.spec import build_config, build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "qwen3-moe" / "tiny.yaml"
@@ -33,7 +33,8 @@ def test_bad_expert_layout_fails_at_config_time(world, args, needle, capsys):
 @pytest.mark.parametrize("options, needle", [
     ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({"num_experts": 4, "num_experts_per_tok": 2, "router_scoring": "relu"}, "router_scoring"),
-    ({"num_experts": 4, "num_experts_per_tok": 2, "shared_expert_gate": True}, "shared_expert_gate needs a shared expert"),
+    ({"num_experts": 4, "num_experts_per_tok": 2, "shared_expert_gate": True},
+     "shared_expert_gate needs a shared expert"),
     ({"num_experts": 4, "num_experts_per_tok": 2, "capacity_factor": -1.0}, "capacity_factor"),
 ])
 def test_bad_moe_options_are_rejected(options, needle):

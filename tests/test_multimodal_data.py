@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from tests.omni_utils import TOKENIZER, TINY_OMNI, chat_record, png_bytes, write_shard
-from veomni.spec import build_config
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, write_shard
 from veomni.config.schema import DataConfig
 from veomni.data.datasets import build_dataloader
 from veomni.data.loader import load_tokenizer
 from veomni.data.sources import InvalidSampleError
+from veomni.spec import build_config
 
 
 def _config():

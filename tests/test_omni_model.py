@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from veomni.spec import build_config, build_model
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
 from veomni.config.schema import TrainConfig
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
 from veomni.parallel.sequence import check_sequence_parallel
+from veomni.spec import build_config, build_model
 from veomni.train.optim import build_optimizer
 
 

@@ -8,19 +8,18 @@ parameters are merged by name and compared with the one-process run on the same 
 import pytest
 import torch
 
-from veomni.spec import build_model
 from tests.dist_harness import run_distributed
 from tests.parity_utils import TINY_LLM, assert_records_close, full_grads, full_params, run_steps, sample_lengths
-from veomni.config.schema import ParallelConfig
+from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.data.packing import pack_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.pipeline import build_pipeline
+from veomni.spec import build_model
+from veomni.tasks import LanguageModelingTask
 from veomni.train.optim import build_optimizer
-from veomni.config.schema import TrainConfig
 from veomni.train.pipeline_step import pipeline_forward_backward
 from veomni.train.step import clip_and_step
-from veomni.tasks import LanguageModelingTask
 
 STEPS = 2
 LAYERS = 4

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from models.llm.hf_adapter import config_to_hf
-from veomni.spec import build_model
 from tests.dist_harness import run_distributed
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.config.schema import ParallelConfig
+from veomni.spec import build_model
 from veomni.train.trainer import Trainer
 
 

@@ -10,13 +10,13 @@ import torch
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from veomni.spec import build_config, build_model, get_model_spec
 from models.vwn.hyper_connection import GeneralizedHyperConnection
 from tests.test_llm_model import _naive_attention
 from veomni.config.schema import TrainConfig
 from veomni.data.packing import pack_samples
 from veomni.ops.grouped_gemm import grouped_mm
 from veomni.parallel.plan import match_modules
+from veomni.spec import build_config, build_model, get_model_spec
 from veomni.tasks import MultiTokenLMTask, next_two_token_labels
 from veomni.train.optim import build_optimizer
 
@@ -174,7 +174,7 @@ def test_training_flops_match_flop_counter(options, monkeypatch):
     counted by torch (experts through the per-segment matmuls: the counter skips grouped_mm)."""
     monkeypatch.setattr("models.llm.moe.grouped_mm", functools.partial(grouped_mm, fused=False))
     model = _vwn(**options)
-    for name, module in model.named_modules():
+    for module in model.modules():
         if hasattr(module, "attn_fn"):
             module.attn_fn = _naive_attention
     batch = pack_samples(_samples())

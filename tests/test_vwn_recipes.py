@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from veomni.spec import build_config
 from tests.test_launch import REPO, train_sh
 from veomni.config.loader import config_to_dict, load_config
+from veomni.spec import build_config
 
 SWEEP = ["baseline", "r1p5", "r2", "r4", "r8"]
 

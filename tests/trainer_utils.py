@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from veomni.config.schema import (CheckpointConfig, DataConfig, LogConfig, ModelConfig, ParallelConfig,
-                                  RunConfig, TrainConfig)
+from veomni.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizers" / "stdlib-bpe-8k"

@@ -1,10 +1,9 @@
 """Omni-modal composition: modality encoders spliced into an LLM. Registered as "omni": trains
 with the VLM answer loss on chat samples with media."""
 
+from models.llm.cost import LMCost
 from veomni.spec import ModelSpec, register_model
 from veomni.tasks import VLMTask
-
-from models.llm.cost import LMCost
 
 from . import modalities  # noqa: F401  (registers the modalities)
 from .config import OmniConfig

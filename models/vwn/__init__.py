@@ -1,10 +1,9 @@
 """Virtual Width Networks over the dense decoder. Registered as "vwn": trains with language
 modelling, plus next-2-token prediction when ``mtp`` is on."""
 
+from models.llm.cost import LMCost
 from veomni.spec import ModelSpec, ParamRule, register_model
 from veomni.tasks import LanguageModelingTask, MultiTokenLMTask
-
-from models.llm.cost import LMCost
 
 from .config import VWNConfig
 from .hyper_connection import GeneralizedHyperConnection

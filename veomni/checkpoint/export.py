@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from veomni.spec import build_model
 from veomni.checkpoint.hf_io import save_hf_pretrained
 from veomni.checkpoint.manager import COMPLETE_MARKER
 from veomni.config.loader import load_config
 from veomni.logging_setup import setup_logging
+from veomni.spec import build_model
 
 logger = logging.getLogger(__name__)
 

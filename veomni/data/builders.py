@@ -21,8 +21,9 @@ import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MANIFEST = "manifest.json"
 

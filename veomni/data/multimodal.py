@@ -14,9 +14,9 @@ A batch is the text loader's dict (labels are -100 except on assistant tokens) p
 for each modality present in the row.
 
 Reading order, consumer split, epochs and exact resume are the text loader's
-(``PackedTextDataset``). Registered as the ``chat_media`` dataset kind. A media item that does not decode is skipped with its sample and
+(``PackedTextDataset``). A media item that does not decode is skipped with its sample and
 counted as a bad record; a sample whose placeholders and items do not pair up stops the run
-with its key (``InvalidSampleError``).
+with its key (``InvalidSampleError``). Registered as the ``chat_media`` dataset kind.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 from veomni.config.schema import DataConfig
 from veomni.data.chat import ChatEncoder, EncodedChat
 from veomni.data.loader import PackedTextDataset, check_text_data
-from veomni.data.registry import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.packing import pack_samples
+from veomni.data.registry import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.sources import InvalidSampleError, ReadStats, count_bad, iter_tar_samples
 from veomni.spec.media import MediaItem, MediaModelConfig, collate_items
 from veomni.tasks.base import IGNORE_INDEX

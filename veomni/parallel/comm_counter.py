@@ -4,8 +4,8 @@ communication volume of a parallel recipe against its analytic formula."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 class CommCounter:
@@ -20,7 +20,7 @@ class CommCounter:
             self.calls[kind] += 1
 
     @contextmanager
-    def measure(self) -> Iterator["CommCounter"]:
+    def measure(self) -> Iterator[CommCounter]:
         """Count from zero inside the block."""
         self.bytes.clear()
         self.calls.clear()

@@ -9,7 +9,7 @@ exactly those of a single-process run with the same seed.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -35,7 +35,7 @@ class ParallelDims:
     pp: int = 1
 
     @classmethod
-    def resolve(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+    def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         if world_size < 1:
             raise LayoutError(f"world size must be >= 1, got {world_size}")
         if cfg.pp < 1 or world_size % cfg.pp:

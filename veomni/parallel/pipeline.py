@@ -40,8 +40,14 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.materialize import build_sharded_parts
-from veomni.parallel.pipeline_plan import (PipelineConfigError, balanced_split, check_pipeline, microbatch_count,
-                                           stage_ids, virtual_stages)
+from veomni.parallel.pipeline_plan import (
+    PipelineConfigError,
+    balanced_split,
+    check_pipeline,
+    microbatch_count,
+    stage_ids,
+    virtual_stages,
+)
 from veomni.parallel.plan import ParallelPlan, match_modules
 from veomni.tasks.base import BatchContract, Task
 

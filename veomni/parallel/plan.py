@@ -34,7 +34,7 @@ class ParallelPlan:
     experts: tuple[str, ...] = ()
     attention: tuple[str, ...] = ()
     stages: tuple[str, ...] = ()
-    encoders: dict[str, "ParallelPlan"] = field(default_factory=dict)
+    encoders: dict[str, ParallelPlan] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=256)

@@ -21,8 +21,9 @@ restores the token layout. Everything else in the model is per token and runs un
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

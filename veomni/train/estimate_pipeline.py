@@ -3,8 +3,8 @@
 Each pipeline rank holds its stages' parameters (sharded by FSDP over the stage's
 ``dp_shard x sp`` ranks), their gradients and optimizer state, the gathered parameters FSDP keeps
 (two blocks plus the stage's embedding / head, with only a block's ``E / ep`` local experts under
-expert parallelism; the whole stage when a zero-bubble schedule keeps it gathered), and the activations of the micro-batches it has in flight, which is what
-distinguishes the schedules:
+expert parallelism; the whole stage when a zero-bubble schedule keeps it gathered), and the
+activations of the micro-batches it has in flight, which is what distinguishes the schedules:
 
 - GPipe: every micro-batch of every local stage (all forwards come before the backwards);
 - 1F1B: ``min(m, p - r)`` on rank ``r``;
@@ -25,8 +25,14 @@ import torch
 from veomni.config.schema import RunConfig
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.pipeline import stage_block_counts
-from veomni.parallel.pipeline_plan import (SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES,
-                                           microbatch_count, stage_ids, virtual_stages)
+from veomni.parallel.pipeline_plan import (
+    SINGLE_STAGE_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
+    microbatch_count,
+    stage_ids,
+    virtual_stages,
+)
 from veomni.parallel.plan import match_modules
 from veomni.spec import build_model, get_model_spec
 
@@ -86,8 +92,8 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     lines = [f"pipeline      {par.pp_schedule}: {len(counts)} stages ({par.pp} ranks x {v}), blocks per stage "
              f"{counts}, {m} micro-batches of {tokens} tokens (padded) per step"]
     if dims.ep > 1:
-        lines.append(f"pipeline x EP each stage's {shard} ranks split its experts {dims.ep}-way (ep_fsdp {dims.ep_fsdp} "
-                     f"x ep {dims.ep}); aux losses and expert loads are kept per stage")
+        lines.append(f"pipeline x EP each stage's {shard} ranks split its experts {dims.ep}-way "
+                     f"(ep_fsdp {dims.ep_fsdp} x ep {dims.ep}); aux losses and expert loads are kept per stage")
     lines += [
              "memory / rank by pipeline rank (estimate, GiB; params/grads/optimizer fp32 sharded "
              f"1/{shard}):",

@@ -19,7 +19,6 @@ from veomni.config.schema import TrainConfig
 from veomni.parallel.stage_optimizers import StageOptimizers
 from veomni.spec.hooks import ParamRule
 
-
 NO_DECAY_FOR_VECTORS = ParamRule({"weight_decay": 0.0}, predicate=lambda _, p: p.ndim < 2, name="no_decay_1d")
 
 
