@@ -28,14 +28,14 @@ import dataclasses
 import difflib
 import os
 import re
-import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from veomni.config.schema import ModelConfig, RunConfig
+from veomni.config.types import ConfigError, coerce, dict_entry_type
 
 PATH_KEYS = {
     ("data", "train_path"),
@@ -50,10 +50,6 @@ PATH_KEYS = {
 relative values given on the command line against the current directory. A field typed ``dict``
 listed here holds a path in each of its values (e.g. sub-module -> folder), each resolved by
 where that entry was set."""
-
-
-class ConfigError(ValueError):
-    """A recipe problem the user must fix; the message says what and where."""
 
 
 @dataclasses.dataclass
@@ -176,60 +172,6 @@ def _origins(node: _Value, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Check ``value`` against a field annotation, converting only where it is lossless."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
-    if origin in (dict, list):
-        if not isinstance(value, origin):
-            raise ConfigError(f"{where}: expected a {origin.__name__}, got {value!r}")
-        return value
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        try:
-            return float(value)  # YAML 1.1 reads "3e-4" as a string
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if annotation is Any:
-        return value
-    raise ConfigError(f"{where}: unsupported field type {annotation}")
-
-
 def _model_field_types(arch: str, where: str, plugins: list[str]) -> dict[str, Any]:
     """Field name -> type of the registered model's config dataclass (after importing the
     ``model.plugins`` packages, which register the families)."""
@@ -248,7 +190,7 @@ def _plugins(node: _Value | None) -> list[str]:
     recipe's folder (or the cwd on the command line), like other path keys."""
     if node is None:
         return ModelConfig().plugins
-    entries = _coerce(_plain(node), list[str], f"{node.origin}: model.plugins")
+    entries = coerce(_plain(node), list[str], f"{node.origin}: model.plugins")
     return [str((node.base_dir / os.path.expanduser(e)).resolve()) if "/" in e or e.endswith(".py") else e
             for e in entries]
 
@@ -289,7 +231,7 @@ def _fill_model(model: ModelConfig, node: _Value) -> None:
     ``validate`` checks it."""
     arch_node = node.value.get("arch")
     if arch_node is not None:
-        model.arch = _coerce(arch_node.value, str, f"{arch_node.origin}: model.arch")
+        model.arch = coerce(arch_node.value, str, f"{arch_node.origin}: model.arch")
     model.plugins = _plugins(node.value.get("plugins"))
     fields = _model_field_types(model.arch, arch_node.origin if arch_node else "model.arch", model.plugins)
     for name, child in node.value.items():
@@ -312,20 +254,11 @@ def _fill_section(section_obj: Any, section: str, node: _Value) -> None:
         setattr(section_obj, name, value)
 
 
-def _dict_entry_type(annotation: Any) -> Any:
-    """``V`` of a ``dict[K, V]`` annotation, also inside ``X | None``; None for any other type."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return next((t for t in map(_dict_entry_type, typing.get_args(annotation)) if t is not None), None)
-    if typing.get_origin(annotation) is dict:
-        return typing.get_args(annotation)[1]
-    return None
-
-
 def _build_value(node: _Value, annotation: Any, dotted: str, is_path: bool = False) -> Any:
     """The plain value of ``node`` checked against ``annotation``. A mapping given to a ``dict`` field
     is checked entry by entry, so that a wrong entry names its own line or flag and a path entry
     resolves against its own folder; a mapping given to any other field is an error."""
-    entry_type = _dict_entry_type(annotation)
+    entry_type = dict_entry_type(annotation)
     if node.is_mapping and entry_type is not None:
         return {key: _build_value(child, entry_type, f"{dotted}.{key}", is_path)
                 for key, child in node.value.items()}
@@ -333,7 +266,7 @@ def _build_value(node: _Value, annotation: Any, dotted: str, is_path: bool = Fal
         key, child = next(iter(node.value.items()))
         raise ConfigError(f"{child.origin}: '{dotted}.{key}' is nested too deep: '{dotted}' takes one value, "
                           "not a mapping of keys")
-    value = _coerce(_plain(node), annotation, f"{node.origin}: {dotted}")
+    value = coerce(_plain(node), annotation, f"{node.origin}: {dotted}")
     if is_path and isinstance(value, str):
         value = str((node.base_dir / os.path.expanduser(value)).resolve())
     return value

@@ -1,0 +1,79 @@
+"""Values of a recipe checked against the schema's type annotations.
+
+``coerce`` converts only where it is lossless (an int where a float is expected, YAML 1.1's
+"3e-4" string for a float) and otherwise raises ``ConfigError`` naming where the value came
+from; kept apart from the loader, which decides *where* values go.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A recipe problem the user must fix; the message says what and where."""
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check ``value`` against a field annotation, converting only where it is lossless."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(coerce(v, a, where) for v, a in zip(value, args))
+    if origin in (dict, list):
+        if not isinstance(value, origin):
+            raise ConfigError(f"{where}: expected a {origin.__name__}, got {value!r}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return float(value)  # YAML 1.1 reads "3e-4" as a string
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if annotation is Any:
+        return value
+    raise ConfigError(f"{where}: unsupported field type {annotation}")
+
+
+def dict_entry_type(annotation: Any) -> Any:
+    """``V`` of a ``dict[K, V]`` annotation, also inside ``X | None``; None for any other type."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next((t for t in map(dict_entry_type, typing.get_args(annotation)) if t is not None), None)
+    if typing.get_origin(annotation) is dict:
+        return typing.get_args(annotation)[1]
+    return None
