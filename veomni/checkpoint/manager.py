@@ -89,15 +89,21 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(path: str | os.PathLike) -> int | None:
+    """The step of a ``step_*`` checkpoint folder (None for any other name)."""
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root`` as (step, path), oldest first."""
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), child))
+        step = step_of(child)
+        if step is not None and (child / COMPLETE_MARKER).is_file():
+            found.append((step, child))
     return sorted(found)
 
 

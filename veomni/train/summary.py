@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from veomni.checkpoint.manager import step_of
 from veomni.tasks.base import Baseline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,10 +108,6 @@ def _without_flags(args: Sequence[str], flags: set[str]) -> list[str]:
         out.append(args[i])
         i += 1
     return out
-
-
-def step_of(checkpoint: str) -> int:
-    return int(Path(checkpoint).name.rsplit("_", 1)[-1])
 
 
 def next_commands(launch: Sequence[str], step: int, checkpoint: str | None, resume: str,
