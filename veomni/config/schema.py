@@ -39,6 +39,19 @@ class DataConfig:
     shuffle: bool = True
     max_bad_fraction: float = 0.01
     """Bad records are skipped and counted; above this fraction the run stops."""
+    graph_partitioner: Literal["auto", "metis", "bfs", "index"] = "auto"
+    """Graph kinds: how nodes are split into data-parallel partitions and each partition into
+    chunks (``train.grad_accum`` of them): ``metis`` when a METIS binding is installed, ``bfs``
+    (locality-aware, pure torch), ``index`` (contiguous ids); ``auto`` takes metis, else bfs."""
+    graph_chunk_order: Literal["shuffled", "fixed"] = "shuffled"
+    """Graph kinds: the order chunks run in each epoch (``shuffled``: seeded per epoch, so no chunk
+    always reads the stalest history)."""
+    graph_warmup_epochs: int = 2
+    """Graph kinds with chunks: the first epochs train exactly on the whole partition (no stale
+    history), which also fills the history before the first chunked epoch."""
+    graph_refresh_every: int = 10
+    """Graph kinds with chunks: every this many epochs one epoch trains exactly on the whole
+    partition, refreshing every history row; 0: only the warm-up epochs do."""
 
 
 @dataclass

@@ -37,6 +37,7 @@ def build_dataloader(
     seed: int,
     model_config: Any = None,
     kind: str = "packed_text",
+    micro_batches: int = 1,
 ) -> PackedDataLoader:
     """Loader of micro-batch dicts for one data-parallel rank, from the dataset kind ``kind``.
 
@@ -52,7 +53,7 @@ def build_dataloader(
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
     dataset = get_dataset_kind(kind).build(DatasetRequest(cfg, path, split, tokenizer, dp_rank, dp_size, seed,
-                                                          model_config))
+                                                          model_config, micro_batches))
     if cfg.num_workers > 0:
         # Workers are forked; HF tokenizers would otherwise warn and turn its thread pool off in each one.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

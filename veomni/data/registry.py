@@ -89,6 +89,9 @@ class DatasetRequest:
     dp_size: int
     seed: int
     model_config: Any
+    micro_batches: int = 1
+    """Micro-batches per rank per optimizer step (``train.grad_accum``): a graph kind cuts each
+    epoch into this many chunks."""
 
 
 def _no_problems(cfg: DataConfig, model_config: Any) -> list[str]:

@@ -1,7 +1,7 @@
 """The one ordered parallel recipe applied to a plain model.
 
-Order matters: pipeline split (``pipeline.py`` cuts the model before calling this) -> sequence
-and expert injection -> activation checkpointing -> compile -> FSDP. Expert injection swaps
+Order matters: pipeline split (``pipeline.py`` cuts the model before calling this) -> sequence,
+graph and expert injection -> activation checkpointing -> compile -> FSDP. Expert injection swaps
 parameters for EP-sharded DTensors and sets the MoE dispatchers, which checkpointing and
 compile must then capture;
 checkpointing and compile wrap the block's forward, and FSDP must see the final module tree
@@ -18,6 +18,7 @@ from veomni.config.schema import ParallelConfig
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
 from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from veomni.parallel.graph import apply_graph_parallel
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
 from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
@@ -44,6 +45,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
     if meshes.dims.sp > 1:
         count = apply_sequence_parallel(model, plan, meshes.sp.get_group())
         logger.info("Ulysses sequence parallelism (sp=%d) on %d attention modules", meshes.dims.sp, count)
+    if plan.message_passing:
+        group = meshes.dp.get_group() if meshes.dims.dp_size > 1 else None
+        count = apply_graph_parallel(model, plan, group)
+        logger.info("graph aggregation on %d message-passing modules (%d partitions)", count, meshes.dims.dp_size)
     experts = apply_expert_parallel(model, plan, meshes.ep, meshes.loss, meshes.dims.loss_size)
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:

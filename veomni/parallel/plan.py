@@ -27,6 +27,9 @@ class ParallelPlan:
     attention: attention modules exposing an ``attn_fn`` injection point; their inputs carry
                a sequence dim that sequence parallelism may split.
     stages:    ordered top-level pieces (embed, blocks container, head) for pipelines.
+    message_passing: message-passing modules exposing an ``aggregate`` injection point
+               (``veomni.ops.graph.NeighbourAggregation``); graph parallelism and layer pipelines
+               replace it with one that exchanges halo rows and keeps historical embeddings.
     encoders:  sub-models of an omni model, each with its own plan.
     """
 
@@ -34,6 +37,7 @@ class ParallelPlan:
     experts: tuple[str, ...] = ()
     attention: tuple[str, ...] = ()
     stages: tuple[str, ...] = ()
+    message_passing: tuple[str, ...] = ()
     encoders: dict[str, ParallelPlan] = field(default_factory=dict)
 
 
@@ -68,7 +72,7 @@ def prefixed(plan: ParallelPlan, prefix: str) -> ParallelPlan:
         return tuple(f"{prefix}.{p}" for p in patterns)
 
     return ParallelPlan(blocks=add(plan.blocks), experts=add(plan.experts), attention=add(plan.attention),
-                        stages=add(plan.stages),
+                        stages=add(plan.stages), message_passing=add(plan.message_passing),
                         encoders={f"{prefix}.{k}": v for k, v in plan.encoders.items()})
 
 
@@ -77,10 +81,12 @@ def flatten_plan(plan: ParallelPlan) -> ParallelPlan:
     joins the top-level roles with its globs prefixed, so FSDP, activation checkpointing and
     compile treat encoder blocks like the LLM's. ``stages`` stay the top-level model's."""
     blocks, experts, attention = list(plan.blocks), list(plan.experts), list(plan.attention)
+    message_passing = list(plan.message_passing)
     for path, sub in plan.encoders.items():
         flat = prefixed(flatten_plan(sub), path)
         blocks += flat.blocks
         experts += flat.experts
         attention += flat.attention
+        message_passing += flat.message_passing
     return ParallelPlan(blocks=tuple(blocks), experts=tuple(experts), attention=tuple(attention),
-                        stages=plan.stages)
+                        stages=plan.stages, message_passing=tuple(message_passing))

@@ -1,13 +1,14 @@
 """The engine's task library: losses a model family trains with, each with its batch contract.
 
 Families name their task in their ``ModelSpec``; models may import this package (it depends on
-nothing but torch and the contract types). Language modelling, multi-token prediction and the
-VLM answer loss live here now; flow matching and node classification join them.
+nothing but torch and the contract types). Language modelling, multi-token prediction, the VLM
+answer loss and node classification live here.
 """
 
 from veomni.tasks.base import IGNORE_INDEX, BatchContract, LossOutput, Task, task_generator
 from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
 from veomni.tasks.mtp import MultiTokenLMTask, next_two_token_labels
+from veomni.tasks.node import NODE_CONTRACT, NodeClassificationTask
 from veomni.tasks.vlm import VLMTask
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "LanguageModelingTask",
     "LossOutput",
     "MultiTokenLMTask",
+    "NODE_CONTRACT",
+    "NodeClassificationTask",
     "Task",
     "VLMTask",
     "next_two_token_labels",

@@ -128,7 +128,7 @@ class Trainer:
     # ----- state ------------------------------------------------------------------------
     def _loader(self, split: str):
         return build_dataloader(self.cfg.data, split, self.tokenizer, self.meshes.dp_rank, self.dims.dp_size,
-                                self.cfg.train.seed, self.model_config, self.data_kind)
+                                self.cfg.train.seed, self.model_config, self.data_kind, self.cfg.train.grad_accum)
 
     def _initialise(self, model: torch.nn.Module) -> None:
         """Rank 0's full copy: seeded init, then for a fresh run the pretrained folders of
