@@ -1,11 +1,19 @@
 """Bytes each rank sends, per kind of collective: for tests and benchmarks that check the
-communication volume of a parallel recipe against its analytic formula."""
+communication volume of a parallel recipe against its analytic formula, and for the trainer,
+which reports each step's global bytes per kind (``comm_bytes_<kind>``).
+
+Counted: the engine's own collectives (``KINDS``). Not counted: FSDP's parameter all-gathers and
+gradient reduce-scatters (torch issues them) and the step's small metric all-reduces."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+KINDS = ("sp_all_to_all", "graph_halo", "pp_p2p")
+"""Ulysses sequence <-> head all-to-alls; halo rows and their gradients between graph partitions;
+stage activations and gradients between pipeline ranks (point-to-point, ``p2p.py``)."""
 
 
 class CommCounter:

@@ -40,7 +40,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.materialize import build_sharded_parts
+from veomni.parallel.p2p import recv_tensor, send_tensor
 from veomni.parallel.pipeline_plan import (
+    GRAPH_SCHEDULES,
     PipelineConfigError,
     balanced_split,
     check_pipeline,
@@ -179,11 +181,25 @@ def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int)
     plan = model.parallel_plan()
     _, blocks = _container(model, plan)
     check_pipeline(cfg, grad_accum, num_blocks=len(blocks))
+    if plan.message_passing:
+        check_graph_pipeline(cfg, grad_accum)
     shared = _shared_across_pieces(model, plan)
     if shared:
         raise PipelineConfigError(f"parameters shared between pipeline pieces would sit on different stages: "
                                   f"{'; '.join(' = '.join(names) for names in shared)}; untie them (for the zoo's "
                                   "LMs: model.tie_embeddings=false) or set parallel.pp=1")
+
+
+def check_graph_pipeline(cfg: ParallelConfig, grad_accum: int) -> None:
+    """A graph model pipelines its chunks (``graph_pipeline.py``): one stage per rank, a GPipe or
+    1F1B order, and one pipeline micro-batch per chunk."""
+    if cfg.pp_schedule not in GRAPH_SCHEDULES:
+        raise PipelineConfigError(f"parallel.pp_schedule={cfg.pp_schedule}: a model with message-passing layers "
+                                  f"pipelines its graph chunks with {' or '.join(GRAPH_SCHEDULES)}; set one")
+    if cfg.pp_microbatches not in (0, grad_accum):
+        raise PipelineConfigError(f"parallel.pp_microbatches={cfg.pp_microbatches}: a graph pipeline runs one "
+                                  f"micro-batch per chunk, and the chunks are train.grad_accum={grad_accum}; "
+                                  "leave pp_microbatches at 0")
 
 
 def _shared_across_pieces(model: nn.Module, plan: ParallelPlan) -> list[list[str]]:
@@ -302,10 +318,10 @@ class Pipeline:
                 owner, previous = self._owner[index], self._owner.get(index - 1)
                 if owner != self.pp_rank:
                     if previous == self.pp_rank:
-                        self._send(x, owner)
+                        send_tensor(x, owner, self.pp_group)
                     continue
                 if previous is not None and previous != self.pp_rank:
-                    x = self._recv(previous)
+                    x = recv_tensor(previous, self.pp_group, self.device)
                 x = self._by_index[index](x, **kwargs)
             if self.has_last_stage:
                 loss_sum += float(self.task.output_loss(x, row[self.contract.target]))
@@ -318,43 +334,33 @@ class Pipeline:
         kwargs = {k: int(row[k]) if k == "max_seqlen" else row[k] for k in self.contract.stage_kwargs}
         return {**kwargs, "valid_tokens": row.get("valid_tokens")}
 
-    def _send(self, x: torch.Tensor, to: int) -> None:
-        dst = dist.get_global_rank(self.pp_group, to)
-        header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape, *[0] * (8 - x.dim())], device=x.device)
-        dist.send(header, dst=dst, group=self.pp_group)
-        dist.send(x.contiguous(), dst=dst, group=self.pp_group)
-
-    def _recv(self, source: int) -> torch.Tensor:
-        src = dist.get_global_rank(self.pp_group, source)
-        header = torch.zeros(10, dtype=torch.long, device=self.device)
-        dist.recv(header, src=src, group=self.pp_group)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
-        dist.recv(x, src=src, group=self.pp_group)
-        return x
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
-
 
 def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                    parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
                    pp_mesh: DeviceMesh, device: torch.device, task: Task) -> Pipeline:
-    """This rank's stages, cut from the model ``build()`` makes, parallelised by ``parallelize``
-    (FSDP / EP within the stage's ranks) and filled with rank 0's initial weights exactly as in
-    one process (see ``materialize.py``)."""
+    """This rank's stages (``build_stage_parts``) and the ``torch.distributed.pipelining``
+    schedule that drives them."""
+    check_pipeline_task(task, cfg)
+    parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device)
+    return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task)
+
+
+def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
+                      parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
+                      pp_mesh: DeviceMesh, device: torch.device) -> tuple[list[nn.Module], list[int]]:
+    """This rank's stage modules and their global stage indices, cut from the model ``build()``
+    makes, parallelised by ``parallelize`` (FSDP / EP within the stage's ranks) and filled with
+    rank 0's initial weights exactly as in one process (see ``materialize.py``)."""
     with torch.device("meta"):
         probe = build()
     check_pipeline_model(probe, cfg, grad_accum)
-    check_pipeline_task(task, cfg)
     counts = stage_block_counts(probe, cfg)
     indices = stage_ids(pp_mesh.get_local_rank(), cfg.pp, virtual_stages(cfg), cfg.pp_schedule)
     logger.info("pipeline %s: %d stages with %s blocks; this rank runs stages %s", cfg.pp_schedule, len(counts),
                 counts, indices)
     makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize)
               for i in indices]
-    parts = build_sharded_parts(build, initialise, makers, device, strict=False)
-    return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task)
+    return build_sharded_parts(build, initialise, makers, device, strict=False), indices
 
 
 def _cut_and_parallelize(model: nn.Module, stage: int, counts: list[int],

@@ -17,6 +17,10 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Stages dealt round-robin: rank r runs stages r, r + pp, r + 2 pp, ..."""
 
+GRAPH_SCHEDULES = ("GPipe", "1F1B")
+"""The schedules of a graph model's layer pipeline (``graph_pipeline.py``): chunks of one graph,
+one stage per rank."""
+
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """Zero-bubble schedules: input gradients first, weight gradients later. FSDP must keep the
 stage's parameters gathered between the two (``reshard_after_forward=False``): resharded in

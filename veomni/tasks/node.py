@@ -47,7 +47,10 @@ class NodeClassificationTask:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
-        logits = model(batch["x"], batch)
+        return self.output_result(model(batch["x"], batch), batch)
+
+    def output_result(self, logits: torch.Tensor, batch: dict) -> LossOutput:
+        """Loss and accuracies from the model's logits: what a graph pipeline's last stage reports."""
         metrics = {"accuracy": correct_count(logits, batch["labels"])}
         if "test_labels" in batch:
             metrics["test_accuracy"] = correct_count(logits, batch["test_labels"])

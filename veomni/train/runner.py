@@ -1,8 +1,10 @@
 """Step runners: how one optimizer step and one evaluation run, chosen once at set-up.
 
 ``PlainRunner`` runs each micro-batch forward and backward on the (FSDP/EP/SP-parallelised)
-model; ``PipelineRunner`` hands a step's micro-batches to a pipeline schedule. Both own the
-optimizer and LR schedule of the modules they hold (``parts``), return the same global metrics
+model; ``PipelineRunner`` hands a step's micro-batches to a pipeline schedule;
+``GraphPipelineRunner`` (``graph_runner.py``) runs a graph model's chunks through its layer
+pipeline, chosen for models whose plan names message-passing modules. All own the optimizer and
+LR schedule of the modules they hold (``parts``), return the same global metrics
 (generic names: ``units``, ``loss_units``, ``flops``; the trainer names them after the task's
 unit) and the same eval results, so the trainer's loop has no branch on the parallel layout.
 """
@@ -11,65 +13,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from veomni.config.schema import RunConfig
 from veomni.parallel.apply import parallelize
+from veomni.parallel.graph_pipeline import GraphPipeline
 from veomni.parallel.materialize import build_sharded
-from veomni.parallel.mesh import ParallelDims, ParallelMeshes
-from veomni.parallel.pipeline import Pipeline, build_pipeline, empty_row
+from veomni.parallel.mesh import ParallelMeshes
+from veomni.parallel.pipeline import Pipeline, build_pipeline, build_stage_parts, empty_row
+from veomni.parallel.plan import flatten_plan
 from veomni.spec import ModelSpec
 from veomni.tasks.base import Task
-from veomni.train.distributed import all_reduce_values
-from veomni.train.optim import build_optimizer, build_scheduler
+from veomni.train.graph_runner import GraphPipelineRunner
 from veomni.train.pipeline_step import pipeline_forward_backward, pipeline_rows
-from veomni.train.step import add_task_metrics, clip_and_step, forward_backward, task_metric_means
+from veomni.train.runner_base import RunnerBase, StepRunner
+from veomni.train.step import add_task_metrics, clip_and_step, forward_backward
 
 
-class StepRunner(Protocol):
-    parts: list[nn.Module]
-    """The modules this rank holds (the model, or its pipeline stages): checkpointed and stepped."""
-    whole_model: nn.Module | None
-    """The model when every rank runs all of it (for decoding a sample), else None."""
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-
-    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
-        """Forward, backward, clip and step over this rank's micro-batches; global metrics."""
-        ...
-
-    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
-        """``eval_loss`` and ``eval_<name>`` per task metric over the batches of every rank
-        ({} when no rank had a loss unit)."""
-        ...
-
-
-class _RunnerBase:
-    def __init__(self, parts: list[nn.Module], cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
-                 meshes: ParallelMeshes) -> None:
-        self.parts, self.cfg, self.spec, self.task, self.meshes = parts, cfg, spec, task, meshes
-        self.dims: ParallelDims = meshes.dims
-        self.optimizer = build_optimizer(parts, cfg.train, spec.param_rules(model_config))
-        self.scheduler = build_scheduler(self.optimizer, cfg.train)
-
-    def _eval_result(self, loss_sum: float, units: float, extra: dict[str, list[float]],
-                     group: dist.ProcessGroup | None, units_divisor: int = 1) -> dict[str, float]:
-        names = sorted(extra)
-        total_loss, total_units, *totals = all_reduce_values(
-            [loss_sum, units, *(v for name in names for v in extra[name])], group=group)
-        total_units /= units_divisor
-        if not total_units:
-            return {}
-        result = {"eval_loss": total_loss / total_units}
-        result.update({f"eval_{k}": v for k, v in task_metric_means(names, totals).items()})
-        return result
-
-
-class PlainRunner(_RunnerBase):
+class PlainRunner(RunnerBase):
     def __init__(self, model: nn.Module, cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
                  meshes: ParallelMeshes) -> None:
         super().__init__([model], cfg, spec, model_config, task, meshes)
@@ -89,10 +53,10 @@ class PlainRunner(_RunnerBase):
             loss_sum += float(out.loss_sum)
             units += out.loss_units
             add_task_metrics(extra, out.metrics)
-        return self._eval_result(loss_sum, units, extra, self.meshes.loss.get_group())
+        return self.eval_result(loss_sum, units, extra, self.meshes.loss.get_group())
 
 
-class PipelineRunner(_RunnerBase):
+class PipelineRunner(RunnerBase):
     """Every rank of a pipeline reads the same micro-batches; ``whole_model`` is a meta copy of
     the full model, for the cost model only."""
 
@@ -125,7 +89,7 @@ class PipelineRunner(_RunnerBase):
             group += [empty_row(group[0], contract)] * (size - len(group))
             loss_sum += self.pipeline.evaluate(pipeline_rows(group, self.pipeline.microbatches,
                                                              self.cfg.data.tokens_per_micro_batch, contract))
-        return self._eval_result(loss_sum, units, {}, None, units_divisor=self.dims.pp)
+        return self.eval_result(loss_sum, units, {}, None, units_divisor=self.dims.pp)
 
 
 def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task, meshes: ParallelMeshes,
@@ -135,10 +99,16 @@ def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
     build = functools.partial(spec.instantiate, model_config)
     recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type)
     if meshes.dims.pp > 1:
-        pipeline = build_pipeline(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum, meshes.pp,
-                                  device, task)
         with torch.device("meta"):
             meta_model = build()
+        if flatten_plan(meta_model.parallel_plan()).message_passing:
+            parts, stages = build_stage_parts(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum,
+                                              meshes.pp, device)
+            graph = GraphPipeline(parts[0], stages[0], meshes.dims.pp, cfg.parallel.pp_schedule, meshes.pp.get_group(),
+                                  device, task)
+            return GraphPipelineRunner(graph, meta_model, cfg, spec, model_config, task, meshes)
+        pipeline = build_pipeline(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum, meshes.pp,
+                                  device, task)
         return PipelineRunner(pipeline, meta_model, cfg, spec, model_config, task, meshes)
     model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
     return PlainRunner(model, cfg, spec, model_config, task, meshes)

@@ -30,6 +30,8 @@ from veomni.checkpoint.manager import CheckpointManager, list_checkpoints, resol
 from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_tokenizer
+from veomni.parallel.comm_counter import COMM_COUNTER
+from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.sequence import full_sequence_attention, shard_batch
 from veomni.spec import build_config, get_model_spec, load_plugins
@@ -190,8 +192,14 @@ class Trainer:
                 for i in range(self.cfg.train.grad_accum)]
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches; returns global metrics (generic names)."""
-        return self.runner.train_step(micro_batches)
+        """One optimizer step over this rank's micro-batches; returns global metrics (generic names)
+        with the bytes the engine's collectives sent, summed over the ranks, per kind."""
+        with COMM_COUNTER.measure() as counter:
+            metrics = self.runner.train_step(micro_batches)
+            sent = [counter.bytes[kind] for kind in COMM_KINDS]
+        totals = all_reduce_values(sent)
+        metrics.update({f"comm_bytes_{kind}": int(total) for kind, total in zip(COMM_KINDS, totals) if total})
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
