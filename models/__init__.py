@@ -1,6 +1,7 @@
 """The model zoo. Importing this package registers every model family."""
 
 from . import (
+    gnn,  # noqa: F401  (registers "gnn")
     llm,  # noqa: F401  (registers "llm")
     omni,  # noqa: F401  (registers "omni" and the modalities)
     vwn,  # noqa: F401  (registers "vwn")
