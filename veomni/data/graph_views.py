@@ -33,11 +33,12 @@ Normalization = Literal["gcn", "mean", "sum"]
 def edge_weights(edge_index: torch.Tensor, num_nodes: int, norm: Normalization) -> tuple[torch.Tensor, torch.Tensor]:
     """(edges, weights) holding a layer's neighbour normalisation, from the whole graph.
 
-    ``gcn``: a self-loop added to every node that has none, then ``w = d_s^-1/2 d_t^-1/2`` with d
-    the in-degree counting self-loops (``torch_geometric``'s ``gcn_norm``); ``mean``: ``1 / d_t``
-    (GraphSAGE's mean aggregation); ``sum``: 1.
+    Duplicate edges are merged first (a graph is a set of edges). ``gcn``: a self-loop added to
+    every node that has none, then ``w = d_s^-1/2 d_t^-1/2`` with d the in-degree counting
+    self-loops (``torch_geometric``'s ``gcn_norm``); ``mean``: ``1 / d_t`` (GraphSAGE's mean
+    aggregation); ``sum``: 1.
     """
-    edge_index = edge_index.long()
+    edge_index = torch.unique(edge_index.long(), dim=1)
     if norm == "gcn":
         has_loop = torch.zeros(num_nodes, dtype=torch.bool)
         has_loop[edge_index[0][edge_index[0] == edge_index[1]]] = True
@@ -61,7 +62,7 @@ def _order(keys: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """``ids`` sorted lexicographically by ``keys`` (most significant first), then by id."""
     order = torch.argsort(ids, stable=True)
     for key in reversed(keys):
-        order = order[torch.argsort(key[order], stable=True)]
+        order = order[torch.argsort(key[ids[order]], stable=True)]
     return ids[order]
 
 
