@@ -44,6 +44,7 @@ def _check_data(cfg: RunConfig, prepare: bool) -> list[str]:
         cmd = [sys.executable, str(script), "--train-out", cfg.data.train_path]
         if cfg.data.eval_path:
             cmd += ["--eval-out", cfg.data.eval_path]
+        cmd += [str(arg) for arg in cfg.data.prepare_args]
         print(f"[launch] preparing data: {' '.join(cmd)}", file=sys.stderr, flush=True)
         if subprocess.run(cmd).returncode != 0:
             return [f"data.prepare: {script} failed (its output is above)"]

@@ -35,8 +35,8 @@ def forward_flops(config: GNNConfig, nodes: float, edges: float) -> float:
 
 
 class GNNCost:
-    """The engine's ``CostModel`` for ``GNNModel``; reads only ``model.config``, so a pipeline
-    stage's cut model and the whole model cost the same."""
+    """The engine's ``CostModel`` (and ``GraphCost``) for ``GNNModel``; reads only
+    ``model.config``, so a pipeline stage's cut model and the whole model cost the same."""
 
     def batch_flops(self, model: nn.Module, batch: Mapping[str, Any]) -> float:
         edges = batch["edge_index"].shape[1]
@@ -71,9 +71,17 @@ class GNNCost:
         return sum(p.numel() for p in model.parameters())
 
     def report_lines(self, model: nn.Module, units: int) -> list[str]:
-        """The history tables a chunked (GNNPipe) run keeps on a rank owning ``units`` nodes."""
+        return []  # history and bytes per mode: the engine's graph plan (veomni/train/estimate_graph.py)
+
+    def stage_width(self, model: nn.Module) -> int:
         cfg = model.config
-        table = cfg.num_layers * units * cfg.hidden_size * 4
-        return [f"history       {cfg.num_layers} layers x {units:,} nodes x {cfg.hidden_size} (fp32) = "
-                f"{table / 2**30:.3f} GiB per rank in chunked runs (plus the partition's halo rows; none with "
-                "one chunk)"]
+        return cfg.hidden_size * (2 if cfg.layer == "gcnii" else 1)
+
+    def history_width(self, model: nn.Module) -> int:
+        return model.config.hidden_size
+
+    def aggregations(self, model: nn.Module) -> int:
+        return model.config.num_layers
+
+    def assumed_degree(self, model: nn.Module) -> float:
+        return model.config.avg_degree

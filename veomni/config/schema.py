@@ -22,7 +22,10 @@ class DataConfig:
     """Held-out split in the same formats; eval is skipped when unset."""
     prepare: str | None = None
     """Builder script run once before training when a data path is missing; called as
-    ``python PREPARE --train-out TRAIN_PATH --eval-out EVAL_PATH``."""
+    ``python PREPARE --train-out TRAIN_PATH --eval-out EVAL_PATH [PREPARE_ARGS...]``."""
+    prepare_args: list[str] = field(default_factory=list)
+    """Extra arguments for ``data.prepare`` (e.g. ``[--kind, sbm, --nodes, "2000"]``): one builder
+    serves several recipes."""
     format: Literal["auto", "webdataset", "jsonl"] = "auto"
     text_key: str = "txt"
     """Key of the text field: the member suffix in webdataset shards, the JSON key in jsonl."""

@@ -88,3 +88,24 @@ class GraphModelConfig(Protocol):
     neighbour_norm: str
     """The neighbour normalisation the model's layers expect in ``edge_weight``: ``gcn``,
     ``mean`` or ``sum`` (``veomni.data.graph_views.edge_weights``)."""
+
+
+@runtime_checkable
+class GraphCost(Protocol):
+    """What a graph family's cost model adds for ``--dry-run``'s communication and history lines."""
+
+    def stage_width(self, model: nn.Module) -> int:
+        """Elements per node that cross a pipeline stage boundary (GCNII's (h, h0): 2 d)."""
+        ...
+
+    def history_width(self, model: nn.Module) -> int:
+        """Elements per node of one layer's history row (the rows ``aggregate`` receives)."""
+        ...
+
+    def aggregations(self, model: nn.Module) -> int:
+        """Message-passing layers (history tables; halo exchanges per forward)."""
+        ...
+
+    def assumed_degree(self, model: nn.Module) -> float:
+        """In-edges per node to plan with before the graph exists."""
+        ...

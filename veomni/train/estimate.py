@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from veomni.config.schema import RunConfig
+from veomni.ops.graph import GraphCost
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.plan import flatten_plan, match_modules
 from veomni.spec import build_model, get_model_spec
+from veomni.train.estimate_graph import graph_plan_lines
 
 GiB = 2**30
 
@@ -85,8 +87,15 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
         compute_bytes=compute_bytes,
-        model_lines=cost.report_lines(model, seq),
+        model_lines=cost.report_lines(model, seq) + graph_lines(cfg, dims, model, cost),
     )
+
+
+def graph_lines(cfg: RunConfig, dims: ParallelDims, model: torch.nn.Module, cost: object) -> list[str]:
+    """The graph plan (``estimate_graph.py``) of a model with message-passing layers."""
+    if not flatten_plan(model.parallel_plan()).message_passing or not isinstance(cost, GraphCost):
+        return []
+    return graph_plan_lines(cfg, dims, model, cost)
 
 
 def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
