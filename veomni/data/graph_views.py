@@ -61,7 +61,7 @@ def _order(keys: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """``ids`` sorted lexicographically by ``keys`` (most significant first), then by id."""
     order = torch.argsort(ids, stable=True)
     for key in reversed(keys):
-        order = order[torch.argsort(key[order], stable=True)]
+        order = order[torch.argsort(key[ids[order]], stable=True)]
     return ids[order]
 
 
