@@ -60,7 +60,7 @@ from veomni.data.graph_format import UNLABELLED, GraphData, save_graph
 FORMAT_VERSION = 1
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 SBM_OPTIONS = {"n": ("nodes", int, 20_000), "d": ("avg-degree", float, 10.0), "c": ("communities", int, 8),
-               "f": ("sbm-features", int, 64), "h": ("intra-fraction", float, 0.8), "s": ("signal", float, 0.25)}
+               "f": ("sbm-features", int, 64), "h": ("intra-fraction", float, 0.8), "s": ("signal", float, 0.15)}
 """Folder-name key -> (flag, type, default)."""
 SPLIT = (0.6, 0.2)
 """Train and validation fractions of each class; the rest is test."""

@@ -6,7 +6,8 @@ each partition into ``train.grad_accum`` chunks (``data.graph_partitioner``, see
 ``train.seed``: every rank computes the same assignment), and cuts its own views
 (``veomni.data.graph_views.partition_views``). The assignment and views are cached in memory,
 per process, keyed by the graph's checksum and every parameter, so the eval loader the trainer
-builds at each eval does not repeat the work (nothing is written next to the graph).
+builds at each eval does not repeat the work (nothing is written next to the graph). The same
+view dicts are yielded every epoch: a consumer must not modify them in place.
 
 Train: one epoch is one optimizer step of ``train.grad_accum`` micro-batches, and the stream
 loops forever. An *exact* epoch (the first ``data.graph_warmup_epochs``, and every
