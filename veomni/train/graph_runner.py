@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from veomni.config.schema import RunConfig
@@ -53,8 +54,14 @@ class GraphPipelineRunner(RunnerBase):
 
 
 def _totals(results: list[LossOutput]) -> tuple[float, int, dict[str, list[float]]]:
-    """(summed loss, loss units, the task's ``name -> [sum, count]``) of a stage's results."""
+    """(summed loss, loss units, the task's ``name -> [sum, count]``) of a stage's results. Only
+    last stages have results, so the metric names are agreed over the world first (every rank
+    must all-reduce the same list); the others add zeros."""
     extra: dict[str, list[float]] = {}
     for result in results:
         add_task_metrics(extra, result.metrics)
+    names: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(names, sorted(extra))
+    for name in set().union(*names):
+        extra.setdefault(name, [0.0, 0])
     return (sum(float(r.loss_sum.detach()) for r in results), sum(r.loss_units for r in results), extra)
