@@ -39,16 +39,37 @@ import torch
 from torch import nn
 
 
-def aggregate(rows: torch.Tensor, edge_index: torch.Tensor, edge_weight: torch.Tensor, targets: int) -> torch.Tensor:
+def aggregate(rows: torch.Tensor, edge_index: torch.Tensor, edge_weight: torch.Tensor, targets: int,
+              adjacency: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum over edges (s, t) of weight * rows[s]``, for ``targets`` target rows.
 
-    Differentiable in ``rows`` (the gather's backward is the transposed scatter). Pure torch, so
-    the same code runs on CPU and GPU; ``index_add_`` is deterministic on CPU.
+    Differentiable in ``rows``. The kernel is chosen at run time: a sparse CSR matrix product
+    (``adjacency``, from ``sparse_adjacency``; 3-4x faster than gathering messages on a CPU, and
+    cuSPARSE on a GPU) where torch has one for the dtype, else a gather of per-edge messages and
+    a deterministic ``index_add_`` (e.g. bf16 on a CPU).
     """
-    src, dst = edge_index[0], edge_index[1]
-    messages = rows.index_select(0, src) * edge_weight.to(rows.dtype).unsqueeze(-1)
-    out = rows.new_zeros((targets, *rows.shape[1:]))
-    return out.index_add_(0, dst, messages)
+    flat = rows.reshape(rows.shape[0], -1)
+    if adjacency is not None and (rows.is_cuda or rows.dtype in (torch.float32, torch.float64)):
+        out = adjacency.to(rows.dtype) @ flat
+    else:
+        src, dst = edge_index[0], edge_index[1]
+        messages = flat.index_select(0, src) * edge_weight.to(rows.dtype).unsqueeze(-1)
+        out = flat.new_zeros((targets, flat.shape[1])).index_add_(0, dst, messages)
+    return out.reshape(targets, *rows.shape[1:])
+
+
+def sparse_adjacency(graph: dict, key: str, sources: int, targets: int) -> torch.Tensor:
+    """The [targets, sources] CSR matrix of the edges ``graph[key]`` (weights
+    ``graph[key.replace("index", "weight")]``), built once per view and kept in it under a
+    private key (``_<key>_csr``): the layers of a model share it."""
+    cache = f"_{key}_csr"
+    matrix = graph.get(cache)
+    if matrix is None or matrix.shape != (targets, sources):
+        edges, weight = graph[key], graph[key.replace("index", "weight")]
+        matrix = torch.sparse_coo_tensor(torch.stack([edges[1], edges[0]]), weight.float(), (targets, sources),
+                                         check_invariants=False).coalesce().to_sparse_csr()
+        graph[cache] = matrix
+    return matrix
 
 
 def has_stale_edges(graph: Mapping[str, Any]) -> bool:
@@ -76,7 +97,8 @@ class NeighbourAggregation(nn.Module):
                                "its neighbours need the engine's aggregation (veomni.parallel.graph."
                                "apply_graph_parallel), which the trainer installs for models whose plan names "
                                "message_passing modules")
-        return aggregate(h, graph["edge_index"], graph["edge_weight"], h.shape[0])
+        n = h.shape[0]
+        return aggregate(h, graph["edge_index"], graph["edge_weight"], n, sparse_adjacency(graph, "edge_index", n, n))
 
 
 @runtime_checkable

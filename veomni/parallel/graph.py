@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.ops.graph import NeighbourAggregation, aggregate, has_stale_edges
+from veomni.ops.graph import NeighbourAggregation, aggregate, has_stale_edges, sparse_adjacency
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.plan import ParallelPlan, match_modules
 
@@ -78,12 +78,15 @@ class GraphAggregation(nn.Module):
     def forward(self, h: torch.Tensor, graph: Mapping[str, Any]) -> torch.Tensor:
         received = exchange_halo(h, graph, self.group) if self.group is not None else None
         table = h if received is None else torch.cat([h, received])
-        out = aggregate(table, graph["edge_index"], graph["edge_weight"], h.shape[0])
+        n = h.shape[0]
+        out = aggregate(table, graph["edge_index"], graph["edge_weight"], n,
+                        sparse_adjacency(graph, "edge_index", table.shape[0], n))
         if int(graph["chunks"]) == 1:
             return out
         history = self._history(graph, h)
         if has_stale_edges(graph):
-            out = out + aggregate(history, graph["stale_edge_index"], graph["stale_edge_weight"], h.shape[0])
+            out = out + aggregate(history, graph["stale_edge_index"], graph["stale_edge_weight"], n,
+                                  sparse_adjacency(graph, "stale_edge_index", history.shape[0], n))
         history.index_copy_(0, graph["node_rows"], h.detach().to(history.dtype))
         if received is not None:
             history.index_copy_(0, graph["halo_rows"], received.detach().to(history.dtype))
