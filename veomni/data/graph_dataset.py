@@ -19,8 +19,10 @@ micro-batch every epoch is the whole view. Labels are the training nodes'.
 Eval: the whole view once, ``labels`` the validation nodes', ``test_labels`` the test nodes'.
 
 Resume: the state is the position of the next micro-batch (epoch, index in the epoch). An
-epoch's content depends on nothing but its number, so a run with another data-parallel layout
-or chunk count resumes at the epoch boundary (``merge_states``).
+epoch's content depends on nothing but its number, and on whether it is the first after a
+resume: the per-layer histories (``veomni/parallel/graph.py``) are not checkpointed, so that
+epoch is exact, refilling them. A run with another data-parallel layout or chunk count resumes
+at the epoch boundary (``merge_states``).
 """
 
 from __future__ import annotations
@@ -70,12 +72,14 @@ class GraphDataset(ResumableDataset):
             request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, self.micro_batches,
             request.seed, request.dp_rank, request.split)
         self._start = self._pos = (0, 0)
+        self._resumed_epoch = -1
 
     def epoch_views(self, epoch: int) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of one training epoch (one optimizer step)."""
         cfg = self.cfg
         refresh = cfg.graph_refresh_every > 0 and epoch % cfg.graph_refresh_every == 0
-        exact = epoch < cfg.graph_warmup_epochs or refresh
+        # The histories are not checkpointed: the first epoch after a resume refills them exactly.
+        exact = epoch < cfg.graph_warmup_epochs or refresh or epoch == self._resumed_epoch
         if self.micro_batches == 1 or exact:
             return [self.whole] + [empty_view(self.whole)] * (self.micro_batches - 1)
         order = list(range(self.micro_batches))
@@ -115,6 +119,7 @@ class GraphDataset(ResumableDataset):
                              f"{state['micro_batches']}, this run has train.grad_accum={self.micro_batches}; keep "
                              "the old grad_accum, or resume from a checkpoint taken at an optimizer step")
         self._start = self._pos = (state["epoch"], state["index"])
+        self._resumed_epoch = state["epoch"] if state["index"] == 0 else -1
 
     def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
         for state in find_dataset_states(loader_state, STATE_FORMAT):
@@ -133,6 +138,7 @@ class GraphDataset(ResumableDataset):
 
     def start_from(self, merged: dict[str, Any]) -> None:
         self._start = self._pos = (merged["epoch"], 0)
+        self._resumed_epoch = merged["epoch"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -15,9 +15,8 @@ For one graph view (one chunk of this rank's partition, ``veomni/data/graph_view
    later in the epoch read them fresh, and chunks that ran earlier read them next epoch.
 
 The history is one [rows, width] table per layer, allocated on the first chunked view (views
-of a one-chunk run keep none). It is not checkpointed: after a resume the stale rows are zero
-until the next exact epoch refreshes them (the graph dataset starts every run, and every resume,
-with its warm-up epochs).
+of a one-chunk run keep none). It is not checkpointed: the graph dataset makes the first epoch
+after a resume exact (the whole partition at once), which refills every row.
 
 Bytes are counted per direction (``graph_halo``: forward rows and backward gradients), so the
 communication of a recipe can be checked against its formula.
