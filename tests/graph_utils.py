@@ -9,11 +9,15 @@ one process: chunks in order, neighbours outside the chunk read from per-layer h
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from models.gnn import GNNConfig, GNNModel
+from veomni.data.graph_format import MANIFEST, TENSORS, GraphData, sha256
 from veomni.data.graph_views import edge_weights, partition_views, split_labels
 from veomni.parallel.graph import apply_graph_parallel
 from veomni.tasks import NodeClassificationTask
@@ -88,3 +92,14 @@ def chunked_reference(model: GNNModel, graph: dict, chunks: int, epochs: int, lr
 
 def named_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def write_raw(folder: Path, graph: GraphData) -> Path:
+    """A graph folder written without ``save_graph``'s checks (how bad input reaches a run)."""
+    folder.mkdir(parents=True)
+    save_file(graph.tensors(), str(folder / TENSORS))
+    manifest = {"format": "veomni-graph/1", "name": graph.name, "num_nodes": graph.num_nodes,
+                "num_edges": graph.num_edges, "num_features": graph.num_features, "num_classes": graph.num_classes,
+                "files": {TENSORS: {"bytes": (folder / TENSORS).stat().st_size, "sha256": sha256(folder / TENSORS)}}}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder

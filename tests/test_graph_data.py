@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from tests.graph_utils import write_raw
 from veomni.config.schema import DataConfig
 from veomni.data.datasets import build_dataloader
 from veomni.data.graph_dataset import GraphDataset, check_graph_data
@@ -23,7 +23,6 @@ from veomni.data.graph_format import (
     check_graph,
     load_graph,
     save_graph,
-    sha256,
 )
 from veomni.data.graph_partition import chunk_nodes, edge_cut, metis_binding, partition_nodes
 from veomni.data.graph_views import edge_weights, partition_views
@@ -52,17 +51,6 @@ class GraphModel:
     in_features: int
     num_classes: int
     neighbour_norm: str = "gcn"
-
-
-def write_raw(folder: Path, graph: GraphData) -> Path:
-    """A graph folder written without ``save_graph``'s checks (how bad input reaches a run)."""
-    folder.mkdir(parents=True)
-    save_file(graph.tensors(), str(folder / TENSORS))
-    manifest = {"format": "veomni-graph/1", "name": graph.name, "num_nodes": graph.num_nodes,
-                "num_edges": graph.num_edges, "num_features": graph.num_features, "num_classes": graph.num_classes,
-                "files": {TENSORS: {"bytes": (folder / TENSORS).stat().st_size, "sha256": sha256(folder / TENSORS)}}}
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    return folder
 
 
 def small_graph(**changes) -> GraphData:

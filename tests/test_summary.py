@@ -148,6 +148,13 @@ def test_summary_says_when_the_model_is_not_below_the_baseline():
     assert "eval loss     none" in format_summary(_summary(eval_loss=None, baseline=None))
 
 
+def test_summary_lists_the_tasks_other_eval_metrics():
+    text = format_summary(_summary(eval_metrics={"accuracy": 0.83217, "test_accuracy": 0.845}))
+    assert "\neval metrics  accuracy 0.8322, test_accuracy 0.845\ntrain loss" in text
+    assert "eval metrics" not in format_summary(_summary())
+    assert summary_record(_summary(eval_metrics={"accuracy": 0.5}))["eval_metrics"] == {"accuracy": 0.5}
+
+
 def test_summary_sample_shows_runs_of_blank_lines_as_one():
     text = format_summary(_summary(sample="def f():\n\n    \n\n\n  x\n\n\ny"))
     assert "  | def f():\n  | (4 blank lines)\n  |   x\n  | \n  | \n  | y\n" in text

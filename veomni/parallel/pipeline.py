@@ -180,9 +180,9 @@ def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int)
         return
     plan = model.parallel_plan()
     _, blocks = _container(model, plan)
-    check_pipeline(cfg, grad_accum, num_blocks=len(blocks))
-    if plan.message_passing:
+    if plan.message_passing:  # first: its own schedules, whose rules replace the generic ones
         check_graph_pipeline(cfg, grad_accum)
+    check_pipeline(cfg, grad_accum, num_blocks=len(blocks), own_schedule=bool(plan.message_passing))
     shared = _shared_across_pieces(model, plan)
     if shared:
         raise PipelineConfigError(f"parameters shared between pipeline pieces would sit on different stages: "

@@ -42,9 +42,12 @@ def microbatch_count(cfg: ParallelConfig, grad_accum: int) -> int:
     return cfg.pp_microbatches or grad_accum
 
 
-def check_pipeline(cfg: ParallelConfig, grad_accum: int, num_blocks: int | None = None) -> None:
+def check_pipeline(cfg: ParallelConfig, grad_accum: int, num_blocks: int | None = None,
+                   own_schedule: bool = False) -> None:
     """Raise ``PipelineConfigError`` when the schedule, stage count, split or micro-batches do
-    not fit. ``num_blocks`` (the model's plan blocks) is checked when known."""
+    not fit. ``num_blocks`` (the model's plan blocks) is checked when known. ``own_schedule``: a
+    graph pipeline (``graph_pipeline.py``) orders its chunks itself and takes any number of them,
+    one chunk included, so the torch schedules' micro-batch minimum does not apply."""
     if cfg.pp == 1:
         return
     schedule, v = cfg.pp_schedule, virtual_stages(cfg)
@@ -73,7 +76,7 @@ def check_pipeline(cfg: ParallelConfig, grad_accum: int, num_blocks: int | None 
         raise PipelineConfigError(
             f"train.grad_accum={grad_accum} loader micro-batches do not divide into parallel.pp_microbatches={m} "
             f"pipeline micro-batches; pick pp_microbatches among the divisors of {grad_accum}")
-    if schedule == "1F1B" and m < stages:
+    if schedule == "1F1B" and m < stages and not own_schedule:
         raise PipelineConfigError(f"parallel.pp_schedule=1F1B needs at least as many micro-batches as stages: "
                                   f"{m} < {stages}; raise train.grad_accum (or parallel.pp_microbatches)")
     if schedule == "DualPipeV" and m < stages:

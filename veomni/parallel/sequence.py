@@ -75,6 +75,10 @@ def check_sequence_parallel(model: nn.Module, sp_size: int) -> list[str]:
         return [f"parallel.sp={sp_size}: sequence parallelism is not supported for models with encoders "
                 f"({', '.join(plan.encoders)}): the encoder features spliced into a row would have to be "
                 "scattered over the sequence-parallel ranks; use parallel.sp: 1"]
+    if plan.message_passing:
+        return [f"parallel.sp={sp_size}: a graph model has no sequence to split; graphs scale by partitions "
+                "(each data-parallel rank trains one partition of the nodes) and by layers (parallel.pp, "
+                "GNNPipe): set parallel.sp: 1 and those ranks become graph partitions"]
     modules = match_modules(model, plan.attention)
     if not modules:
         return [f"parallel.sp={sp_size}: the model's plan declares no attention modules to run sequence-parallel"]

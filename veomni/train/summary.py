@@ -86,6 +86,8 @@ class RunSummary:
     sample: str | None = None
     """Prompt plus generated continuation, for text models with ``train.sample_prompt``."""
     sample_how: str = ""
+    eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The last eval's other task metrics, without the ``eval_`` prefix (``accuracy``...)."""
 
 
 def shown(path: str | os.PathLike) -> str:
@@ -204,6 +206,8 @@ def format_summary(s: RunSummary) -> str:
     out = Path(s.output_dir)
     lines = [f" run summary: {s.step} steps ".center(WIDTH, "=")]
     lines += _eval_lines(s)
+    if s.eval_metrics:
+        lines += _wrapped("eval metrics", ", ".join(f"{name} {value:.4g}" for name, value in s.eval_metrics.items()))
     lines += _training_lines(s)
     lines.append("outputs".ljust(LABEL) + f"{shown(out / 'metrics.jsonl')} (metrics of every step and eval)")
     if s.checkpoint is not None:

@@ -312,6 +312,7 @@ class Trainer:
             next_commands=next_commands(self.launch, self.step, checkpoint, self.cfg.checkpoint.resume,
                                         self.spec.hf_adapter is not None, str(self.output_dir)),
             sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
+            eval_metrics={k.removeprefix("eval_"): v for k, v in self.last_eval.items() if k != "eval_loss"},
         )
 
     def _sample(self) -> tuple[str, str] | None:
