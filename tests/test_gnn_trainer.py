@@ -108,9 +108,9 @@ def test_chunked_gnnpipe_reports_metrics_and_resumes(graph_dir):
     """pp=2 with 3 chunks: epoch 0 is exact (warm-up), odd epochs run the chunks against the
     histories, even ones refresh them with the whole graph. The histories are not checkpointed,
     so a run resumed after step 2 (before the refresh epoch 2, which rewrites every history row
-    before any chunk reads one) repeats the uninterrupted losses exactly; resumed after step 3 it
-    runs epoch 3's chunks against empty (zero) histories, so its loss at step 4 differs, but stays
-    finite, and epoch 4 (a refresh) puts it back on the whole graph."""
+    before any chunk reads one) repeats the uninterrupted losses exactly; resumed after step 3,
+    epoch 3 (chunked in the uninterrupted run) runs exact to refill the histories, so its loss
+    differs, but stays finite."""
     full = run_distributed(_train, 2, str(graph_dir / "full"), 2, 3, 5, CHUNKED)[-1]
     assert all(math.isfinite(loss) for loss in _losses(full))
     assert all(m["comm_bytes_pp_p2p"] > 0 for m in full if "loss" in m)

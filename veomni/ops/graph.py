@@ -32,6 +32,7 @@ single process, graph parallelism and a one-chunk pipeline all compute the same 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,7 +49,7 @@ def aggregate(rows: torch.Tensor, edge_index: torch.Tensor, edge_weight: torch.T
     cuSPARSE on a GPU) where torch has one for the dtype, else a gather of per-edge messages and
     a deterministic ``index_add_`` (e.g. bf16 on a CPU).
     """
-    flat = rows.reshape(rows.shape[0], -1)
+    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))  # no -1: empty views have 0 rows
     if adjacency is not None and (rows.is_cuda or rows.dtype in (torch.float32, torch.float64)):
         out = adjacency.to(rows.dtype) @ flat
     else:
