@@ -90,7 +90,8 @@ def _container(model: nn.Module, plan: ParallelPlan) -> tuple[str, list[tuple[st
 
 
 def stage_block_counts(model: nn.Module, cfg: ParallelConfig) -> list[int]:
-    """Blocks per global stage: ``pp_layer_split`` or balanced by parameter count."""
+    """Blocks per global stage: ``pp_layer_split``, else balanced by parameter count (graph
+    models: by block count, since a message-passing layer's cost is its aggregation)."""
     plan = model.parallel_plan()
     piece, blocks = _container(model, plan)
     n_stages = cfg.pp * virtual_stages(cfg)
@@ -98,6 +99,8 @@ def stage_block_counts(model: nn.Module, cfg: ParallelConfig) -> list[int]:
         return list(cfg.pp_layer_split)
     if n_stages > len(blocks):
         raise PipelineConfigError(f"{n_stages} pipeline stages but the model has only {len(blocks)} blocks")
+    if plan.message_passing:  # a graph layer's work is its aggregation over every edge, not its weights
+        return balanced_split([1] * len(blocks), n_stages)
     index = plan.stages.index(piece)
     count = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
     return balanced_split([sum(p.numel() for p in b.parameters()) for _, b in blocks], n_stages,

@@ -27,7 +27,7 @@ from veomni.ops.graph import GraphCost
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.plan import flatten_plan, match_modules
 from veomni.spec import build_model, get_model_spec
-from veomni.train.estimate_graph import graph_plan_lines
+from veomni.train.estimate_graph import graph_plan
 
 GiB = 2**30
 
@@ -50,10 +50,13 @@ class Estimate:
     """Bytes per element of gathered parameters and activations (2 under bf16 compute)."""
     model_lines: list[str] = field(default_factory=list)
     """Lines the family adds about itself (its cost model's ``report_lines``, e.g. VWN's overhead)."""
+    history_gb: float = 0.0
+    """Graph models in chunked runs: the per-layer history tables (``estimate_graph.py``)."""
 
     @property
     def total_gb(self) -> float:
-        return self.params_gb + self.grads_gb + self.optimizer_gb + self.gathered_gb + self.activations_gb
+        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.gathered_gb + self.activations_gb
+                + self.history_gb)
 
 
 def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
@@ -76,6 +79,8 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     activations = cost.activation_bytes_per_unit(model, compute_bytes, cfg.parallel.activation_checkpointing)
     activated = cost.activated_params(model)
+    graph = (graph_plan(cfg, dims, model, cost, activations)
+             if plan.message_passing and isinstance(cost, GraphCost) else None)
     return Estimate(
         total_params=total,
         activated_params=activated,
@@ -87,15 +92,9 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
         compute_bytes=compute_bytes,
-        model_lines=cost.report_lines(model, seq) + graph_lines(cfg, dims, model, cost),
+        model_lines=cost.report_lines(model, seq) + (graph.lines if graph else []),
+        history_gb=graph.history_gb if graph else 0.0,
     )
-
-
-def graph_lines(cfg: RunConfig, dims: ParallelDims, model: torch.nn.Module, cost: object) -> list[str]:
-    """The graph plan (``estimate_graph.py``) of a model with message-passing layers."""
-    if not flatten_plan(model.parallel_plan()).message_passing or not isinstance(cost, GraphCost):
-        return []
-    return graph_plan_lines(cfg, dims, model, cost)
 
 
 def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
@@ -109,12 +108,16 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
          est.gathered_gb),
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
+        *([("history tables (graph chunks)", est.history_gb)] if est.history_gb else []),
         ("total", est.total_gb),
     ]
     if dims.pp > 1:  # each rank holds only its stages: the per-pipeline-rank table replaces the totals
         from veomni.train.estimate_pipeline import pipeline_memory_lines
 
-        memory_lines = pipeline_memory_lines(cfg, dims, est.compute_bytes)
+        memory_lines = pipeline_memory_lines(cfg, dims, est.compute_bytes, unit)
+        if est.history_gb:
+            memory_lines.append(f"  + history tables (graph chunks): {est.history_gb:.3f} GiB on the rank with the "
+                                "most layers, on top of its total")
     else:
         memory_lines = ["memory / rank (estimate, GiB):", *(f"  {name:<42}{value:10.2f}" for name, value in memory)]
     lines = [
@@ -122,8 +125,8 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         f"devices       {device_desc}",
         f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
         f"activated     {est.activated_params:,} ({est.activated_params / 1e9:.3f} B) per {unit}",
-        f"model FLOPs   {est.flops_per_unit / 1e9:.3f} GFLOP per {unit} (forward+backward, "
-        f"data.max_seq_len {cfg.data.max_seq_len})",
+        f"model FLOPs   {est.flops_per_unit / 1e9:.3f} GFLOP per {unit} (forward+backward, in a sample of "
+        f"data.max_seq_len {cfg.data.max_seq_len} {unit}s)",
         *est.model_lines,
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} {unit}s x "
         f"{dims.dp_size} dp ranks = {step_units:,} {unit}s",

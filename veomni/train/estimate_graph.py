@@ -9,7 +9,8 @@ model's ``avg_degree``.
 The formulas (P partitions, K stages, L message-passing layers, N nodes, halo H rows per
 partition, history width d, stage width w, 4-byte elements):
 
-- history per rank (chunked runs only): its L / K layers x (N / P + H) rows x d;
+- history per rank (chunked runs only): its L / K layers x (N / P + H) rows x d (counted in the
+  memory totals);
 - graph parallelism: every layer sends each halo row forward and its gradient back, so each
   partition sends about 2 L H d elements an epoch (symmetric graphs: it sends as many rows
   as it receives);
@@ -26,6 +27,7 @@ measured (``comm_bytes_graph_halo``, ``comm_bytes_pp_p2p``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,12 +65,24 @@ def halo_rows(nodes: int, edges: int, parts: int) -> float:
     return nodes * (1 - 1 / parts) * (1 - (1 - 1 / parts) ** degree)
 
 
-def graph_plan_lines(cfg: RunConfig, dims: ParallelDims, model: nn.Module, cost: GraphCost) -> list[str]:
+@dataclass(frozen=True)
+class GraphPlan:
+    lines: list[str]
+    history_gb: float
+    """The history tables of the rank with the most layers (0 with one chunk)."""
+    exact_activations_gb: float
+    """Activations an exact epoch (whole partition, one chunk) keeps on that rank."""
+
+
+def graph_plan(cfg: RunConfig, dims: ParallelDims, model: nn.Module, cost: GraphCost,
+               activation_bytes_per_node: float) -> GraphPlan:
     size = graph_size(cfg, dims, cost.assumed_degree(model))
     parts, stages, chunks = dims.dp_size, dims.pp, cfg.train.grad_accum
     layers, d, w = cost.aggregations(model), cost.history_width(model), cost.stage_width(model)
+    stage_layers = math.ceil(layers / stages)  # graph models split layers evenly
     halo = halo_rows(size.nodes, size.edges, parts)
-    history = (layers / stages) * (size.nodes / parts + halo) * d * 4 if chunks > 1 else 0.0
+    history = stage_layers * (size.nodes / parts + halo) * d * 4 if chunks > 1 else 0.0
+    exact_activations = activation_bytes_per_node * size.nodes / parts * stage_layers / layers
     halo_bytes = 2 * layers * halo * d * 4 * parts
     pipe_bytes = 2 * (stages - 1) * size.nodes * w * 4
 
@@ -82,8 +96,10 @@ def graph_plan_lines(cfg: RunConfig, dims: ParallelDims, model: nn.Module, cost:
         f"graph plan    {mode}: {parts} partition(s) x {stages} stage(s), {chunks} chunk(s) per epoch; "
         f"halo ~{halo:,.0f} rows per partition (random-partition estimate)",
         f"history       {gb(history)} per rank" + (" (one chunk: none kept)" if chunks == 1 else
-                                                   f" ({layers // stages} layers x {size.nodes // parts:,} + halo "
-                                                   f"rows x {d})"),
+                                                   f" ({stage_layers} layers x {size.nodes // parts:,} + halo "
+                                                   f"rows x {d}; in the memory totals below)"),
+        f"exact epochs  {gb(exact_activations)} of activations per rank: warm-up, refresh and eval epochs run the "
+        "whole partition as one chunk (the table counts one chunk)",
         "bytes / epoch (all ranks; measured ones land in metrics as comm_bytes_*):",
         f"  graph parallelism ({parts} partitions)       {gb(halo_bytes) if parts > 1 else '0 (one partition)'}",
         f"  GNNPipe ({stages} stages, state width {w})    {gb(pipe_bytes) if stages > 1 else '0 (one stage)'}",
@@ -96,4 +112,4 @@ def graph_plan_lines(cfg: RunConfig, dims: ParallelDims, model: nn.Module, cost:
         alt_pipe = 2 * (alt_parts - 1) * size.nodes * w * 4
         lines.append(f"  on {alt_parts} ranks: graph parallelism {gb(alt_halo)} vs GNNPipe {gb(alt_pipe)} "
                      f"(ratio {alt_halo / max(alt_pipe, 1):.1f}x)")
-    return lines
+    return GraphPlan(lines, history / GiB, exact_activations / GiB)

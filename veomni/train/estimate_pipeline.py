@@ -66,7 +66,7 @@ def _gathered_block_sizes(model, blocks: list, block_sizes: list[int], ep: int) 
     return [size - (1 - 1 / ep) * e for size, e in zip(block_sizes, expert_params)]
 
 
-def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int) -> list[str]:
+def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int, unit: str = "token") -> list[str]:
     par = cfg.parallel
     with torch.device("meta"):
         _, model = build_model(cfg.model.arch, cfg.model.options)
@@ -90,7 +90,7 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     tokens = rows_per_mb * cfg.data.tokens_per_micro_batch
     keep_whole = par.pp_schedule in SPLIT_BACKWARD_SCHEDULES or not par.reshard_after_forward
     lines = [f"pipeline      {par.pp_schedule}: {len(counts)} stages ({par.pp} ranks x {v}), blocks per stage "
-             f"{counts}, {m} micro-batches of {tokens} tokens (padded) per step"]
+             f"{counts}, {m} micro-batches of up to {tokens} {unit}s per step"]
     if dims.ep > 1:
         lines.append(f"pipeline x EP each stage's {shard} ranks split its experts {dims.ep}-way "
                      f"(ep_fsdp {dims.ep_fsdp} x ep {dims.ep}); aux losses and expert loads are kept per stage")
