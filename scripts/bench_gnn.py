@@ -76,7 +76,8 @@ VARIANTS = {
     "no-refresh": EXACT_EPOCHS_OFF,
     "no-warmup": ["--data.graph_warmup_epochs", "0"],
     "fixed-order": ["--data.graph_chunk_order", "fixed"],
-    "none": EXACT_EPOCHS_OFF + ["--data.graph_chunk_order", "fixed"],
+    "no-stale-grads": ["--data.graph_stale_gradients", "false"],
+    "none": EXACT_EPOCHS_OFF + ["--data.graph_chunk_order", "fixed", "--data.graph_stale_gradients", "false"],
 }
 """GNNPipe staleness settings ``converge --variants`` takes: the recipe's techniques, or one (or
 all: ``none``) turned off. Exact epochs = warm-up and periodic refresh (whole graph, no history)."""

@@ -46,7 +46,8 @@ def tiny_gnn(layer: str = "gcnii", layers: int = 4, seed: int = 0, graph: dict |
     return model
 
 
-def views(graph: dict, model: GNNModel, parts: int, rank: int, chunks: int) -> tuple[list[dict], dict]:
+def views(graph: dict, model: GNNModel, parts: int, rank: int, chunks: int,
+          stale_gradients: bool = False) -> tuple[list[dict], dict]:
     """(chunk views, whole view) of partition ``rank``: node i in partition i % parts, chunk by
     position within its partition (contiguous thirds, etc.)."""
     n = graph["x"].shape[0]
@@ -54,7 +55,10 @@ def views(graph: dict, model: GNNModel, parts: int, rank: int, chunks: int) -> t
     part = torch.arange(n) % parts
     chunk = (torch.arange(n) // parts) * chunks // ((n + parts - 1) // parts)
     fields = {"x": graph["x"], "labels": split_labels(graph["y"], graph["train_mask"])}
-    return partition_views(edge_index, weight, fields, part, parts, rank, chunk, chunks)
+    chunk_views, whole = partition_views(edge_index, weight, fields, part, parts, rank, chunk, chunks)
+    for view in [*chunk_views, whole]:
+        view["stale_gradients"] = torch.tensor(stale_gradients)
+    return chunk_views, whole
 
 
 def train_units(graph: dict) -> int:
@@ -71,11 +75,12 @@ def reference_grads(model: GNNModel, graph: dict) -> tuple[float, dict[str, torc
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def chunked_reference(model: GNNModel, graph: dict, chunks: int, epochs: int, lr: float = 0.1) -> list[float]:
+def chunked_reference(model: GNNModel, graph: dict, chunks: int, epochs: int, lr: float = 0.1,
+                      stale_gradients: bool = False) -> list[float]:
     """Per-epoch losses of chunked training with histories, one process, SGD after each epoch."""
     model = copy.deepcopy(model)
     apply_graph_parallel(model, model.parallel_plan(), None)
-    chunk_views, _ = views(graph, model, 1, 0, chunks)
+    chunk_views, _ = views(graph, model, 1, 0, chunks, stale_gradients)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for _ in range(epochs):

@@ -70,13 +70,13 @@ def test_graph_parallel_equals_one_process(world, layer):
         assert sent == LAYERS * rows * 16 * 4
 
 
-def _pipeline(rank: int, world: int, schedule: str, chunks: int, epochs: int):
+def _pipeline(rank: int, world: int, schedule: str, chunks: int, epochs: int, stale_gradients: bool = False):
     graph = community_graph()
     model = tiny_gnn("gcnii", LAYERS, graph=graph)
     part = _stage(model, rank, world, None)
     pipeline = GraphPipeline(part, rank, world, schedule, dist.group.WORLD, torch.device("cpu"),
                              NodeClassificationTask())
-    chunk_views, whole = views(graph, model, 1, 0, chunks)
+    chunk_views, whole = views(graph, model, 1, 0, chunks, stale_gradients)
     batch = [whole] if chunks == 1 else chunk_views
     optimizer = torch.optim.SGD(part.parameters(), lr=0.1)
     losses, grads, sent = [], None, 0
@@ -109,15 +109,30 @@ def test_one_chunk_pipeline_equals_one_process(world, schedule):
         assert sent == boundaries * nodes * 2 * 16 * 4
 
 
+@pytest.mark.parametrize("stale_gradients", [False, True])
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
-def test_chunked_pipeline_equals_chunked_training_in_one_process(schedule):
+def test_chunked_pipeline_equals_chunked_training_in_one_process(schedule, stale_gradients):
+    """Over 4 epochs (stale gradients are delivered from the second on), whatever order the
+    schedule runs the chunks' backward in."""
     graph = community_graph()
-    expected = chunked_reference(tiny_gnn("gcnii", LAYERS, graph=graph), graph, chunks=3, epochs=3)
-    losses = run_distributed(_pipeline, 2, schedule, 3, 3)[-1][0]
+    expected = chunked_reference(tiny_gnn("gcnii", LAYERS, graph=graph), graph, chunks=3, epochs=4,
+                                 stale_gradients=stale_gradients)
+    losses = run_distributed(_pipeline, 2, schedule, 3, 4, stale_gradients)[-1][0]
     assert losses == pytest.approx(expected, abs=1e-6)
     # and the history matters: the stale epochs differ from exact full-graph training
     ref_loss, _ = reference_grads(tiny_gnn("gcnii", LAYERS, graph=graph), graph)
     assert losses[0] != pytest.approx(ref_loss, abs=1e-4)
+
+
+def test_stale_gradients_reach_the_rows_stale_edges_read():
+    """The first two epochs' losses are the same with and without (the first epoch only collects,
+    so the first update is the same); the gradients delivered in the second change the next."""
+    graph = community_graph()
+    model = tiny_gnn("gcnii", LAYERS, graph=graph)
+    without = chunked_reference(model, graph, chunks=3, epochs=6)
+    with_grads = chunked_reference(model, graph, chunks=3, epochs=6, stale_gradients=True)
+    assert with_grads[:2] == pytest.approx(without[:2], abs=1e-7)
+    assert with_grads[2] != pytest.approx(without[2], abs=1e-5)
 
 
 def _hybrid(rank: int, world: int):

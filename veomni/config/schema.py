@@ -52,6 +52,10 @@ class DataConfig:
     graph_warmup_epochs: int = 2
     """Graph kinds with chunks: the first epochs train exactly on the whole partition (no stale
     history), which also fills the history before the first chunked epoch."""
+    graph_stale_gradients: bool = True
+    """Graph kinds with chunks: edges between chunks also carry gradients, one epoch late, to the
+    rows they read from the history (``veomni.parallel.graph.StaleGradients``); off, such edges
+    train only their target side."""
     graph_refresh_every: int = 10
     """Graph kinds with chunks: every this many epochs one epoch trains exactly on the whole
     partition, refreshing every history row; 0: only the warm-up epochs do."""

@@ -70,7 +70,7 @@ class GraphDataset(ResumableDataset):
         self.chunk_views, self.whole = _rank_views(
             str(Path(request.path).resolve()), manifest["files"]["graph.safetensors"]["sha256"],
             request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, self.micro_batches,
-            request.seed, request.dp_rank, request.split)
+            request.seed, request.dp_rank, request.split, cfg.graph_stale_gradients)
         self._start = self._pos = (0, 0)
         self._resumed_epoch = -1
 
@@ -157,7 +157,7 @@ def _prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int
 
 @functools.lru_cache(maxsize=2)
 def _rank_views(folder: str, sha256: str, norm: str, method: str, parts: int, chunks: int, seed: int, rank: int,
-                split: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+                split: str, stale_gradients: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """(chunk views, whole view) of one rank and split; cached so each eval does not recut them."""
     graph, edges, weights, part, chunk = _prepared_graph(folder, sha256, norm, method, parts, chunks, seed)
     if split == "train":
@@ -165,7 +165,10 @@ def _rank_views(folder: str, sha256: str, norm: str, method: str, parts: int, ch
     else:
         fields = {"x": graph.x, "labels": split_labels(graph.y, graph.val_mask),
                   "test_labels": split_labels(graph.y, graph.test_mask)}
-    return partition_views(edges, weights, fields, part, parts, rank, chunk, chunks)
+    chunk_views, whole = partition_views(edges, weights, fields, part, parts, rank, chunk, chunks)
+    for view in [*chunk_views, whole]:
+        view["stale_gradients"] = torch.tensor(stale_gradients)
+    return chunk_views, whole
 
 
 def config_problems(cfg: DataConfig, model_config: Any) -> list[str]:

@@ -146,7 +146,7 @@ def empty_view(template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     exchange still runs, with nothing to send)."""
     view = {}
     for name, value in template.items():
-        if name in ("history_rows", "chunks"):
+        if value.dim() == 0:  # history_rows, chunks, flags
             view[name] = value
         elif name in ("send_counts", "recv_counts"):
             view[name] = torch.zeros_like(value)

@@ -12,7 +12,9 @@ For one graph view (one chunk of this rank's partition, ``veomni/data/graph_view
    gradients) and its stale ones (rows of other chunks, read from this layer's history table:
    constants, as in GNNPipe and PipeGCN);
 3. writes this chunk's rows and the received halo rows into the history, so chunks that run
-   later in the epoch read them fresh, and chunks that ran earlier read them next epoch.
+   later in the epoch read them fresh, and chunks that ran earlier read them next epoch;
+4. optionally (``data.graph_stale_gradients``) sends gradients back along the stale edges one
+   epoch late (``StaleGradients``), so edges between chunks train both of their ends.
 
 The history is one [rows, width] table per layer, allocated on the first chunked view (views
 of a one-chunk run keep none). It is not checkpointed: the graph dataset makes the first epoch
@@ -24,6 +26,7 @@ communication of a recipe can be checked against its formula.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -73,6 +76,7 @@ class GraphAggregation(nn.Module):
         super().__init__()
         self.group = group
         self.history: torch.Tensor | None = None
+        self.stale_grads = StaleGradients()
 
     def forward(self, h: torch.Tensor, graph: Mapping[str, Any]) -> torch.Tensor:
         received = exchange_halo(h, graph, self.group) if self.group is not None else None
@@ -86,6 +90,8 @@ class GraphAggregation(nn.Module):
         if has_stale_edges(graph):
             out = out + aggregate(history, graph["stale_edge_index"], graph["stale_edge_weight"], n,
                                   sparse_adjacency(graph, "stale_edge_index", history.shape[0], n))
+        if bool(graph.get("stale_gradients", False)) and torch.is_grad_enabled():
+            self.stale_grads.attach(h, out, graph, history)
         history.index_copy_(0, graph["node_rows"], h.detach().to(history.dtype))
         if received is not None:
             history.index_copy_(0, graph["halo_rows"], received.detach().to(history.dtype))
@@ -98,7 +104,56 @@ class GraphAggregation(nn.Module):
         return self.history
 
     def history_bytes(self) -> int:
-        return 0 if self.history is None else self.history.numel() * self.history.element_size()
+        tables = [self.history, self.stale_grads.collected, self.stale_grads.due]
+        return sum(t.numel() * t.element_size() for t in tables if t is not None)
+
+
+class StaleGradients:
+    """Gradients along stale edges, delivered one epoch late (as PipeGCN does for boundary rows).
+
+    A stale edge reads its source row from the history, so backward stops there; without this,
+    an edge between two chunks never trains the source side. Here each chunk's backward adds
+    ``w * grad(target)`` for its stale edges into ``collected`` (a table shaped like the history),
+    and in the next epoch each chunk's backward adds its rows of what was collected to the
+    gradient of its layer input. Delivering only the previous epoch's sums makes the result
+    independent of the order chunks run their backward in (GPipe and 1F1B agree with one
+    process). A new epoch is recognised when a chunk's rows come round again; an exact epoch (a
+    whole view: no stale edges, exact gradients) drops what is pending. Halo rows' sums stay
+    undelivered (their owners are on other ranks).
+    """
+
+    def __init__(self) -> None:
+        self.collected: torch.Tensor | None = None
+        self.due: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
+
+    def attach(self, h: torch.Tensor, out: torch.Tensor, graph: Mapping[str, Any], history: torch.Tensor) -> None:
+        rows = graph["node_rows"]
+        if not has_stale_edges(graph):
+            self.collected = self.due = self.seen = None
+            return
+        if self.collected is None or self.collected.shape != history.shape:
+            self.collected, self.due = torch.zeros_like(history), None
+            self.seen = torch.zeros(history.shape[0], dtype=torch.bool, device=history.device)
+        if bool(self.seen[rows].any()):  # these rows ran before: a new epoch
+            self.due, self.collected = self.collected, torch.zeros_like(history)
+            self.seen.zero_()
+        self.seen[rows] = True
+        if out.requires_grad:
+            out.register_hook(functools.partial(_collect, self.collected, graph["stale_edge_index"],
+                                                graph["stale_edge_weight"]))
+        if self.due is not None and h.requires_grad:
+            h.register_hook(functools.partial(_deliver, self.due, rows))
+
+
+def _collect(table: torch.Tensor, edges: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+    flat = grad.reshape(grad.shape[0], -1)
+    messages = flat.index_select(0, edges[1]) * weight.to(grad.dtype).unsqueeze(-1)
+    table.view(table.shape[0], -1).index_add_(0, edges[0], messages.to(table.dtype))
+
+
+def _deliver(table: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return grad + table.index_select(0, rows).to(grad.dtype)
 
 
 def apply_graph_parallel(model: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup | None) -> int:

@@ -10,7 +10,8 @@ The formulas (P partitions, K stages, L message-passing layers, N nodes, halo H 
 partition, history width d, stage width w, 4-byte elements):
 
 - history per rank (chunked runs only): its L / K layers x (N / P + H) rows x d (counted in the
-  memory totals);
+  memory totals), three such tables with ``data.graph_stale_gradients`` (the gradients collected
+  this epoch and those due from the last);
 - graph parallelism: every layer sends each halo row forward and its gradient back, so each
   partition sends about 2 L H d elements an epoch (symmetric graphs: it sends as many rows
   as it receives);
@@ -81,7 +82,8 @@ def graph_plan(cfg: RunConfig, dims: ParallelDims, model: nn.Module, cost: Graph
     layers, d, w = cost.aggregations(model), cost.history_width(model), cost.stage_width(model)
     stage_layers = math.ceil(layers / stages)  # graph models split layers evenly
     halo = halo_rows(size.nodes, size.edges, parts)
-    history = stage_layers * (size.nodes / parts + halo) * d * 4 if chunks > 1 else 0.0
+    tables = 3 if cfg.data.graph_stale_gradients else 1  # the history, plus collected and due gradients
+    history = tables * stage_layers * (size.nodes / parts + halo) * d * 4 if chunks > 1 else 0.0
     exact_activations = activation_bytes_per_node * size.nodes / parts * stage_layers / layers
     halo_bytes = 2 * layers * halo * d * 4 * parts
     pipe_bytes = 2 * (stages - 1) * size.nodes * w * 4
@@ -96,8 +98,9 @@ def graph_plan(cfg: RunConfig, dims: ParallelDims, model: nn.Module, cost: Graph
         f"graph plan    {mode}: {parts} partition(s) x {stages} stage(s), {chunks} chunk(s) per epoch; "
         f"halo ~{halo:,.0f} rows per partition (random-partition estimate)",
         f"history       {gb(history)} per rank" + (" (one chunk: none kept)" if chunks == 1 else
-                                                   f" ({stage_layers} layers x {size.nodes // parts:,} + halo "
-                                                   f"rows x {d}; in the memory totals below)"),
+                                                   f" ({tables} table(s) x {stage_layers} layers x "
+                                                   f"{size.nodes // parts:,} + halo rows x {d}; in the memory "
+                                                   "totals below)"),
         f"exact epochs  {gb(exact_activations)} of activations per rank: warm-up, refresh and eval epochs run the "
         "whole partition as one chunk (the table counts one chunk)",
         "bytes / epoch (all ranks; measured ones land in metrics as comm_bytes_*):",
