@@ -103,10 +103,6 @@ class GraphAggregation(nn.Module):
             self.history = h.new_zeros(shape, dtype=h.dtype)
         return self.history
 
-    def history_bytes(self) -> int:
-        tables = [self.history, self.stale_grads.collected, self.stale_grads.due]
-        return sum(t.numel() * t.element_size() for t in tables if t is not None)
-
 
 class StaleGradients:
     """Gradients along stale edges, delivered one epoch late (as PipeGCN does for boundary rows).
@@ -166,8 +162,3 @@ def apply_graph_parallel(model: nn.Module, plan: ParallelPlan, group: dist.Proce
                             "named 'aggregate' (veomni.ops.graph); declare the injection point in the layer")
         module.aggregate = GraphAggregation(group)
     return len(modules)
-
-
-def history_bytes(model: nn.Module) -> int:
-    """Bytes of every history table this rank holds."""
-    return sum(m.history_bytes() for m in model.modules() if isinstance(m, GraphAggregation))

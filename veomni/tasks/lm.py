@@ -30,6 +30,20 @@ def target_counts(labels: torch.Tensor) -> torch.Tensor:
     return torch.bincount(labels[labels != IGNORE_INDEX]).double()
 
 
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy summed over the targets that are not ``IGNORE_INDEX`` (fp32 logits)."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def frequency_baseline(stats: torch.Tensor, name: str, meaning: str, perplexity: bool = False) -> Baseline | None:
+    """The ``Baseline`` of predicting each target from its frequency among the eval targets
+    (``stats``: summed ``target_counts``); None without targets."""
+    entropy = unigram_entropy(stats)
+    if entropy is None:
+        return None
+    return Baseline(entropy, name, meaning, unit="nats", perplexity=perplexity)
+
+
 def unigram_entropy(counts: torch.Tensor) -> float | None:
     """Entropy in nats of the distribution ``counts`` / total; None when the total is 0."""
     total = counts.sum()
@@ -64,16 +78,13 @@ class LanguageModelingTask:
         return LossOutput(self.output_loss(logits, batch["labels"]), self.count_loss_units(batch))
 
     def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return summed_cross_entropy(logits, labels)
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         return target_counts(batch["labels"])
 
     def baseline_loss(self, stats: torch.Tensor) -> Baseline | None:
-        entropy = unigram_entropy(stats)
-        if entropy is None:
-            return None
         meaning = ("the loss of predicting every eval target token from how often it occurs among the eval "
                    "targets themselves (their unigram entropy), which nothing that ignores context can beat; "
                    "below it, the model uses context")
-        return Baseline(entropy, "token frequencies alone", meaning, unit="nats", perplexity=True)
+        return frequency_baseline(stats, "token frequencies alone", meaning, perplexity=True)

@@ -19,11 +19,10 @@ structure.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from veomni.tasks.base import IGNORE_INDEX, Baseline, BatchContract, LossOutput
-from veomni.tasks.lm import target_counts, unigram_entropy
+from veomni.tasks.lm import frequency_baseline, summed_cross_entropy, target_counts
 
 NODE_CONTRACT = BatchContract(unit="node", sequence_fields=("x", "labels"), pad_values={"labels": IGNORE_INDEX},
                               stage_input="x", target="labels")
@@ -57,16 +56,13 @@ class NodeClassificationTask:
         return LossOutput(self.output_loss(logits, batch["labels"]), self.count_loss_units(batch), metrics)
 
     def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return summed_cross_entropy(logits, labels)
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         return target_counts(batch["labels"])
 
     def baseline_loss(self, stats: torch.Tensor) -> Baseline | None:
-        entropy = unigram_entropy(stats)
-        if entropy is None:
-            return None
         meaning = ("the loss of predicting every validation node's class from how common each class is among "
                    "them (the entropy of the class frequencies); below it, the model uses the node's features "
                    "or its neighbourhood")
-        return Baseline(entropy, "class frequencies alone", meaning, unit="nats")
+        return frequency_baseline(stats, "class frequencies alone", meaning)

@@ -27,14 +27,13 @@ measured (``comm_bytes_graph_halo``, ``comm_bytes_pp_p2p``).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch import nn
 
 from veomni.config.schema import RunConfig
+from veomni.data.graph_format import GraphFormatError, read_manifest
 from veomni.ops.graph import GraphCost
 from veomni.parallel.mesh import ParallelDims
 
@@ -49,11 +48,11 @@ class GraphSize:
 
 
 def graph_size(cfg: RunConfig, dims: ParallelDims, avg_degree: float) -> GraphSize:
-    manifest = Path(cfg.data.train_path or ".") / "manifest.json"
-    if manifest.is_file():
-        meta = json.loads(manifest.read_text())
-        if "num_nodes" in meta and "num_edges" in meta:
-            return GraphSize(int(meta["num_nodes"]), int(meta["num_edges"]), str(manifest))
+    try:
+        meta = read_manifest(cfg.data.train_path or ".")
+        return GraphSize(int(meta["num_nodes"]), int(meta["num_edges"]), f"{cfg.data.train_path}/manifest.json")
+    except GraphFormatError:  # not built yet (or not a graph folder: the launcher's data check says so)
+        pass
     nodes = cfg.data.tokens_per_micro_batch * cfg.train.grad_accum * dims.dp_size
     return GraphSize(nodes, int(nodes * avg_degree), "the recipe (data.tokens_per_micro_batch x train.grad_accum "
                      "x dp ranks; the model's assumed degree)")
