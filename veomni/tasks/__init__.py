@@ -2,10 +2,11 @@
 
 Families name their task in their ``ModelSpec``; models may import this package (it depends on
 nothing but torch and the contract types). Language modelling, multi-token prediction, the VLM
-answer loss and node classification live here.
+answer loss, node classification and diffusion (rectified flow, DDPM) live here.
 """
 
 from veomni.tasks.base import IGNORE_INDEX, BatchContract, LossOutput, Task, task_generator
+from veomni.tasks.flow import FLOW_CONTRACT, DiffusionTask
 from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
 from veomni.tasks.mtp import MultiTokenLMTask, next_two_token_labels
 from veomni.tasks.node import NODE_CONTRACT, NodeClassificationTask
@@ -15,6 +16,8 @@ __all__ = [
     "IGNORE_INDEX",
     "LM_CONTRACT",
     "BatchContract",
+    "DiffusionTask",
+    "FLOW_CONTRACT",
     "LanguageModelingTask",
     "LossOutput",
     "MultiTokenLMTask",
