@@ -80,12 +80,26 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
     except (ValueError, TypeError) as exc:
         return None, None, [locate_model_error(cfg, exc)]
     try:
+        spec = get_model_spec(cfg.model.arch)
         check_model_experts(model, cfg.parallel.ep)
-        check_pipeline_task(get_model_spec(cfg.model.arch).task(model_cfg), cfg.parallel)  # says why first
+        check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
-        return model_cfg, model, check_sequence_parallel(model, cfg.parallel.sp)
+        return model_cfg, model, check_sequence_parallel(model, cfg.parallel.sp) + _sample_problems(cfg, spec)
     except ValueError as exc:
         return model_cfg, model, [str(exc)]
+
+
+def _sample_problems(cfg: RunConfig, spec: Any) -> list[str]:
+    """``train.sample_interval`` needs a family that writes samples, and the whole model on each rank."""
+    if not cfg.train.sample_interval:
+        return []
+    if spec.sample_writer is None:
+        return [f"train.sample_interval={cfg.train.sample_interval}: model family {spec.name!r} writes no "
+                "validation samples; remove train.sample_interval"]
+    if cfg.parallel.pp > 1:
+        return [f"train.sample_interval needs the whole model on every rank, not parallel.pp={cfg.parallel.pp}: "
+                "sample afterwards with scripts/sample.sh, or set train.sample_interval: 0"]
+    return []
 
 
 def _check_pretrained(cfg: RunConfig, model: Any) -> tuple[list[str], list[str]]:

@@ -128,6 +128,13 @@ class TrainConfig:
     sample_temperature: float = 0.8
     """0 decodes greedily; otherwise top-k sampling at this temperature (seeded by train.seed)."""
     sample_top_k: int = 40
+    sample_interval: int = 0
+    """Steps between validation samples of a generative family (its ``SampleWriter``: clips and a
+    contact sheet under ``<output_dir>/samples/``, also logged to wandb / TensorBoard), and one at
+    the end of the run; 0 writes none."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights with this decay (e.g. 0.999), saved in
+    checkpoints and used for samples; 0 keeps none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 

@@ -5,7 +5,7 @@ register into it; the engine reads the registry and never imports a family. See
 docs/design.md, "The model spec".
 """
 
-from veomni.spec.hooks import ConfiguredModule, CostModel, MoEHooks, ParamRule, TrainableModel
+from veomni.spec.hooks import ConfiguredModule, CostModel, MoEHooks, ParamRule, SampleWriter, TrainableModel
 from veomni.spec.registry import (
     HFAdapter,
     ModelSpec,
@@ -27,6 +27,7 @@ __all__ = [
     "ModelSpec",
     "MoEHooks",
     "ParamRule",
+    "SampleWriter",
     "TrainableModel",
     "build_config",
     "build_model",

@@ -8,6 +8,8 @@
   spec carries one, so the engine never asks a model whether it has a FLOP method.
 - ``MoEHooks``: the base class of models with mixture-of-experts layers; the engine's per-step
   MoE bookkeeping (aux losses, expert loads, router-bias updates) runs for instances of it.
+- ``SampleWriter``: what a generative family writes during training (validation clips, images)
+  for people to look at; ``train.sample_interval`` says how often.
 - ``ParamRule``: optimizer options for parameters matched by name (a spec's parameter rules).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -67,6 +70,17 @@ class CostModel(Protocol):
 
     def report_lines(self, model: nn.Module, units: int) -> list[str]:
         """Extra ``--dry-run`` lines the family adds about itself (may be empty)."""
+        ...
+
+
+class SampleWriter(Protocol):
+    """Generates and writes validation samples (a family's ``ModelSpec.sample_writer`` builds one)."""
+
+    def __call__(self, model: nn.Module, step: int, out_dir: Path, write: bool) -> dict[str, Path]:
+        """Generate with ``model`` (the whole model, every rank calling with the same inputs, so
+        sharded weights' collectives match); only where ``write`` is true, write files under
+        ``out_dir``. Returns name -> image file for loggers (wandb, TensorBoard); {} where not
+        writing."""
         ...
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from veomni.spec.hooks import CostModel, ParamRule, TrainableModel
+from veomni.spec.hooks import CostModel, ParamRule, SampleWriter, TrainableModel
 
 if TYPE_CHECKING:
     from veomni.tasks.base import Task
@@ -74,6 +74,9 @@ class ModelSpec:
     param_rules: Callable[[Any], Sequence[ParamRule]] = _no_rules
     """config -> optimizer rules tried before the engine's default (no decay for 1-D tensors)."""
     hf_adapter: HFAdapter | None = None
+    sample_writer: Callable[[Any, Any], SampleWriter] | None = None
+    """(model config, data config) -> the writer of validation samples (``train.sample_interval``);
+    None for families that have nothing to show but their metrics."""
 
     def instantiate(self, config: Any) -> nn.Module:
         """``build(config)``, checked to be a model the engine can train."""

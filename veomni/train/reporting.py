@@ -64,6 +64,23 @@ class MetricsReporter:
             logger.info("step %d  %s", step, "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()
                                                        if not isinstance(v, list)))
 
+    def log_images(self, step: int, files: dict[str, Path]) -> None:
+        """Images a family wrote (validation samples) to wandb and TensorBoard; their paths to the log."""
+        if not self.enabled or not files:
+            return
+        logger.info("step %d  samples: %s", step, "  ".join(str(path) for path in files.values()))
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({f"samples/{name}": wandb.Image(str(path)) for name, path in files.items()}, step=step)
+        if self._tb is not None:
+            import numpy as np
+            from PIL import Image
+
+            for name, path in files.items():
+                with Image.open(path) as image:
+                    self._tb.add_image(f"samples/{name}", np.asarray(image.convert("RGB")), step, dataformats="HWC")
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -12,6 +12,7 @@ the parameter rules. The trainer itself assumes no field names and no tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -39,6 +40,7 @@ from veomni.tasks.base import Baseline, Task, task_generator
 from veomni.tasks.lm import LanguageModelingTask
 from veomni.train.baseline import BaselineCollector
 from veomni.train.distributed import all_reduce_values, init_distributed
+from veomni.train.ema import WeightEMA
 from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.reporting import MetricsReporter
@@ -89,6 +91,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.parts, self.model = self.runner.parts, self.runner.whole_model
         self.optimizer, self.scheduler = self.runner.optimizer, self.runner.scheduler
+        self.ema = WeightEMA(self.parts, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.sample_writer = self.spec.sample_writer(self.model_config, cfg.data) \
+            if cfg.train.sample_interval and self.spec.sample_writer else None
 
         self.data_kind = dataset_kind_name(cfg.data, self.spec.dataset)
         self.tokenizer = load_run_tokenizer(cfg.data, self.data_kind)
@@ -141,7 +146,10 @@ class Trainer:
                 logger.info(line)
 
     def _app_state(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "units_seen": self.units_seen}
+        state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "units_seen": self.units_seen}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        return state
 
     def _rank_state(self) -> dict[str, Any]:
         return {
@@ -161,6 +169,8 @@ class Trainer:
         self.scheduler.load_state_dict(app_state["scheduler"])
         self.step = int(app_state["step"])
         self.units_seen = int(app_state["units_seen"])
+        if self.ema is not None:
+            self.ema.load_state_dict(app_state["ema"])
         # Ranks of one pipeline read the same data: a changed pp size keeps the data layout.
         same_layout = (meta["dp_size"], meta["num_workers"]) == (self.dims.dp_size, self.cfg.data.num_workers)
         if same_layout:
@@ -238,6 +248,8 @@ class Trainer:
         """One optimizer step plus what follows it: metrics, eval and checkpoint when due."""
         cfg = self.cfg
         metrics = self._named(self.train_step(self._next_micro_batches()))
+        if self.ema is not None:
+            self.ema.update()
         units = metrics[self._key("s")]
         self.step += 1
         self.units_seen += units
@@ -258,6 +270,8 @@ class Trainer:
             metrics.update(self.evaluate())
             self._last_eval_step = self.step
         self.reporter.log(self.step, metrics)
+        if cfg.train.sample_interval and self.step % cfg.train.sample_interval == 0:
+            self.write_samples()
         self.checkpoints.poll()
         self.preempted = stop > 0
         if self.preempted or (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
@@ -292,6 +306,8 @@ class Trainer:
         if cfg.checkpoint.save_final and self._last_saved_step != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()
+        if self.sample_writer is not None and self.step % cfg.train.sample_interval:
+            self.write_samples()
         sample = self._sample() if cfg.train.sample_prompt else None
         self.reporter.close()
         summary = self._summary(history, sample)
@@ -314,6 +330,17 @@ class Trainer:
             sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
             eval_metrics={k.removeprefix("eval_"): v for k, v in self.last_eval.items() if k != "eval_loss"},
         )
+
+    def write_samples(self) -> None:
+        """The family's validation samples from the current (EMA, when kept) weights, on every rank
+        (sharded weights need all of them); rank 0 writes and logs them."""
+        averaged = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+        was_training = self.model.training
+        self.model.eval()
+        with averaged, full_sequence_attention(self.model), torch.no_grad():
+            files = self.sample_writer(self.model, self.step, self.output_dir / "samples", self.rank == 0)
+        self.model.train(was_training)
+        self.reporter.log_images(self.step, files)
 
     def _sample(self) -> tuple[str, str] | None:
         """(how it was decoded, prompt + continuation of ``train.sample_prompt``), for text models
