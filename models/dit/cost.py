@@ -65,10 +65,11 @@ class DiTCost:
           selective: 9 D + F: the block input, q/k/v and the attention output, cross q and output,
                      the three output projections (mm outputs are kept, element-wise is recomputed);
           full:      D per block (its input) plus one block's ``none`` set during its recompute.
-        Always, in fp32 whatever the compute dtype: the gathered modulation, 6 D per block in
-        ``none``/``selective`` (recomputed in ``full``, where one block's counts), and the head's
-        shift/scale 2 D; plus the patch embedding output and the head's norm in/out (3 D) and the
-        input and output patch (P + P_out). Text tokens' activations are not counted."""
+        Always, in fp32 whatever the compute dtype: the per-token modulation backward keeps, the
+        two branches' scale and gate, 4 D per block in ``none``/``selective`` (recomputed in
+        ``full``, where one block's counts), and the head's scale D; plus the patch embedding
+        output and the head's norm in/out (3 D) and the input and output patch (P + P_out). Text
+        tokens' activations are not counted."""
         if checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING_MODES}, got {checkpointing!r}")
         cfg = model.config
@@ -76,7 +77,7 @@ class DiTCost:
         block_none = 20 * d + 2 * f
         kept = {"none": layers * block_none, "selective": layers * (9 * d + f),
                 "full": layers * d + block_none}[checkpointing]
-        fp32_modulation = 6 * d * (1 if checkpointing == "full" else layers) + 2 * d
+        fp32_modulation = 4 * d * (1 if checkpointing == "full" else layers) + d
         ends = 3 * d + cfg.patch_dim + cfg.out_patch_dim
         return float(bytes_per_elem * (kept + ends) + 4 * fp32_modulation)
 

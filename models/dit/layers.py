@@ -147,7 +147,9 @@ class DiTBlock(nn.Module):
     def forward(self, x: torch.Tensor, modulation: torch.Tensor, sample_index: torch.Tensor, text: torch.Tensor,
                 text_cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         per_sample = self.scale_shift_table.float() + modulation.float()
-        shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = per_sample[sample_index.clamp(min=0)].unbind(1)
+        index = sample_index.clamp(min=0)
+        # six separate [T, D] gathers, not one [T, 6, D]: backward keeps only the scales and gates
+        shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = (per_sample[:, k][index] for k in range(6))
 
         h = (layer_norm_fp32(x, eps=self.eps) * (1 + scale) + shift).to(x.dtype)
         x = (x.float() + self.attn1(h, cos, sin, seq) * gate).to(x.dtype)
