@@ -3,6 +3,7 @@ ways: diffusers weights imported into our model, and our export loaded by ``from
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from diffusers import WanTransformer3DModel
 from models.dit import hf_adapter
 from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig
 from models.dit.model import DiTModel
+from veomni.checkpoint.component_init import load_components
 from veomni.checkpoint.hf_io import load_hf_pretrained, read_hf_config, save_hf_pretrained
 
 ATOL = 1e-5
@@ -98,3 +100,18 @@ def test_image_conditioned_wan_is_refused():
     config = {"_class_name": "WanTransformer3DModel", **hf_adapter.config_to_hf(DiTConfig()), "image_dim": 1280}
     with pytest.raises(ValueError, match="image_dim=1280"):
         hf_adapter.config_from_hf(config)
+
+
+def test_init_from_hf_loads_a_diffusers_saved_folder_and_refuses_another_architecture(tmp_path):
+    cfg = CONFIGS["patch-2x2x1"]
+    reference = _diffusers_model(cfg)
+    reference.save_pretrained(tmp_path / "wan")
+    ours = DiTModel(dataclasses.replace(cfg, init_std=0.5, text_dropout=0.0)).eval()  # free fields may differ
+    load_components(ours, {"": str(tmp_path / "wan")})
+    inputs = _inputs(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_video(*inputs), _diffusers_output(reference, inputs),
+                                   atol=ATOL, rtol=0)
+    other = DiTModel(dataclasses.replace(cfg, ffn_dim=32))
+    with pytest.raises(ValueError, match="ffn_dim"):
+        load_components(other, {"": str(tmp_path / "wan")})
