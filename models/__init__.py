@@ -1,6 +1,7 @@
 """The model zoo. Importing this package registers every model family."""
 
 from . import (
+    dit,  # noqa: F401  (registers "dit")
     gnn,  # noqa: F401  (registers "gnn")
     llm,  # noqa: F401  (registers "llm")
     omni,  # noqa: F401  (registers "omni" and the modalities)

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from veomni.spec import HFAdapter, get_model_spec, hf_adapter_for_model_type, spec_for_hf_model_type
 
 CONFIG_FILE = "config.json"
-SAFE_INDEX = "model.safetensors.index.json"
+TRANSFORMERS_WEIGHTS = "model"
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 # Files of an HF model folder that are not tokenizer files (never copied from tokenizer_dir).
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -95,7 +96,9 @@ def save_hf_pretrained(
     tokenizer_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write a folder that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load.
+    """Write a folder that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load, or, for
+    an adapter whose ``config_to_hf`` returns a plain dict (a diffusers ``config.json`` with
+    ``_class_name``), one that the diffusers class's ``from_pretrained`` loads.
 
     ``state_dict`` holds full (unsharded) tensors in our names. Everything is written to a
     sibling temp folder first and renamed into place, so a crash never leaves a half export
@@ -107,14 +110,19 @@ def save_hf_pretrained(
     out = Path(out_dir)
     hf_sd = _standalone_tensors(spec.hf_adapter.state_dict_to_hf(state_dict, config))
     hf_config = spec.hf_adapter.config_to_hf(config)
-    hf_config.dtype = next(iter(hf_sd.values())).dtype
+    diffusers_folder = isinstance(hf_config, Mapping)
+    if not diffusers_folder:
+        hf_config.dtype = next(iter(hf_sd.values())).dtype
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        hf_config.save_pretrained(tmp)
-        _save_shards(hf_sd, tmp, max_shard_bytes)
+        if diffusers_folder:
+            (tmp / CONFIG_FILE).write_text(json.dumps(dict(hf_config), indent=2) + "\n")
+        else:
+            hf_config.save_pretrained(tmp)
+        _save_shards(hf_sd, tmp, max_shard_bytes, DIFFUSERS_WEIGHTS if diffusers_folder else TRANSFORMERS_WEIGHTS)
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
         _publish(tmp, out)
@@ -138,7 +146,8 @@ def _standalone_tensors(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def _save_shards(sd: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+def _save_shards(sd: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int, stem: str) -> None:
+    """``{stem}.safetensors``, or numbered shards with ``{stem}.safetensors.index.json``."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in sd.items():
@@ -149,16 +158,16 @@ def _save_shards(sd: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int
         shards[-1][name] = tensor
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        save_file(shards[0], folder / f"{stem}.safetensors", metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
-        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        file_name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, folder / file_name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))
     total = sum(t.numel() * t.element_size() for t in sd.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / SAFE_INDEX).write_text(json.dumps(index, indent=2))
+    (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -7,7 +7,8 @@ and get a zero output without being computed.
 
 The kernel is picked per call: on CUDA in half precision, a real varlen kernel
 (``torch.nn.attention.varlen.varlen_attn``, else ``flash_attn``); everywhere else an exact
-SDPA fallback (see ``sdpa_varlen_attention``).
+SDPA fallback (see ``sdpa_varlen_attention``). ``cross_varlen_attention`` is the packed
+cross-attention of a DiT's patch tokens to their own sample's text states.
 """
 
 from __future__ import annotations
@@ -145,3 +146,57 @@ def _block_diagonal(
         pos = torch.arange(q.shape[0], device=q.device)
         mask = mask & (pos[:, None] >= pos[None, :])
     return _sdpa(q, k, v, causal, mask)
+
+
+def cross_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_sample_index: torch.Tensor,
+    kv_cu_seqlens: torch.Tensor,
+    per_sample: bool | None = None,
+) -> torch.Tensor:
+    """Cross-attention of packed queries to packed per-sample contexts (a DiT's text states).
+
+    ``q`` [Tq, H, D] are tokens of several samples in any order (a sequence-parallel slice too),
+    ``q_sample_index`` [Tq] their sample (-1: padding); ``k``/``v`` [S, H, D] hold every sample's
+    context one after another, ``kv_cu_seqlens`` [n+1] their boundaries. Each query attends only
+    to its own sample's context; a padding query, or one whose sample has an empty context, gets
+    zeros (its gradient is zero too: no NaN from an empty softmax reaches the weights).
+
+    Two exact strategies, as in ``sdpa_varlen_attention``: one SDPA call with a [Tq, S] sample
+    mask (no host sync; computes the n - 1 other samples' scores too), or one call per contiguous
+    run of equal sample ids (no waste; a host sync and a Python loop). ``per_sample=None`` picks
+    the mask when ``Tq * S * H * D <= BLOCK_DIAGONAL_WORK_PER_SAMPLE * n``.
+    """
+    samples = kv_cu_seqlens.shape[0] - 1
+    if per_sample is None:
+        per_sample = q.shape[0] * k.shape[0] * q.shape[1] * q.shape[2] > BLOCK_DIAGONAL_WORK_PER_SAMPLE * samples
+    if per_sample:
+        return _cross_per_run(q, k, v, q_sample_index, kv_cu_seqlens)
+    kv_cu_seqlens = kv_cu_seqlens.to(q.device)
+    positions = torch.arange(k.shape[0], device=q.device)
+    kv_sample = torch.searchsorted(kv_cu_seqlens[1:], positions, right=True)
+    context_lengths = torch.diff(kv_cu_seqlens)
+    sample = q_sample_index.clamp(min=0)
+    empty = (q_sample_index < 0) | (context_lengths[sample] == 0)
+    mask = (sample[:, None] == kv_sample[None, :]) | empty[:, None]
+    out = _sdpa(q, k, v, causal=False, mask=mask)
+    return out * (~empty)[:, None, None].to(out.dtype)
+
+
+def _cross_per_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sample_index: torch.Tensor, kv_cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    ids, counts = torch.unique_consecutive(q_sample_index, return_counts=True)
+    bounds = kv_cu_seqlens.tolist()
+    pieces, start = [q.new_zeros(0, q.shape[1], v.shape[2])], 0
+    for sample, count in zip(ids.tolist(), counts.tolist()):
+        rows = slice(start, start + count)
+        start += count
+        if sample < 0 or bounds[sample] == bounds[sample + 1]:
+            pieces.append(q.new_zeros(count, q.shape[1], v.shape[2]))
+            continue
+        context = slice(bounds[sample], bounds[sample + 1])
+        pieces.append(_sdpa(q[rows], k[context], v[context], causal=False))
+    return torch.cat(pieces)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings, rotate-half convention (HF Llama/Qwen).
+"""Rotary position embeddings: rotate-half (HF Llama/Qwen, 1-D and Qwen2-VL's 2-D), and Wan's
+3-D interleaved RoPE over (frame, height, width) patch positions for video diffusion.
 
 Frequencies are recomputed from ``(head_dim, theta, scaling)`` on every call instead of being
 kept in a buffer: it costs ``head_dim / 2`` elements, and a model built on the meta device and
@@ -90,3 +91,42 @@ def apply_rope(
     """Rotate packed ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] by per-token ``cos/sin`` [T, D]."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def wan_rope_axis_dims(head_dim: int) -> tuple[int, int, int]:
+    """How Wan splits a head's dims between the (f, h, w) axes: ``2 * (head_dim // 6)`` each for
+    height and width, the rest for frames (diffusers' ``WanRotaryPosEmbed``)."""
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"3D RoPE needs an even head_dim >= 6 (rotated pairs on three axes), got {head_dim}")
+    spatial = 2 * (head_dim // 6)
+    return head_dim - 2 * spatial, spatial, spatial
+
+
+def rope_3d_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan's 3D RoPE: ``cos, sin`` [T, head_dim // 2] (one angle per rotated pair) from (f, h, w)
+    ``positions`` [T, 3].
+
+    Each axis gets its own block of pairs (``wan_rope_axis_dims``) with the frequencies
+    ``theta ** (-2j / axis_dims)`` of a 1-D RoPE over that many dims; angles are computed in
+    float64 and cast to float32, as diffusers does, so imported Wan weights see the same rotation.
+    Computed per call from the positions alone: a row sliced by sequence parallelism rotates
+    each of its tokens exactly as the whole row would.
+    """
+    angles = []
+    for axis, dims in enumerate(wan_rope_axis_dims(head_dim)):
+        inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64, device=positions.device) / dims)
+        angles.append(positions[:, axis, None].double() * inv_freq)
+    angle = torch.cat(angles, dim=-1)
+    return angle.cos().float(), angle.sin().float()
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of adjacent dims ``(2j, 2j+1)`` of ``x`` [T, H, D] by per-token angles
+    ``cos/sin`` [T, D // 2] (the interleaved convention of Wan, Flux and CogVideoX, not
+    rotate-half); computed in the angles' precision, returned in ``x``'s dtype."""
+    cos, sin = cos[:, None], sin[:, None]
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)

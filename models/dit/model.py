@@ -1,0 +1,80 @@
+"""The video diffusion transformer (Wan 2.1's architecture) over packed rows of latent patches.
+
+Plain single-device PyTorch; weight-compatible with diffusers' ``WanTransformer3DModel`` (module
+names follow it; ``hf_adapter`` reshapes the two tensors whose layout differs). Where Wan runs a
+padded batch, this model runs one row of patch tokens of several images and clips of any sizes
+(NaViT-style packing, ``veomni.tasks.flow`` contract): timestep and modulation are computed per
+sample and gathered per token, attention stays inside each sample, and each token cross-attends
+to its own sample's caption. So a packed sample computes exactly what it would alone, and no
+FLOP is spent on padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from veomni.ops.attention import SeqInfo
+from veomni.ops.rope import rope_3d_cos_sin
+from veomni.parallel.plan import ParallelPlan
+
+from .batch import pack_latents, unpack_tokens
+from .config import DiTConfig
+from .layers import ConditionEmbedder, DiTBlock, layer_norm_fp32
+
+
+class DiTModel(nn.Module):
+    """``model(noisy [T, P], batch) -> prediction [T, P]`` (velocity for flow, noise for DDPM)."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        dim = config.hidden_size
+        self.patch_embedding = nn.Linear(config.patch_dim, dim)
+        self.condition_embedder = ConditionEmbedder(config)
+        self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.num_layers))
+        self.proj_out = nn.Linear(dim, config.out_patch_dim)
+        self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
+
+    def forward(self, noisy: torch.Tensor, batch: dict) -> torch.Tensor:
+        index = batch["sample_index"]
+        sample = index.clamp(min=0)
+        temb, modulation = self.condition_embedder.time(batch["timesteps"])
+        text = self.condition_embedder.text_embedder(batch["text_states"])
+        cos, sin = rope_3d_cos_sin(batch["positions"], self.config.attention_head_dim)
+        seq = SeqInfo(batch["cu_seqlens"], batch["max_seqlen"])
+        x = self.patch_embedding(noisy)
+        for block in self.blocks:
+            x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq)
+        shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)
+        h = (layer_norm_fp32(x, eps=self.config.eps) * (1 + scale[sample]) + shift[sample]).to(x.dtype)
+        return self.proj_out(h) * (index >= 0)[:, None].to(x.dtype)
+
+    def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor,
+                      encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """diffusers' calling convention: latents [B, C, F, H, W], timestep [B], text states
+        [B, L, text_dim] -> prediction [B, C_out, F, H, W]."""
+        patch = self.config.patch_size
+        batch = pack_latents(list(latents), list(encoder_hidden_states), timestep, patch)
+        return torch.stack(unpack_tokens(self(batch["latents"], batch), batch, patch))
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(blocks=("blocks.*",), attention=("blocks.*.attn1",))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """From the global RNG: linears normal(0, ``init_std``) with zero biases, the modulation
+        tables normal(0, 1/sqrt(D)) as Wan's, norms reset, and ``proj_out`` zero, so the untrained
+        model predicts zero (the usual DiT start; gradients reach every weight from step two)."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        for name, param in self.named_parameters():
+            if name.endswith("scale_shift_table"):
+                nn.init.normal_(param, 0.0, param.shape[-1] ** -0.5)
+        nn.init.zeros_(self.proj_out.weight)

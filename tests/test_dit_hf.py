@@ -1,0 +1,117 @@
+"""Our DiT against diffusers' ``WanTransformer3DModel`` built from config with random weights, both
+ways: diffusers weights imported into our model, and our export loaded by ``from_pretrained``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from models.dit import hf_adapter
+from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig
+from models.dit.model import DiTModel
+from veomni.checkpoint.component_init import load_components
+from veomni.checkpoint.hf_io import load_hf_pretrained, read_hf_config, save_hf_pretrained
+
+ATOL = 1e-5
+
+CONFIGS = {
+    # Wan's own patch, cross-attention norm on
+    "patch-1x2x2": DiTConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=3,
+                             out_channels=5, text_dim=24, freq_dim=32, ffn_dim=64, num_layers=2),
+    # non-cubic patch with a temporal extent (proj_out's row order is then visible), no cross-attention norm
+    "patch-2x2x1": DiTConfig(patch_size=(2, 2, 1), num_attention_heads=3, attention_head_dim=12, in_channels=4,
+                             out_channels=4, text_dim=16, freq_dim=16, ffn_dim=48, num_layers=2,
+                             cross_attn_norm=False),
+}
+
+
+def _diffusers_model(cfg: DiTConfig) -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**{key: getattr(cfg, key) for key in ARCHITECTURE_FIELDS}).eval()
+    with torch.no_grad():  # randomise everything, incl. zero biases and unit norms, so no mapping hides
+        for param in model.parameters():
+            param.normal_(0.0, 0.1)
+    return model
+
+
+def _inputs(cfg: DiTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, cfg.in_channels, 4, 6, 8, generator=generator)
+    text = torch.randn(2, 7, cfg.text_dim, generator=generator)
+    return latents, torch.tensor([37.0, 912.5]), text
+
+
+def _diffusers_output(model: WanTransformer3DModel, inputs) -> torch.Tensor:
+    latents, timestep, text = inputs
+    with torch.no_grad():
+        return model(latents, timestep, text).sample
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_imported_weights_match_diffusers(name):
+    cfg = CONFIGS[name]
+    reference = _diffusers_model(cfg)
+    ours = DiTModel(cfg).eval()
+    ours.load_state_dict(hf_adapter.state_dict_from_hf(reference.state_dict(), cfg), strict=True)
+    inputs = _inputs(cfg)
+    with torch.no_grad():
+        out = ours.forward_video(*inputs)
+    expected = _diffusers_output(reference, inputs)
+    assert out.shape == expected.shape == (2, cfg.out_channels, 4, 6, 8)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_export_loads_in_diffusers_with_same_outputs(name, tmp_path):
+    cfg = CONFIGS[name]
+    torch.manual_seed(2)
+    ours = DiTModel(cfg).eval()
+    with torch.no_grad():
+        for param in ours.parameters():
+            param.normal_(0.0, 0.1)
+    folder = save_hf_pretrained("dit", cfg, ours.state_dict(), tmp_path / "wan")
+
+    assert json.loads((folder / "config.json").read_text())["_class_name"] == "WanTransformer3DModel"
+    reloaded = WanTransformer3DModel.from_pretrained(folder).eval()
+    inputs = _inputs(cfg)
+    with torch.no_grad():
+        expected = ours.forward_video(*inputs)
+    torch.testing.assert_close(_diffusers_output(reloaded, inputs), expected, atol=ATOL, rtol=0)
+
+    arch, config, state_dict = load_hf_pretrained(folder)
+    assert arch == "dit" and config == cfg
+    for key, tensor in ours.state_dict().items():
+        assert torch.equal(state_dict[key], tensor), key
+
+
+def test_training_fields_are_free_and_folder_config_reads_back(tmp_path):
+    cfg = CONFIGS["patch-1x2x2"]
+    folder = save_hf_pretrained("dit", cfg, DiTModel(cfg).state_dict(), tmp_path / "wan")
+    adapter, config = read_hf_config(folder)
+    assert adapter is hf_adapter and config == cfg
+    assert set(adapter.free_fields).isdisjoint(ARCHITECTURE_FIELDS)
+
+
+def test_image_conditioned_wan_is_refused():
+    config = {"_class_name": "WanTransformer3DModel", **hf_adapter.config_to_hf(DiTConfig()), "image_dim": 1280}
+    with pytest.raises(ValueError, match="image_dim=1280"):
+        hf_adapter.config_from_hf(config)
+
+
+def test_init_from_hf_loads_a_diffusers_saved_folder_and_refuses_another_architecture(tmp_path):
+    cfg = CONFIGS["patch-2x2x1"]
+    reference = _diffusers_model(cfg)
+    reference.save_pretrained(tmp_path / "wan")
+    ours = DiTModel(dataclasses.replace(cfg, init_std=0.5, text_dropout=0.0)).eval()  # free fields may differ
+    load_components(ours, {"": str(tmp_path / "wan")})
+    inputs = _inputs(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_video(*inputs), _diffusers_output(reference, inputs),
+                                   atol=ATOL, rtol=0)
+    other = DiTModel(dataclasses.replace(cfg, ffn_dim=32))
+    with pytest.raises(ValueError, match="ffn_dim"):
+        load_components(other, {"": str(tmp_path / "wan")})
