@@ -68,36 +68,47 @@ def check_fits(key: str, shape: Sequence[int], tokens: int, budget: int) -> None
 
 
 def best_fit_rows(samples: Iterable[Item], budget: int, cost: Callable[[Item], int],
-                  lookahead: int = LOOKAHEAD_ROWS) -> Iterator[tuple[list[Item], list[Item]]]:
+                  lookahead: int = LOOKAHEAD_ROWS, buffered: Sequence[Item] = ()
+                  ) -> Iterator[tuple[list[Item], list[Item]]]:
     """Pack ``samples`` into rows of at most ``budget`` (module docstring); yields
-    ``(row, still buffered)`` after each row, the buffer in stream order (what a resumed reader
-    must put back). Every sample lands in exactly one row; the last rows empty the buffer.
-    ``cost(sample)`` must be in ``1..budget`` (callers check it first to name the sample)."""
+    ``(row, still buffered)`` after each row, the buffer in stream order. Every sample lands in
+    exactly one row; the last rows empty the buffer. A resumed reader passes the buffer it had
+    after its last row as ``buffered`` and the rest of the stream as ``samples``: the rows are
+    those the uninterrupted packer makes. ``cost(sample)`` must be in ``1..budget`` (callers
+    check it first to name the sample)."""
     if budget < 1 or lookahead < 1:
         raise ValueError(f"budget ({budget}) and lookahead ({lookahead}) must be >= 1")
     stream = iter(samples)
     buffer: list[tuple[Item, int]] = []
-    buffered = 0
+    total = 0
     exhausted = False
+    pending = iter(buffered)
     while True:
-        while not exhausted and buffered < lookahead * budget:
+        for sample in pending:
+            buffer.append((sample, _checked_cost(sample, cost, budget)))
+            total += buffer[-1][1]
+        while not exhausted and total < lookahead * budget:
             sample = next(stream, _END)
             if sample is _END:
                 exhausted = True
                 break
-            size = cost(sample)
-            if not 0 < size <= budget:
-                raise ValueError(f"a sample of {size} patches cannot be packed into a budget of {budget}")
-            buffer.append((sample, size))
-            buffered += size
+            buffer.append((sample, _checked_cost(sample, cost, budget)))
+            total += buffer[-1][1]
         if not buffer:
             return
         row = _fill_row(buffer, budget)
-        buffered -= sum(size for _, size in row)
+        total -= sum(size for _, size in row)
         yield [sample for sample, _ in row], [sample for sample, _ in buffer]
 
 
 _END = object()
+
+
+def _checked_cost(sample: Any, cost: Callable[[Any], int], budget: int) -> int:
+    size = cost(sample)
+    if not 0 < size <= budget:
+        raise ValueError(f"a sample of {size} patches cannot be packed into a budget of {budget}")
+    return size
 
 
 def _fill_row(buffer: list[tuple[Any, int]], budget: int) -> list[tuple[Any, int]]:
