@@ -239,6 +239,10 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, caplog):
     assert "disagrees with the json's latent_shape [4, 1, 2, 2]" in caplog.text
     with pytest.raises(BadDataError, match=r"2 of 30 records were bad"):
         list(_loader(tmp_path / "split", "eval", max_bad_fraction=0.05))
+    for rank in range(3):  # 2 shards, 3 consumers: a record-level split, each rank counts every bad record
+        loader = _loader(tmp_path / "split", "eval", rank, 3, max_bad_fraction=0.1)
+        list(loader)
+        assert loader.dataset.state_dict()["bad_prior_epochs"] == 2
 
 
 @pytest.mark.parametrize("change, message", [

@@ -120,3 +120,22 @@ def test_waste_measures_on_a_hand_counted_stream():
     rows = [row for row, _ in best_fit_rows(costs, 10, cost=int)]
     assert rows == [[3, 6], [5, 3, 2], [3]]
     assert packing_waste(costs, 10).fraction == pytest.approx(1 - 19 / 20)
+
+
+def test_a_packer_restarted_from_its_buffer_makes_the_same_rows():
+    costs = _costs(600, seed=3)
+    budget = 40000  # no sample fills a row: the buffer after a row may hold more than the lookahead
+    reference = [row for row, _ in best_fit_rows(costs, budget, cost=int, lookahead=2)]
+    pulled = 0
+
+    def stream():
+        nonlocal pulled
+        for cost in costs:
+            pulled += 1
+            yield cost
+
+    for k, (_, buffered) in enumerate(best_fit_rows(stream(), budget, cost=int, lookahead=2), 1):
+        if k % 7 == 0:
+            again = [row for row, _ in best_fit_rows(costs[pulled:], budget, cost=int, lookahead=2,
+                                                     buffered=buffered)]
+            assert again == reference[k:]

@@ -20,8 +20,11 @@ order and each shard's records (a shard is held in memory while it is read) from
 one pass in file order.
 
 **Corrupt samples** (bytes that are not safetensors, missing tensors, a shape disagreeing with
-the json or the manifest) are skipped, logged and counted with the damaged shards in the pass's
-``ReadStats``; above ``data.max_bad_fraction`` the run stops (``veomni.data.sources``).
+the json, channels or text width not the model's) are skipped, logged and counted with the
+damaged shards in the pass's ``ReadStats``; above ``data.max_bad_fraction`` the run stops
+(``veomni.data.sources``). A sample that decodes but does not fit (over the budget, not divisible
+by the patch) was announced wrongly by the manifest, which the launch check trusts: it stops the
+run, naming the sample.
 
 **Resume is exact**: a position is the epoch, the stream index of the first record not yet read,
 and the indices of the records read but still in the packer's buffer. A resumed reader reads the
@@ -130,28 +133,31 @@ class VideoLatentsDataset(ResumableDataset):
 
     def _read(self, epoch: int, start: Position, cursor: _Cursor) -> Iterator[tuple[int, LatentSample, int]]:
         """``(record index, sample, patches)`` of this consumer's good records of ``epoch``: from
-        ``start.next_record`` on, plus the buffered ``start.pending`` ones before it."""
+        ``start.next_record`` on, plus the buffered ``start.pending`` ones before it. Every record
+        read is decoded, also the other consumers' in a record-level split, so each consumer's
+        bad fraction is that of the whole stream (and only consumer 0 warns about shared files)."""
         files, stride, offset = self._consumer_files(epoch)
         consumer, _ = self.consumer()
+        warn = stride == 1 or consumer == 0
         pending = set(start.pending)
         records = iter_records(files, lambda file: self._shard_records(file, epoch), self.cfg.max_bad_fraction,
-                               cursor.stats, warn=consumer == 0)
+                               cursor.stats, warn=warn)
         for index, record in enumerate(records):
-            if index % stride != offset:
-                continue
             cursor.next_record = max(cursor.next_record, index + 1)
-            sample = self._decode(record, cursor.stats)
-            if sample is not None and (index >= start.next_record or index in pending):
+            sample = self._decode(record, cursor.stats, warn)
+            mine = index % stride == offset and (index >= start.next_record or index in pending)
+            if sample is not None and mine:
                 yield index, sample, self._patches(sample)
         cursor.done = True
 
-    def _decode(self, record: dict, stats: ReadStats) -> LatentSample | None:
+    def _decode(self, record: dict, stats: ReadStats, warn: bool) -> LatentSample | None:
         """The record's sample, or None (logged and counted as bad) when it is corrupt."""
         key, url = record.get("__key__", "?"), record.get("__url__", "?")
         try:
             return decode_sample(record, self.channels, self.text_dim)
         except Exception as error:  # noqa: BLE001 - one corrupt sample must not stop the run
-            logger.warning("%s: sample %s skipped: %s: %s", url, key, type(error).__name__, error)
+            (logger.warning if warn else logger.debug)("%s: sample %s skipped: %s: %s", url, key,
+                                                       type(error).__name__, error)
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
 
