@@ -1,8 +1,9 @@
 """Registry of dataset kinds: what a run reads is chosen by name, like a model family.
 
 A model spec names the kind its family reads (``ModelSpec.dataset``); a recipe may pick another
-with ``data.kind``. The engine ships ``packed_text`` (documents -> packed token rows) and
-``chat_media`` (chat samples with media for omni models); a plugin package registers its own
+with ``data.kind``. The engine ships ``packed_text`` (documents -> packed token rows),
+``chat_media`` (chat samples with media for omni models), ``graph`` (node classification) and
+``video_latents`` (latent images and clips -> packed patch rows); a plugin package registers its own
 kinds next to its model families. Each kind builds a ``ResumableDataset``, which owns its
 resume state (and how states of an old data-parallel layout merge into a new one).
 """

@@ -71,7 +71,7 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[Path]]:
     raise FileNotFoundError(f"data path {path!r} holds no {wanted} files")
 
 
-def _tar_samples(file: Path) -> Iterator[dict]:
+def tar_samples(file: Path) -> Iterator[dict]:
     """Samples of one tar shard, grouped by key with webdataset's own tar iteration."""
     with open(file, "rb") as stream:
         members = ({**member, "__url__": str(file)} for member in tar_file_iterator(stream))
@@ -80,7 +80,7 @@ def _tar_samples(file: Path) -> Iterator[dict]:
 
 def _tar_texts(file: Path, text_key: str) -> Iterator[str | None]:
     """Text of each sample; ``None`` for a bad record."""
-    for sample in _tar_samples(file):
+    for sample in tar_samples(file):
         raw = sample.get(text_key)
         if raw is None:
             logger.debug("%s: sample %s has no %r member", file, sample.get("__key__"), text_key)
@@ -143,7 +143,7 @@ def iter_tar_samples(files: list[Path], max_bad_fraction: float, stats: ReadStat
                      warn: bool = True) -> Iterator[dict]:
     """Every sample dict (``__key__``, ``__url__`` and one bytes value per member suffix) of
     webdataset ``files`` in order; damaged shards are handled as in :func:`iter_texts`."""
-    return iter_records(files, _tar_samples, max_bad_fraction, stats, warn)
+    return iter_records(files, tar_samples, max_bad_fraction, stats, warn)
 
 
 def count_bad(stats: ReadStats, file: str | Path, max_bad_fraction: float) -> None:
