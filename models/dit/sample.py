@@ -42,12 +42,14 @@ class SampleSettings:
     seed: int = 0
 
 
-def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
-    """The sampler's options (``SampleSettings``), shared by every command that samples."""
+def add_sample_arguments(parser: argparse.ArgumentParser, sizes: bool = True) -> None:
+    """The sampler's options (``SampleSettings``; the clip size only with ``sizes``), shared by every
+    command that samples."""
     default = SampleSettings()
-    parser.add_argument("--frames", type=int, default=default.frames)
-    parser.add_argument("--height", type=int, default=default.height, help="pixels")
-    parser.add_argument("--width", type=int, default=default.width, help="pixels")
+    if sizes:
+        parser.add_argument("--frames", type=int, default=default.frames)
+        parser.add_argument("--height", type=int, default=default.height, help="pixels")
+        parser.add_argument("--width", type=int, default=default.width, help="pixels")
     parser.add_argument("--steps", type=int, default=default.steps, help="sampler steps")
     parser.add_argument("--guidance", type=float, default=default.guidance, help="classifier-free guidance scale")
     parser.add_argument("--seed", type=int, default=default.seed)
