@@ -18,7 +18,7 @@ from diffusers import AutoencoderKL, DDPMScheduler
 from PIL import Image
 from torch import nn
 
-from models.dit.pipeline import VideoPipeline, ddim_scheduler
+from models.dit.pipeline import LatentFormat, VideoPipeline, ddim_scheduler
 from models.dit.sample import SampleSettings, write_samples
 from models.dit.validation import validation_writer
 from tests.video_utils import StandInConfig, WanStandIn, build_latent_split
@@ -179,3 +179,19 @@ def test_sampling_loads_the_ema_weights_of_the_newest_checkpoint(tmp_path):
     assert all(torch.equal(weights[n], model.state_dict()[n]) for n in others)
     *_, trained, _ = load_run_weights(tmp_path, prefer_ema=False)
     assert torch.equal(trained[name], model.state_dict()[name])
+
+
+def test_per_channel_normalisation_of_a_wan_vae_is_undone_channel_by_channel():
+    latents = LatentFormat(channels=2, scaling_factor=(2.0, 0.5), shift_factor=(1.0, -1.0), spatial_factor=8,
+                           temporal_factor=4)
+    stored = torch.ones(1, 2, 3, 4, 4)
+    z = latents.denormalise(stored)
+    assert torch.equal(z[:, 0], torch.full_like(z[:, 0], 1.5)) and torch.equal(z[:, 1], torch.ones_like(z[:, 1]))
+    assert latents.latent_shape(frames=9, height=32, width=48) == (2, 3, 4, 6)
+    with pytest.raises(ValueError, match="1 \\+ a multiple of 4"):
+        latents.latent_shape(frames=8, height=32, width=48)
+
+
+def test_a_prompt_with_words_the_tokenizer_does_not_know_is_refused(split):
+    with pytest.raises(ValueError, match="'a purple circle' has words"):
+        _pipeline(WanStandIn(), DiffusionTask(), split).encode_prompts(["a purple circle"])

@@ -47,10 +47,18 @@ class LatentFormat:
     """How pixels map to the latents the model was trained on (the latent manifest's ``vae`` entry)."""
 
     channels: int
-    scaling_factor: float
-    shift_factor: float
+    scaling_factor: tuple[float, ...]
+    """One value, or one per channel (a Wan VAE's ``1 / latents_std``)."""
+    shift_factor: tuple[float, ...]
     spatial_factor: int
     temporal_factor: int
+
+    def denormalise(self, latents: torch.Tensor) -> torch.Tensor:
+        """``[B, C, ...]`` stored latents ``(z - shift) · scaling`` -> the VAE's ``z``."""
+        view = (1, -1) + (1,) * (latents.dim() - 2)
+        scaling = torch.tensor(self.scaling_factor, dtype=latents.dtype, device=latents.device).view(view)
+        shift = torch.tensor(self.shift_factor, dtype=latents.dtype, device=latents.device).view(view)
+        return latents / scaling + shift
 
     def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """``[C, F', H', W']`` of a clip of ``frames`` x ``height`` x ``width`` pixels."""
@@ -84,10 +92,16 @@ def resolve_folder(path: str, manifest_folder: Path) -> Path:
                             f"(looked at {', '.join(str(c) for c in candidates)}); rebuild the latents")
 
 
+def _values(value: float | list[float] | None) -> tuple[float, ...]:
+    if value is None:
+        return (0.0,)
+    return tuple(float(v) for v in value) if isinstance(value, list) else (float(value),)
+
+
 def latent_format(manifest: dict[str, Any]) -> LatentFormat:
     vae = manifest["vae"]
-    return LatentFormat(channels=int(manifest["latent_channels"]), scaling_factor=float(vae["scaling_factor"]),
-                        shift_factor=float(vae.get("shift_factor") or 0.0),
+    return LatentFormat(channels=int(manifest["latent_channels"]), scaling_factor=_values(vae["scaling_factor"]),
+                        shift_factor=_values(vae.get("shift_factor")),
                         spatial_factor=int(vae["spatial_factor"]), temporal_factor=int(vae["temporal_factor"]))
 
 
@@ -136,8 +150,11 @@ class VideoPipeline:
         """Per prompt, the encoder's last hidden states of its real tokens, [L_i, text_dim] float32."""
         states = []
         for prompt in prompts:
-            ids = self.tokenizer(prompt, max_length=self.max_text_length, truncation=True,
-                                 return_tensors="pt")["input_ids"].to(self.device)
+            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            if ids.shape[1] > self.max_text_length or self.tokenizer.unk_token_id in ids[0].tolist():
+                raise ValueError(f"prompt {prompt!r} has words the text encoder's tokenizer does not know or over "
+                                 f"{self.max_text_length} tokens: use the training captions' vocabulary")
+            ids = ids.to(self.device)
             states.append(self.text_encoder(input_ids=ids).last_hidden_state[0].float())
         return states
 
@@ -198,7 +215,7 @@ class VideoPipeline:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents [B, C, F', H', W'] -> uint8 pixels [B, F, H, W, 3] (the VAE works in [-1, 1])."""
-        z = latents.to(self.device) / self.latents.scaling_factor + self.latents.shift_factor
+        z = self.latents.denormalise(latents.to(self.device))
         b, c, f, h, w = z.shape
         if self.latents.temporal_factor == 1:  # an image VAE: every frame on its own
             frames = self.vae.decode(z.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)).sample
