@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from veomni.checkpoint.hf_io import save_hf_pretrained
-from veomni.checkpoint.manager import COMPLETE_MARKER
+from veomni.checkpoint.manager import COMPLETE_MARKER, list_checkpoints
 from veomni.config.loader import load_config
 from veomni.logging_setup import setup_logging
 from veomni.spec import build_model
@@ -27,8 +27,14 @@ from veomni.spec import build_model
 logger = logging.getLogger(__name__)
 
 
-def load_checkpoint_weights(checkpoint: Path, config_path: Path | None = None):
-    """``(run config, model config, full state dict)`` of a checkpoint, on CPU."""
+EMA_APP_KEY = "ema"
+"""A checkpoint's exponential moving average of the weights lives in its app state under this key,
+as ``{parameter FQN: tensor}`` (DCP keys ``app.ema.<fqn>``)."""
+
+
+def load_checkpoint_weights(checkpoint: Path, config_path: Path | None = None, prefer_ema: bool = False):
+    """``(run config, model config, full state dict)`` of a checkpoint, on CPU. With ``prefer_ema``
+    the entries the checkpoint has an EMA of are the EMA's (the rest, e.g. buffers, the model's)."""
     if not (checkpoint / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE_MARKER})")
     config_path = config_path or checkpoint.parent.parent / "config.yaml"
@@ -40,7 +46,38 @@ def load_checkpoint_weights(checkpoint: Path, config_path: Path | None = None):
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint))
-    return run_cfg, model_cfg, state["model"]
+    weights = state["model"]
+    averaged = ema_entries(checkpoint) if prefer_ema else set()
+    if averaged:
+        ema = {"app": {EMA_APP_KEY: {name: weights[name] for name in averaged if name in weights}}}
+        dcp.load(ema, checkpoint_id=str(checkpoint))
+        logger.info("%s: %d of %d entries from the EMA weights", checkpoint, len(ema["app"][EMA_APP_KEY]),
+                    len(weights))
+    return run_cfg, model_cfg, weights
+
+
+def ema_entries(checkpoint: Path) -> set[str]:
+    """Names of the model entries a checkpoint holds an EMA of (empty when it has none)."""
+    prefix = f"app.{EMA_APP_KEY}."
+    keys = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {key[len(prefix):] for key in keys if key.startswith(prefix)}
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    """The newest complete ``step_*`` checkpoint of a run (its ``train.output_dir``)."""
+    found = list_checkpoints(run_dir / "checkpoints")
+    if not found:
+        raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}; is {run_dir} a run's "
+                                "train.output_dir?")
+    return found[-1][1]
+
+
+def load_run_weights(run_dir: Path, checkpoint: Path | None = None, prefer_ema: bool = True):
+    """``(run config, model config, state dict, checkpoint)`` of a run's newest complete checkpoint
+    (or ``checkpoint``), with its EMA weights when it has them and ``prefer_ema``: what sampling uses."""
+    checkpoint = checkpoint or newest_checkpoint(run_dir)
+    run_cfg, model_cfg, weights = load_checkpoint_weights(checkpoint, run_dir / "config.yaml", prefer_ema)
+    return run_cfg, model_cfg, weights, checkpoint
 
 
 def export(checkpoint: Path, out_dir: Path, config_path: Path | None = None, with_tokenizer: bool = True) -> Path:

@@ -1,0 +1,236 @@
+"""Text -> video sampling with a trained DiT: the text encoder, the sampler and the VAE decoder in one place.
+
+Why here and not in the engine: sampling needs diffusers and transformers modules (the VAE, the
+text encoder, a DDIM scheduler), which belong to the zoo side. The sampler keeps the training
+conventions of ``veomni.tasks.flow`` exactly, so what the model learned is what it is asked:
+
+- **flow**: Euler steps of ``dx/dt = v`` from t = 1 to 0 on ``sample_sigmas`` with the training
+  shift at the sample's token count (``resolution_shift``); the model takes ``1000 t``.
+- **ddpm**: a diffusers ``DDIMScheduler`` (eta 0, deterministic) whose betas are the task's own
+  (recovered from its ``alphas_cumprod``); the model predicts ε and takes the integer step.
+- classifier-free guidance: the unconditional input is zero text states of length 1, as in the
+  task's condition dropout.
+
+Every prompt is sampled with its caption's real tokens only (no padding, as in training):
+prompts whose token counts agree run as one batch. The initial noise of prompt i is the i-th
+draw of one generator seeded with ``seed``, so a seed fixes the result whatever the batching.
+Latents are stored normalised, ``(z - shift) · scaling``; decoding undoes that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from veomni.ops.video_patch import patch_grid
+from veomni.tasks.flow import DiffusionTask, Objective, euler_flow_step, guided, resolution_shift, sample_sigmas
+
+
+class VideoDenoiser(Protocol):
+    """What the sampler needs of a video model."""
+
+    def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor,
+                      encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``latents`` [B, C, F, H, W], ``timestep`` [B], text [B, L, text_dim] -> prediction like ``latents``."""
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """How pixels map to the latents the model was trained on (the latent manifest's ``vae`` entry)."""
+
+    channels: int
+    scaling_factor: tuple[float, ...]
+    """One value, or one per channel (a Wan VAE's ``1 / latents_std``)."""
+    shift_factor: tuple[float, ...]
+    spatial_factor: int
+    temporal_factor: int
+
+    def denormalise(self, latents: torch.Tensor) -> torch.Tensor:
+        """``[B, C, ...]`` stored latents ``(z - shift) · scaling`` -> the VAE's ``z``."""
+        view = (1, -1) + (1,) * (latents.dim() - 2)
+        scaling = torch.tensor(self.scaling_factor, dtype=latents.dtype, device=latents.device).view(view)
+        shift = torch.tensor(self.shift_factor, dtype=latents.dtype, device=latents.device).view(view)
+        return latents / scaling + shift
+
+    def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """``[C, F', H', W']`` of a clip of ``frames`` x ``height`` x ``width`` pixels."""
+        s, t = self.spatial_factor, self.temporal_factor
+        if height % s or width % s:
+            raise ValueError(f"height x width = {height} x {width}: both must be multiples of the VAE's spatial "
+                             f"factor {s}")
+        if (frames - 1) % t:
+            raise ValueError(f"frames = {frames}: the VAE compresses time by {t}, so frames must be 1 + a "
+                             f"multiple of {t}")
+        return self.channels, 1 + (frames - 1) // t, height // s, width // s
+
+
+def read_latent_manifest(train_path: str | Path) -> tuple[dict[str, Any], Path]:
+    """The latent split's ``manifest.json`` and its folder; FileNotFoundError naming the fix."""
+    folder = Path(train_path)
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{manifest} not found: data.train_path must be a latent split built by "
+                                "data/build_video_latents.py (it names the VAE and the text encoder)")
+    return json.loads(manifest.read_text()), folder
+
+
+def resolve_folder(path: str, manifest_folder: Path) -> Path:
+    """A folder named in a manifest: absolute, or relative to the manifest's folder or the working directory."""
+    candidates = [Path(path)] if Path(path).is_absolute() else [manifest_folder / path, Path.cwd() / path]
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"folder {path!r} named in the latent manifest of {manifest_folder} not found "
+                            f"(looked at {', '.join(str(c) for c in candidates)}); rebuild the latents")
+
+
+def _values(value: float | list[float] | None) -> tuple[float, ...]:
+    if value is None:
+        return (0.0,)
+    return tuple(float(v) for v in value) if isinstance(value, list) else (float(value),)
+
+
+def latent_format(manifest: dict[str, Any]) -> LatentFormat:
+    vae = manifest["vae"]
+    return LatentFormat(channels=int(manifest["latent_channels"]), scaling_factor=_values(vae["scaling_factor"]),
+                        shift_factor=_values(vae.get("shift_factor")),
+                        spatial_factor=int(vae["spatial_factor"]), temporal_factor=int(vae["temporal_factor"]))
+
+
+def ddim_scheduler(task: DiffusionTask):
+    """A deterministic DDIM scheduler on the task's own noise schedule (betas from its ``alphas_cumprod``)."""
+    from diffusers import DDIMScheduler
+
+    alpha_bar = task.alphas_cumprod.double()
+    previous = torch.cat([alpha_bar.new_ones(1), alpha_bar[:-1]])
+    betas = (1 - alpha_bar / previous).tolist()
+    return DDIMScheduler(num_train_timesteps=task.ddpm_steps, trained_betas=betas, clip_sample=False,
+                         set_alpha_to_one=True, prediction_type="epsilon", timestep_spacing="trailing")
+
+
+class VideoPipeline:
+    """A DiT with the VAE and the text encoder it was trained with (module docstring)."""
+
+    def __init__(self, model: nn.Module, task: DiffusionTask, patch_size: tuple[int, int, int], latents: LatentFormat,
+                 vae: nn.Module, text_encoder: nn.Module, tokenizer: Any, max_text_length: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.model, self.task = model, task
+        self.patch_size = tuple(patch_size)
+        self.latents = latents
+        self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
+        self.max_text_length = max_text_length
+        self.device = torch.device(device)
+
+    @classmethod
+    def from_latent_manifest(cls, model: nn.Module, task: DiffusionTask, patch_size: tuple[int, int, int],
+                             train_path: str | Path, device: torch.device | str = "cpu") -> VideoPipeline:
+        """Load the VAE and the text encoder named by the latent split at ``train_path``."""
+        import diffusers
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        manifest, folder = read_latent_manifest(train_path)
+        vae_class = getattr(diffusers, manifest["vae"]["class"])
+        vae = vae_class.from_pretrained(resolve_folder(manifest["vae"]["path"], folder)).to(device).eval()
+        text_folder = resolve_folder(manifest["text_encoder"]["path"], folder)
+        encoder = UMT5EncoderModel.from_pretrained(text_folder).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(text_folder)
+        return cls(model, task, patch_size, latent_format(manifest), vae, encoder, tokenizer,
+                   int(manifest["text_encoder"]["max_length"]), device)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Per prompt, the encoder's last hidden states of its real tokens, [L_i, text_dim] float32."""
+        states = []
+        for prompt in prompts:
+            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            if ids.shape[1] > self.max_text_length or self.tokenizer.unk_token_id in ids[0].tolist():
+                raise ValueError(f"prompt {prompt!r} has words the text encoder's tokenizer does not know or over "
+                                 f"{self.max_text_length} tokens: use the training captions' vocabulary")
+            ids = ids.to(self.device)
+            states.append(self.text_encoder(input_ids=ids).last_hidden_state[0].float())
+        return states
+
+    def flow_sigmas(self, latent_shape: tuple[int, int, int, int], steps: int) -> torch.Tensor:
+        """The Euler sampler's noise levels for latents of ``latent_shape``: the training shift at its token count."""
+        tokens = math.prod(patch_grid(latent_shape, self.patch_size))
+        shift = resolution_shift(torch.tensor([tokens]), self.task.shift, self.task.shift_base_tokens)
+        return sample_sigmas(steps, float(shift[0]))
+
+    @torch.no_grad()
+    def sample_latents(self, prompts: list[str], frames: int, height: int, width: int, steps: int = 30,
+                       guidance: float = 4.0, seed: int = 0, objective: Objective | None = None) -> torch.Tensor:
+        """Normalised latents [B, C, F', H', W'] for ``prompts`` at ``frames`` x ``height`` x ``width`` pixels."""
+        if not prompts:
+            raise ValueError("no prompts to sample")
+        if steps < 1:
+            raise ValueError(f"steps = {steps}: the sampler needs at least one step")
+        objective = objective or self.task.objective
+        if objective == "ddpm" and self.task.alphas_cumprod is None:
+            raise ValueError("objective 'ddpm' needs a task trained with objective 'ddpm' (its noise schedule)")
+        shape = self.latents.latent_shape(frames, height, width)
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn((len(prompts), *shape), generator=generator, dtype=torch.float32)
+        texts = self.encode_prompts(prompts)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, text in enumerate(texts):
+            groups[text.shape[0]].append(i)
+        out = torch.empty_like(noise)
+        for members in groups.values():
+            x = noise[members].to(self.device)
+            text = torch.stack([texts[i] for i in members])
+            sampler = self._flow if objective == "flow" else self._ddim
+            out[members] = sampler(x, text, steps, guidance).float().cpu()
+        return out
+
+    def _velocity(self, x: torch.Tensor, timestep: float | int, text: torch.Tensor, guidance: float) -> torch.Tensor:
+        t = torch.full((x.shape[0],), float(timestep), device=self.device)
+        conditional = self.model.forward_video(x, t, text).float()
+        if guidance == 1.0:
+            return conditional
+        empty = torch.zeros(x.shape[0], 1, text.shape[-1], device=self.device, dtype=text.dtype)
+        return guided(conditional, self.model.forward_video(x, t, empty).float(), guidance)
+
+    def _flow(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
+        sigmas = self.flow_sigmas(tuple(x.shape[1:]), steps).tolist()
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            x = euler_flow_step(x, self._velocity(x, 1000 * sigma, text, guidance), sigma, sigma_next)
+        return x
+
+    def _ddim(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
+        scheduler = ddim_scheduler(self.task)
+        scheduler.set_timesteps(steps)
+        for step in scheduler.timesteps:
+            epsilon = self._velocity(x, int(step), text, guidance)
+            x = scheduler.step(epsilon, step, x).prev_sample
+        return x
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Normalised latents [B, C, F', H', W'] -> uint8 pixels [B, F, H, W, 3] (the VAE works in [-1, 1])."""
+        z = self.latents.denormalise(latents.to(self.device))
+        b, c, f, h, w = z.shape
+        if self.latents.temporal_factor == 1:  # an image VAE: every frame on its own
+            frames = self.vae.decode(z.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)).sample
+            video = frames.reshape(b, f, *frames.shape[1:])
+        else:
+            video = self.vae.decode(z).sample.permute(0, 2, 1, 3, 4)
+        pixels = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return pixels.permute(0, 1, 3, 4, 2).cpu().numpy()
+
+    def generate(self, prompts: list[str], frames: int, height: int, width: int, steps: int = 30,
+                 guidance: float = 4.0, seed: int = 0) -> np.ndarray:
+        """uint8 clips [B, F, H, W, 3] for ``prompts`` (the model is put in eval mode and restored after)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self.decode(self.sample_latents(prompts, frames, height, width, steps, guidance, seed))
+        finally:
+            self.model.train(was_training)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sample clips for prompts with a trained video DiT (one GIF per prompt + a contact sheet):
+#   bash scripts/sample.sh RUN_DIR --prompt "a red circle moves left" [--prompt ...] [--steps 30]
+#        [--guidance 4] [--seed 0] [--frames 9] [--height 32] [--width 32] [--out DIR]
+#        [--checkpoint STEP_DIR] [--no-ema] [--device cpu|cuda]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+exec python "$REPO_ROOT/scripts/sample.py" "$@"
