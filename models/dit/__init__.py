@@ -3,19 +3,13 @@ patches, weight-compatible with diffusers' ``WanTransformer3DModel``. Registered
 with rectified flow (or DDPM) on the ``video_latents`` dataset kind."""
 
 from veomni.spec import ModelSpec, register_model
-from veomni.tasks import DiffusionTask
 
 from . import hf_adapter
 from .config import DiTConfig
 from .cost import DiTCost
 from .model import DiTModel
-
-
-def diffusion_task(config: DiTConfig) -> DiffusionTask:
-    return DiffusionTask(objective=config.objective, logit_mean=config.logit_mean, logit_std=config.logit_std,
-                         shift=config.shift, shift_base_tokens=config.shift_base_tokens,
-                         text_dropout=config.text_dropout)
-
+from .task import diffusion_task
+from .validation import validation_writer
 
 register_model(ModelSpec(
     name="dit",
@@ -25,6 +19,7 @@ register_model(ModelSpec(
     dataset="video_latents",
     cost=DiTCost(),
     hf_adapter=hf_adapter,
+    sample_writer=validation_writer,
 ))
 
 __all__ = ["DiTConfig", "DiTModel"]

@@ -24,8 +24,8 @@ import torch
 
 from models.dit.media import write_contact_sheet, write_gif
 from models.dit.pipeline import VideoPipeline
-from veomni.spec import get_model_spec, registered_models
-from veomni.tasks.flow import DiffusionTask
+from models.dit.task import diffusion_task
+from veomni.spec import get_model_spec
 
 WeightLoader = Callable[[Path, Path | None, bool], tuple[Any, Any, dict[str, torch.Tensor], Path]]
 """``(run_dir, checkpoint or None for the newest, prefer_ema) -> (run config, model config, state dict,
@@ -60,19 +60,6 @@ def add_sample_arguments(parser: argparse.ArgumentParser, sizes: bool = True) ->
 
 def settings_from(args: argparse.Namespace) -> SampleSettings:
     return SampleSettings(args.frames, args.height, args.width, args.steps, args.guidance, args.seed)
-
-
-def diffusion_task(model_config: Any) -> DiffusionTask:
-    """The task a registered family trains ``model_config`` with (its noise schedule and shift)."""
-    for name in registered_models():
-        spec = get_model_spec(name)
-        if isinstance(model_config, spec.config_cls):
-            task = spec.task(model_config)
-            if not isinstance(task, DiffusionTask):
-                raise ValueError(f"model family {name!r} trains with {type(task).__name__}, not a diffusion task: "
-                                 "it cannot sample video")
-            return task
-    raise ValueError(f"no registered model family has the config class {type(model_config).__name__}")
 
 
 def pipeline_from_weights(arch: str, model_config: Any, state_dict: dict[str, torch.Tensor], train_path: str,

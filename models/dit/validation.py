@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import tarfile
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,10 @@ from torch import nn
 
 from models.dit.media import write_contact_sheet
 from models.dit.pipeline import VideoPipeline
-from models.dit.sample import SampleSettings, diffusion_task
+from models.dit.sample import SampleSettings
+from models.dit.task import diffusion_task
+from veomni.spec import SampleWriter
 from veomni.tasks.flow import DiffusionTask
-
-SampleWriter = Callable[[nn.Module, int, Path, bool], dict[str, Path]]
 
 DEFAULT_SETTINGS = SampleSettings(steps=20)
 
