@@ -56,7 +56,7 @@ class BatchContract:
     """The layout of a task's micro-batches, as the engine may rely on it."""
 
     unit: str
-    """What one row element is ("token", "patch", "node", "sample"): throughput is reported in
+    """What one row element is ("token", "latent_token", "node", "sample"): throughput is reported in
     ``<unit>s_per_s``."""
     sequence_fields: tuple[str, ...]
     """Fields shaped [row length, ...]; the first gives the row length. Sequence parallelism

@@ -44,7 +44,7 @@ from torch import nn
 from veomni.tasks.base import Baseline, BatchContract, LossOutput
 
 FLOW_CONTRACT = BatchContract(
-    unit="patch",
+    unit="latent_token",
     sequence_fields=("latents", "positions", "sample_index", "noisy", "target"),
     pad_values={"sample_index": -1},
 )

@@ -7,7 +7,8 @@ The model is built on the meta device, so the estimate costs no memory even for 
 recipes. Memory per rank (bytes):
 
 - parameters, gradients: fp32 master copies, sharded over ``dp_shard x sp``;
-- optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none);
+- optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none); a weight EMA
+  (``train.ema_decay``) one more fp32 copy, sharded likewise;
 - gathered parameters: FSDP holds the root's parameters (embeddings, head; kept gathered) plus
   two blocks (the current one and the prefetched next) unsharded in the compute dtype; with
   expert parallelism a block gathers only its ``E / ep`` local experts;
@@ -52,11 +53,13 @@ class Estimate:
     """Lines the family adds about itself (its cost model's ``report_lines``, e.g. VWN's overhead)."""
     history_gb: float = 0.0
     """Graph models in chunked runs: the per-layer history tables (``estimate_graph.py``)."""
+    ema_gb: float = 0.0
+    """The weight EMA's fp32 copy (``train.ema_decay``)."""
 
     @property
     def total_gb(self) -> float:
-        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.gathered_gb + self.activations_gb
-                + self.history_gb)
+        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.ema_gb + self.gathered_gb
+                + self.activations_gb + self.history_gb)
 
 
 def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
@@ -89,6 +92,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         params_gb=4 * total / shard / GiB,
         grads_gb=4 * total / shard / GiB,
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
+        ema_gb=4 * total / shard / GiB if cfg.train.ema_decay else 0.0,
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
         compute_bytes=compute_bytes,
@@ -105,6 +109,7 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         (f"parameters (fp32, 1/{shard})", est.params_gb),
         (f"gradients (fp32, 1/{shard})", est.grads_gb),
         (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
+        *([(f"weight EMA (fp32, 1/{shard})", est.ema_gb)] if est.ema_gb else []),
         ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
          est.gathered_gb),
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
