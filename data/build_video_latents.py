@@ -1,0 +1,312 @@
+"""Precompute the video DiT's training data: every clip's VAE latent and its caption's text states.
+
+Why precompute: the VAE and the text encoder are frozen, so encoding each clip once (instead of
+every step) takes them out of the training loop, and the DiT's data loader only packs tensors.
+
+Input: a clip folder with ``train/`` and ``eval/`` splits (``data/build_moving_shapes.py``), a
+diffusers VAE folder and a text-encoder folder (``data/build_text_encoder.py``; built here from
+the train split's vocabulary when missing). The VAE is either
+
+- ``AutoencoderKL`` (per frame): a clip's frames are encoded as a batch of images (frames of
+  clips of one size batched together, ``--batch-frames`` at a time) and stacked on F;
+  latent = ``(mean - shift_factor) * scaling_factor`` from its config (no shift when unset);
+- ``AutoencoderKLWan`` (whole clip, causal in time: F frames -> 1 + (F - 1) / 4 latent frames):
+  clips of one shape batched as [B, 3, F, H, W]; latent = ``(mean - latents_mean) / latents_std``
+  per channel (how Wan normalises), so the manifest's ``shift_factor`` and ``scaling_factor``
+  are per-channel lists (``latents_mean`` and ``1 / latents_std``) that keep the same formula.
+
+Pixels are scaled to [-1, 1]; the latent is the posterior mean. Text states are the encoder's
+last hidden states of the caption's real tokens (words and the closing ``[EOS]``, no padding).
+
+Output (per split, builder-standard: webdataset shards, then ``manifest.json``): samples of
+``__key__``, ``latent.safetensors`` (``safetensors.torch.save`` of ``{"latent": float32
+[C, F, H, W], "text": float32 [L, text_dim]}``) and ``json`` (the clip's json plus
+``latent_shape``). The manifest records ``latent_channels``, ``text_dim``, ``shapes``
+(``"CxFxHxW"`` -> count), ``example_keys`` (one key per shape), ``skipped_corrupt``, ``vae``
+(``path``, ``class``, ``scaling_factor``, ``shift_factor``, ``spatial_factor``,
+``temporal_factor``), ``text_encoder`` (``path``, ``max_length``) and ``inputs_sha256``: a hash
+of the clips' manifests and the VAE's and encoder's files; a split is rebuilt when it differs
+(a retrained VAE), else kept. A corrupt clip (``veomni.data.clip_format``) is skipped and
+counted; more than ``--max-bad-fraction`` of a split is an error.
+
+    python data/build_video_latents.py --clips data/cache/video/moving_shapes \\
+        --vae data/cache/video/vae --text-encoder data/cache/video/text_encoder \\
+        --out data/cache/video/moving_shapes_latents
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import shutil
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import webdataset
+from diffusers import AutoencoderKL, AutoencoderKLWan
+from safetensors.torch import save
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, UMT5EncoderModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from build_text_encoder import build_text_encoder, caption_vocabulary  # noqa: E402
+
+from veomni.data.builders import MANIFEST, publish_split, staging_folder  # noqa: E402
+from veomni.data.clip_format import Clip, CorruptClipError, decode_clip  # noqa: E402
+from veomni.data.sources import ReadStats, iter_tar_samples  # noqa: E402
+
+FORMAT_VERSION = 1
+SAMPLES_PER_SHARD = 1000
+CLIPS_PER_BUFFER = 64
+PROGRESS_EVERY = 500
+VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderKLWan": AutoencoderKLWan}
+
+
+@dataclass
+class LatentEncoder:
+    """A frozen VAE and how its posterior mean is normalised: ``(mean - shift) * scaling``."""
+
+    vae: AutoencoderKL | AutoencoderKLWan
+    path: Path
+    shift: torch.Tensor
+    """[C, 1, 1, 1]."""
+    scaling: torch.Tensor
+    spatial_factor: int
+    temporal_factor: int
+
+    @property
+    def whole_clip(self) -> bool:
+        return isinstance(self.vae, AutoencoderKLWan)
+
+    def batch_key(self, clip: Clip) -> tuple[int, ...]:
+        """Clips with equal keys are encoded in one batch."""
+        frames, height, width, _ = clip.frames.shape
+        return (frames, height, width) if self.whole_clip else (height, width)
+
+    def check(self, clip: Clip) -> None:
+        frames, height, width, _ = clip.frames.shape
+        if height % self.spatial_factor or width % self.spatial_factor or (frames - 1) % self.temporal_factor:
+            raise SystemExit(f"clip {clip.key} is {frames}x{height}x{width} (FxHxW); the VAE at {self.path} needs "
+                             f"H and W divisible by {self.spatial_factor} and F - 1 by {self.temporal_factor}")
+
+    @torch.no_grad()
+    def encode(self, clips: list[Clip], batch_frames: int) -> list[torch.Tensor]:
+        """Normalised latents [C, F', H', W'] of clips of one batch key."""
+        pixels = [torch.from_numpy(c.frames).permute(0, 3, 1, 2).float() / 127.5 - 1 for c in clips]  # [F, 3, H, W]
+        if self.whole_clip:
+            per_batch = max(1, batch_frames // pixels[0].shape[0])
+            means = [self.vae.encode(torch.stack(pixels[i:i + per_batch]).transpose(1, 2)).latent_dist.mean
+                     for i in range(0, len(pixels), per_batch)]
+            latents = list(torch.cat(means).unbind(0))
+        else:
+            frames = torch.cat(pixels)
+            means = torch.cat([self.vae.encode(frames[i:i + batch_frames]).latent_dist.mean
+                               for i in range(0, frames.shape[0], batch_frames)])
+            latents = [m.transpose(0, 1) for m in means.split([p.shape[0] for p in pixels])]
+        return [((z - self.shift) * self.scaling).contiguous() for z in latents]
+
+    def describe(self) -> dict:
+        """The manifest's ``vae`` entry (factors as the config states them, not rounded to float32)."""
+        config = self.vae.config
+        if self.whole_clip:
+            scaling, shift = [1 / std for std in config.latents_std], list(config.latents_mean)
+        else:
+            scaling, shift = config.scaling_factor, config.shift_factor or 0.0
+        return {"path": str(self.path), "class": type(self.vae).__name__, "scaling_factor": scaling,
+                "shift_factor": shift, "spatial_factor": self.spatial_factor, "temporal_factor": self.temporal_factor}
+
+
+def load_vae(path: Path) -> LatentEncoder:
+    try:
+        name = json.loads((path / "config.json").read_text())["_class_name"]
+    except (OSError, ValueError, KeyError) as error:
+        raise SystemExit(f"{path} is not a diffusers VAE folder (config.json with _class_name): {error}") from error
+    if name not in VAE_CLASSES:
+        raise SystemExit(f"{path} holds a {name}; the precompute reads {' or '.join(VAE_CLASSES)}")
+    vae = VAE_CLASSES[name].from_pretrained(path).eval()
+    config = vae.config
+    if name == "AutoencoderKLWan":
+        shift = torch.tensor(config.latents_mean, dtype=torch.float32)
+        scaling = 1 / torch.tensor(config.latents_std, dtype=torch.float32)
+        if shift.numel() != config.z_dim or scaling.numel() != config.z_dim:
+            raise SystemExit(f"{path}: latents_mean/latents_std need z_dim = {config.z_dim} values")
+        spatial, temporal = 2 ** len(config.temperal_downsample), 2 ** sum(config.temperal_downsample)
+    else:
+        shift = torch.tensor([config.shift_factor or 0.0])
+        scaling = torch.tensor([config.scaling_factor])
+        spatial, temporal = 2 ** (len(config.block_out_channels) - 1), 1
+    return LatentEncoder(vae, path, shift.view(-1, 1, 1, 1), scaling.view(-1, 1, 1, 1), spatial, temporal)
+
+
+@dataclass
+class TextEncoder:
+    tokenizer: PreTrainedTokenizerBase
+    encoder: UMT5EncoderModel
+    path: Path
+
+    @torch.no_grad()
+    def encode(self, captions: list[str]) -> list[torch.Tensor]:
+        """The last hidden states [L, text_dim] of each caption's real tokens."""
+        batch = self.tokenizer(captions, padding=True, return_tensors="pt")
+        lengths = batch["attention_mask"].sum(1)
+        for caption, ids, length in zip(captions, batch["input_ids"], lengths):
+            if length > self.tokenizer.model_max_length or self.tokenizer.unk_token_id in ids.tolist():
+                raise SystemExit(f"caption {caption!r} has unknown words or over {self.tokenizer.model_max_length} "
+                                 f"tokens for the tokenizer at {self.path}; rebuild it from these captions "
+                                 "(data/build_text_encoder.py)")
+        states = self.encoder(**batch).last_hidden_state
+        return [s[:n].contiguous() for s, n in zip(states, lengths.tolist())]
+
+
+def load_text_encoder(path: Path, clips: Path) -> TextEncoder:
+    if not (path / MANIFEST).exists():
+        build_text_encoder(path, caption_vocabulary(clips / "train"))
+    return TextEncoder(AutoTokenizer.from_pretrained(path), UMT5EncoderModel.from_pretrained(path).eval(), path)
+
+
+def inputs_sha256(clips: Path, vae: Path, text_encoder: Path) -> str:
+    """What the latents depend on: the clip manifests and every file of the VAE and encoder folders."""
+    digest = hashlib.sha256()
+    files = [clips / split / MANIFEST for split in ("train", "eval")]
+    files += sorted(p for folder in (vae, text_encoder) for p in folder.iterdir() if p.is_file())
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def read_clips(split: Path, stats: ReadStats, skipped: list[str]) -> Iterator[Clip]:
+    """The good clips of a split; corrupt ones are logged into ``skipped`` (damaged shards into ``stats``)."""
+    for sample in iter_tar_samples(sorted(split.glob("*.tar")), 1.0, stats):
+        try:
+            yield decode_clip(sample)
+        except CorruptClipError as error:
+            skipped.append(str(error))
+
+
+def encode_buffer(buffer: list[Clip], vae: LatentEncoder, text: TextEncoder, batch_frames: int) -> list[tuple]:
+    """(clip, latent, text states) for each clip of ``buffer``, in order."""
+    latents: dict[str, torch.Tensor] = {}
+    groups: dict[tuple, list[Clip]] = {}
+    for clip in buffer:
+        vae.check(clip)
+        groups.setdefault(vae.batch_key(clip), []).append(clip)
+    for group in groups.values():
+        latents.update(zip((c.key for c in group), vae.encode(group, batch_frames)))
+    states = text.encode([c.meta["caption"] for c in buffer])
+    return [(clip, latents[clip.key], state) for clip, state in zip(buffer, states)]
+
+
+def precompute_split(clips: Path, out: Path, vae: LatentEncoder, text: TextEncoder, batch_frames: int,
+                     max_bad_fraction: float, extra: dict) -> None:
+    """Encode the split ``clips`` into ``out`` (staged; the staging folder is removed on failure)."""
+    tmp = staging_folder(out)
+    try:
+        manifest = write_split(clips, tmp, vae, text, batch_frames, max_bad_fraction)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_split(tmp, out, {**manifest, **extra})
+    print(f"{out}: {manifest['samples']} latents, shapes {manifest['shapes']}")
+
+
+def write_split(clips: Path, tmp: Path, vae: LatentEncoder, text: TextEncoder, batch_frames: int,
+                max_bad_fraction: float) -> dict:
+    """Write the latent shards of the split ``clips`` into ``tmp``; returns the manifest."""
+    stats, skipped = ReadStats(), []
+    shapes: Counter = Counter()
+    example_keys: dict[str, str] = {}
+
+    def write(writer: webdataset.ShardWriter, buffer: list[Clip]) -> None:
+        for clip, latent, state in encode_buffer(buffer, vae, text, batch_frames):
+            shape = list(latent.shape)
+            name = "x".join(map(str, shape))
+            shapes[name] += 1
+            example_keys.setdefault(name, clip.key)
+            writer.write({"__key__": clip.key, "latent.safetensors": save({"latent": latent, "text": state}),
+                          "json": json.dumps({**clip.meta, "latent_shape": shape}).encode()})
+        done = sum(shapes.values())
+        if done // PROGRESS_EVERY != (done - len(buffer)) // PROGRESS_EVERY:
+            print(f"{clips}: {done} clips encoded", flush=True)
+
+    with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=SAMPLES_PER_SHARD, verbose=0) as writer:
+        buffer: list[Clip] = []
+        for clip in read_clips(clips, stats, skipped):
+            buffer.append(clip)
+            if len(buffer) == CLIPS_PER_BUFFER:
+                write(writer, buffer)
+                buffer = []
+        if buffer:
+            write(writer, buffer)
+    bad = stats.bad + len(skipped)
+    if bad:
+        print(f"{clips}: skipped {bad} corrupt clip(s) of {stats.records}: {'; '.join(skipped[:5])}"
+              f"{' ...' if len(skipped) > 5 else ''}")
+    if bad > max_bad_fraction * stats.records:
+        raise SystemExit(f"{clips}: {bad} of {stats.records} clips are corrupt (over --max-bad-fraction "
+                         f"{max_bad_fraction:.1%}); rebuild the clips (data/build_moving_shapes.py)")
+    samples = sum(shapes.values())
+    channels = next(iter(shapes)).split("x")[0] if shapes else "0"
+    return {"samples": samples, "format_version": FORMAT_VERSION, "clips": str(clips),
+            "shards": len(list(tmp.glob("*.tar"))), "latent_channels": int(channels),
+            "text_dim": text.encoder.config.d_model, "shapes": dict(sorted(shapes.items())),
+            "example_keys": dict(sorted(example_keys.items())), "skipped_corrupt": bad}
+
+
+def is_current(out: Path, digest: str) -> bool:
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return manifest.get("format_version") == FORMAT_VERSION and manifest.get("inputs_sha256") == digest
+
+
+def build(clips: Path, vae_path: Path, text_encoder_path: Path, train_out: Path, eval_out: Path,
+          batch_frames: int = 256, max_bad_fraction: float = 0.01) -> None:
+    """Precompute both splits unless they are current; under a lock, like every builder."""
+    for split in ("train", "eval"):
+        if not (clips / split / MANIFEST).exists():
+            raise SystemExit(f"{clips / split} is not a built clip split; build it: python data/build_moving_shapes.py "
+                             f"--train-out {clips / 'train'} --eval-out {clips / 'eval'}")
+    text = load_text_encoder(text_encoder_path, clips)
+    digest = inputs_sha256(clips, vae_path, text_encoder_path)
+    splits = {clips / "train": train_out, clips / "eval": eval_out}
+    if all(is_current(out, digest) for out in splits.values()):
+        print(f"cached: {train_out} and {eval_out} are current")
+        return
+    train_out.parent.mkdir(parents=True, exist_ok=True)
+    with open(train_out.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        vae = load_vae(vae_path)
+        extra = {"inputs_sha256": digest, "vae": vae.describe(),
+                 "text_encoder": {"path": str(text_encoder_path), "max_length": text.tokenizer.model_max_length}}
+        for split, out in splits.items():
+            if not is_current(out, digest):
+                precompute_split(split, out, vae, text, batch_frames, max_bad_fraction, extra)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clips", required=True, type=Path, help="folder holding the clip splits train/ and eval/")
+    parser.add_argument("--vae", required=True, type=Path)
+    parser.add_argument("--text-encoder", required=True, type=Path, help="built here when missing")
+    parser.add_argument("--out", type=Path, help="writes OUT/train and OUT/eval")
+    parser.add_argument("--train-out", type=Path, help="instead of --out (as data.prepare passes them)")
+    parser.add_argument("--eval-out", type=Path)
+    parser.add_argument("--batch-frames", type=int, default=256, help="frames per VAE call")
+    parser.add_argument("--max-bad-fraction", type=float, default=0.01)
+    args = parser.parse_args(argv)
+    if (args.out is None) == (args.train_out is None or args.eval_out is None):
+        parser.error("give either --out or both --train-out and --eval-out")
+    train_out, eval_out = (args.out / "train", args.out / "eval") if args.out else (args.train_out, args.eval_out)
+    build(args.clips, args.vae, args.text_encoder, train_out, eval_out, args.batch_frames, args.max_bad_fraction)
+
+
+if __name__ == "__main__":
+    main()
