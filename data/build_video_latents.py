@@ -40,6 +40,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import os
 import shutil
 import sys
 from collections import Counter
@@ -288,7 +289,11 @@ def build(clips: Path, vae_path: Path, text_encoder_path: Path, train_out: Path,
                  "text_encoder": {"path": str(text_encoder_path), "max_length": text.tokenizer.model_max_length}}
         for split, out in splits.items():
             if not is_current(out, digest):
-                precompute_split(split, out, vae, text, batch_frames, max_bad_fraction, extra)
+                # folders named relative to the split itself, so the cache can move with its inputs
+                here = {"vae": {**extra["vae"], "path": os.path.relpath(vae_path.resolve(), out.resolve())},
+                        "text_encoder": {**extra["text_encoder"],
+                                         "path": os.path.relpath(text_encoder_path.resolve(), out.resolve())}}
+                precompute_split(split, out, vae, text, batch_frames, max_bad_fraction, {**extra, **here})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -116,7 +116,10 @@ def test_latents_and_text_equal_calling_the_models(kind, clips, text_encoder, tm
         assert manifest["skipped_corrupt"] == 0 and manifest["latent_channels"] == 4 and manifest["text_dim"] == 64
         assert manifest["vae"]["class"] == type(vae).__name__ and manifest["vae"]["spatial_factor"] == 4
         assert manifest["vae"]["temporal_factor"] == (4 if kind == "wan" else 1)
-        assert manifest["text_encoder"] == {"path": str(text_encoder), "max_length": tokenizer.model_max_length}
+        assert manifest["text_encoder"]["max_length"] == tokenizer.model_max_length
+        # folders are named relative to the split, so the latent cache can move with its inputs
+        assert (out / split / manifest["text_encoder"]["path"]).resolve() == Path(text_encoder).resolve()
+        assert (out / split / manifest["vae"]["path"]).resolve() == (tmp_path / "vae").resolve()
         shapes = {}
         for key, (tensors, meta) in latents.items():
             clip = originals[key]
