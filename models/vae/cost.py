@@ -22,12 +22,12 @@ from dataclasses import astuple
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL
 from torch import nn
 
 from veomni.parallel.plan import match_modules, module_path_matches
 
 from .config import VAEConfig
+from .model import VAEModel
 
 SAVED = (nn.Conv2d, nn.GroupNorm, nn.SiLU, nn.Linear)
 """Module types whose outputs count as kept activations."""
@@ -41,7 +41,7 @@ def _profile(config_key: tuple, height: int, width: int) -> tuple[float, dict[st
     elements of every block's input together)."""
     config = VAEConfig(*config_key)
     with torch.device("meta"):
-        vae = AutoencoderKL(**config.diffusers_config())
+        vae = VAEModel(config).vae
     flops = [0.0]
     saved: dict[str, int] = {}
 

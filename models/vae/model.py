@@ -11,7 +11,6 @@ needs: the task's call signature (``veomni.tasks.reconstruction``: ``forward(ima
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKL
 from torch import nn
 
 from veomni.parallel.plan import ParallelPlan
@@ -25,6 +24,8 @@ INITIALISED = (nn.Conv2d, nn.GroupNorm, nn.Linear)
 class VAEModel(nn.Module):
     def __init__(self, config: VAEConfig) -> None:
         super().__init__()
+        from diffusers import AutoencoderKL  # 5 s to import: only runs that build a VAE pay for it
+
         self.config = config
         self.vae = AutoencoderKL(**config.diffusers_config())
 

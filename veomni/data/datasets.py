@@ -1,7 +1,7 @@
 """Build a run's data loader from the registered dataset kinds.
 
 Importing this module registers the engine's own kinds (``packed_text``, ``chat_media``,
-``graph``);
+``graph``, ``frames``);
 plugin packages register theirs when ``veomni.spec.load_plugins`` imports them.
 """
 
@@ -12,7 +12,12 @@ import os
 from typing import Any
 
 from veomni.config.schema import DataConfig
-from veomni.data import graph_dataset, loader, multimodal  # noqa: F401  (register graph, packed_text, chat_media)
+from veomni.data import (  # noqa: F401  (register frames, graph, packed_text, chat_media)
+    frames,
+    graph_dataset,
+    loader,
+    multimodal,
+)
 from veomni.data.loader import PackedDataLoader, load_tokenizer
 from veomni.data.registry import DatasetRequest, get_dataset_kind
 
