@@ -10,7 +10,8 @@ Other ``--section.key value`` options override the recipe, for the training and 
 
 1. Training runs through ``scripts/train.sh RECIPE`` (which prepares the clips and launches the
    ranks) unless the recipe's output folder already holds a complete checkpoint.
-2. The newest checkpoint becomes an ``AutoencoderKL`` (``models.vae.export``).
+2. The newest checkpoint becomes an ``AutoencoderKL`` (``export_checkpoint``; also
+   ``python data/build_vae.py --export CHECKPOINT --out DIR`` for any ``vae`` checkpoint).
 3. ``shift_factor`` and ``scaling_factor`` are set to the mean and 1 / std of the posterior means
    of every frame of up to ``--clips`` training clips (whole frames, as the precompute encodes
    them), so ``(z - shift_factor) * scaling_factor`` has zero mean and unit std; the eval
@@ -35,7 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.vae.export import build_diffusers_vae, save_atomically  # noqa: E402
+from models.vae.diffusers_io import build_diffusers_vae, save_atomically  # noqa: E402
 from veomni.checkpoint.export import load_checkpoint_weights  # noqa: E402
 from veomni.checkpoint.manager import list_checkpoints  # noqa: E402
 from veomni.config.loader import load_config  # noqa: E402
@@ -84,6 +85,18 @@ def reconstruction_psnr(vae, clips: list[torch.Tensor]) -> float:
     return 10 * math.log10(4 / (errors / count))
 
 
+def export_checkpoint(checkpoint: Path, out: Path | None = None):
+    """``(run config, AutoencoderKL)`` of a ``vae`` run's ``step_*`` checkpoint (any world size or
+    FSDP layout wrote it); also written to ``out`` when given."""
+    run_cfg, model_cfg, state_dict = load_checkpoint_weights(checkpoint)
+    if run_cfg.model.arch != "vae":
+        raise ValueError(f"{checkpoint} is a {run_cfg.model.arch!r} checkpoint, not a 'vae' one")
+    vae = build_diffusers_vae(state_dict, model_cfg)
+    if out is not None:
+        save_atomically(vae, out)
+    return run_cfg, vae
+
+
 def newest_checkpoint(output_dir: Path) -> Path | None:
     found = list_checkpoints(output_dir / "checkpoints")
     return found[-1][1] if found else None
@@ -101,8 +114,7 @@ def build(recipe: Path, out: Path, clips: int, overrides: list[str]) -> None:
         checkpoint = newest_checkpoint(output_dir)
         if checkpoint is None:
             sys.exit(f"[build_vae] training finished but {output_dir}/checkpoints holds no complete checkpoint")
-    _, model_cfg, state_dict = load_checkpoint_weights(checkpoint)
-    vae = build_diffusers_vae(state_dict, model_cfg)
+    _, vae = export_checkpoint(checkpoint)
     shift, std = latent_statistics(vae, clip_frames(Path(run_cfg.data.train_path), clips))
     vae.register_to_config(shift_factor=shift, scaling_factor=1.0 / std)
     if run_cfg.data.eval_path:
@@ -124,7 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--clips", type=int, default=512, help="training clips the latent statistics read")
+    parser.add_argument("--export", type=Path, default=None, metavar="CHECKPOINT",
+                        help="only write this checkpoint to --out as it is (no training, no latent scaling)")
     args, overrides = parser.parse_known_args(argv)
+    if args.export is not None:
+        export_checkpoint(args.export, args.out)
+        print(f"exported {args.export} -> {args.out}")
+        return
     if is_built(args.out):
         print(f"cached: {args.out}")
         return

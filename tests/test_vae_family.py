@@ -3,6 +3,7 @@ loss normalisation and baseline, the ``frames`` dataset kind, and FSDP at 2 gloo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -12,7 +13,6 @@ import torch.distributed.checkpoint as dcp
 from diffusers import AutoencoderKL
 
 import models  # noqa: F401  (registers the vae family)
-from models.vae.export import export
 from models.vae.hf_adapter import VAEAdapter
 from tests.clip_shards import write_clip_shards
 from tests.dist_harness import run_distributed
@@ -24,6 +24,7 @@ from veomni.data.frames import FramesDataset
 from veomni.data.registry import DatasetRequest
 from veomni.spec import build_model, get_model_spec
 
+BUILDER = Path(__file__).resolve().parents[1] / "data" / "build_vae.py"
 TINY = dict(block_out_channels=[8, 16], norm_num_groups=4, latent_channels=4, layers_per_block=1, sample_size=16)
 
 
@@ -93,7 +94,10 @@ def test_exported_folder_reloads_in_diffusers(tmp_path):
     (checkpoint / COMPLETE_MARKER).write_text("{}")
     (run / "config.yaml").write_text(dump_config(RunConfig(model=ModelConfig(arch="vae", options=dict(TINY)))))
 
-    export(checkpoint, tmp_path / "vae")
+    spec = importlib.util.spec_from_file_location("build_vae", BUILDER)
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    builder.export_checkpoint(checkpoint, tmp_path / "vae")
     reloaded = AutoencoderKL.from_pretrained(tmp_path / "vae").eval()
     assert json.loads((tmp_path / "vae" / "config.json").read_text())["_class_name"] == "AutoencoderKL"
     x = images(2)

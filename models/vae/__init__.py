@@ -1,7 +1,7 @@
 """A small diffusers ``AutoencoderKL`` trained with the engine (stage 0 of the text-to-video recipe,
 which cannot download a VAE). Registered as "vae": trains with the reconstruction task on random
-frames of the raw clips (the ``frames`` dataset kind); ``models.vae.export`` writes the trained
-checkpoint as a diffusers folder."""
+frames of the raw clips (the ``frames`` dataset kind); ``data/build_vae.py`` writes the trained
+checkpoint as a diffusers folder (``diffusers_io``)."""
 
 from veomni.spec import ModelSpec, register_model
 from veomni.tasks import ReconstructionTask
