@@ -5,5 +5,6 @@ from . import (
     gnn,  # noqa: F401  (registers "gnn")
     llm,  # noqa: F401  (registers "llm")
     omni,  # noqa: F401  (registers "omni" and the modalities)
+    vae,  # noqa: F401  (registers "vae")
     vwn,  # noqa: F401  (registers "vwn")
 )

@@ -1,7 +1,7 @@
 """Build a run's data loader from the registered dataset kinds.
 
 Importing this module registers the engine's own kinds (``packed_text``, ``chat_media``,
-``graph``, ``video_latents``);
+``graph``, ``frames``, ``video_latents``);
 plugin packages register theirs when ``veomni.spec.load_plugins`` imports them.
 """
 
@@ -12,7 +12,13 @@ import os
 from typing import Any
 
 from veomni.config.schema import DataConfig
-from veomni.data import graph_dataset, loader, multimodal, video_latents  # noqa: F401  (register the kinds)
+from veomni.data import (  # noqa: F401  (register the kinds)
+    frames,
+    graph_dataset,
+    loader,
+    multimodal,
+    video_latents,
+)
 from veomni.data.loader import PackedDataLoader, load_tokenizer
 from veomni.data.registry import DatasetRequest, get_dataset_kind
 

@@ -2,7 +2,8 @@
 
 Families name their task in their ``ModelSpec``; models may import this package (it depends on
 nothing but torch and the contract types). Language modelling, multi-token prediction, the VLM
-answer loss, node classification and diffusion (rectified flow, DDPM) live here.
+answer loss, node classification, diffusion (rectified flow, DDPM) and autoencoder reconstruction
+(VAE) live here.
 """
 
 from veomni.tasks.base import IGNORE_INDEX, BatchContract, LossOutput, Task, task_generator
@@ -10,6 +11,7 @@ from veomni.tasks.flow import FLOW_CONTRACT, DiffusionTask
 from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
 from veomni.tasks.mtp import MultiTokenLMTask, next_two_token_labels
 from veomni.tasks.node import NODE_CONTRACT, NodeClassificationTask
+from veomni.tasks.reconstruction import RECONSTRUCTION_CONTRACT, ReconstructionTask
 from veomni.tasks.vlm import VLMTask
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "MultiTokenLMTask",
     "NODE_CONTRACT",
     "NodeClassificationTask",
+    "RECONSTRUCTION_CONTRACT",
+    "ReconstructionTask",
     "Task",
     "VLMTask",
     "next_two_token_labels",
