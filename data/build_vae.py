@@ -40,7 +40,7 @@ from models.vae.diffusers_io import build_diffusers_vae, save_atomically  # noqa
 from veomni.checkpoint.export import load_checkpoint_weights  # noqa: E402
 from veomni.checkpoint.manager import list_checkpoints  # noqa: E402
 from veomni.config.loader import load_config  # noqa: E402
-from veomni.data.frames import FRAMES_MEMBER, decode_frames  # noqa: E402
+from veomni.data.clip_format import CorruptClipError, decode_clip  # noqa: E402
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files  # noqa: E402
 
 DEFAULT_RECIPE = REPO / "recipes" / "goku" / "tiny_vae.yaml"
@@ -53,8 +53,8 @@ def clip_frames(split: Path, limit: int) -> list[torch.Tensor]:
     clips = []
     for record in iter_tar_samples(files, max_bad_fraction=1.0, stats=ReadStats()):
         try:
-            frames = decode_frames(record[FRAMES_MEMBER])
-        except (KeyError, ValueError):
+            frames = decode_clip(record).frames
+        except CorruptClipError:
             continue
         clips.append(torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 127.5 - 1)
         if len(clips) == limit:

@@ -22,7 +22,6 @@ do not decode, have the wrong dtype or shape, or are smaller than the crop is sk
 
 from __future__ import annotations
 
-import io
 import logging
 import random
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from veomni.config.schema import DataConfig
+from veomni.data.clip_format import CorruptClipError, decode_clip
 from veomni.data.packing import greedy_pack
 from veomni.data.registry import (
     MERGED_KEY,
@@ -47,15 +47,6 @@ from veomni.data.sources import ReadStats, count_bad, iter_tar_samples, resolve_
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "veomni.frames.v1"
-FRAMES_MEMBER = "frames.npy"
-
-
-def decode_frames(raw: bytes) -> np.ndarray:
-    """``frames.npy`` bytes -> uint8 [F, H, W, 3]; ValueError naming what is wrong otherwise."""
-    frames = np.load(io.BytesIO(raw), allow_pickle=False)
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
-        raise ValueError(f"frames.npy must be uint8 [F, H, W, 3] with F >= 1, got {frames.dtype} {frames.shape}")
-    return frames
 
 
 def crop_image(frames: np.ndarray, crop: int, rng: random.Random) -> torch.Tensor:
@@ -114,14 +105,12 @@ class FramesDataset(ResumableDataset):
     def _image(self, record: dict, epoch: int, index: int, stats: ReadStats) -> torch.Tensor | None:
         url = record.get("__url__", "?")
         try:
-            raw = record.get(FRAMES_MEMBER)
-            if raw is None:
-                raise ValueError(f"no {FRAMES_MEMBER} member")
-            return crop_image(decode_frames(raw), self.crop, random.Random(f"{self.seed}:{epoch}:{index}"))
-        except Exception as error:  # noqa: BLE001 - one corrupt clip must not stop the run
+            frames = decode_clip(record).frames
+        except CorruptClipError as error:
             logger.warning("%s: clip %s skipped (%s: %s)", url, record.get("__key__"), type(error).__name__, error)
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
+        return crop_image(frames, self.crop, random.Random(f"{self.seed}:{epoch}:{index}"))
 
     def __iter__(self) -> Iterator[dict]:
         start, self._start = self._start, (0, 0)
