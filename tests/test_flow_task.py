@@ -115,14 +115,14 @@ def test_draws_follow_the_generator_and_padding_carries_no_loss():
     other = task.prepare(batch, task_generator(0, 7, 0, dp_rank=1))
     torch.testing.assert_close(first["noisy"], again["noisy"], rtol=0, atol=0)
     assert not torch.equal(first["noisy"], other["noisy"])
-    assert task.count_loss_units(first) == 36 * 8
+    assert task.count_loss_units(first) == 36  # real tokens; the loss is their per-element mean
     assert bool((first["noisy"][36:] == 0).all()) and bool((first["target"][36:] == 0).all())
 
     def predict_zero_except_padding(noisy, batch):
         return torch.where(batch["sample_index"][:, None] >= 0, torch.zeros_like(noisy), torch.full_like(noisy, 9.0))
 
     loss = task(predict_zero_except_padding, first)
-    torch.testing.assert_close(loss.loss_sum, (first["target"][:36] ** 2).sum())
+    torch.testing.assert_close(loss.loss_sum, (first["target"][:36] ** 2).sum() / 8)
 
 
 def test_baseline_is_the_variance_of_the_targets():

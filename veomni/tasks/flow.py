@@ -26,9 +26,10 @@ Sampling integrates ``dx/dt = v`` from t = 1 to 0 on the same shifted schedule (
 ``x_t = sqrt(ā_k) x_0 + sqrt(1 - ā_k) ε`` at an integer step k drawn uniformly per sample; the model
 predicts ε and takes k as its timestep.
 
-The loss is the squared error summed over every latent element of the row's real tokens; its
-units are those elements, so the trainer's division by the global count gives the mean over all
-elements of the step on any layout. Condition dropout (for classifier-free guidance) zeroes a
+The loss is the squared error summed over every latent element of the row's real tokens, over
+the elements per token (P, the same for every token of a model); its units are the real tokens,
+so the trainer's division by their global count gives the mean over all latent elements of the
+step on any layout and packing. Condition dropout (for classifier-free guidance) zeroes a
 sample's text states with probability ``text_dropout``: zero states are the unconditional input
 at sampling too. All noise, timesteps and dropout come from the engine's task generator, drawn
 on the whole row before sequence parallelism slices it.
@@ -123,16 +124,16 @@ class DiffusionTask:
         return out
 
     def count_loss_units(self, batch: dict) -> int:
-        return int((batch["sample_index"] >= 0).sum()) * batch["latents"].shape[1]
+        return int((batch["sample_index"] >= 0).sum())
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
         prediction = model(batch["noisy"], batch)
         real = (batch["sample_index"] >= 0)[:, None]
-        loss = ((prediction.float() - batch["target"].float()) ** 2 * real).sum()
-        return LossOutput(loss, self.count_loss_units(batch))
+        return LossOutput(self.output_loss(prediction * real, batch["target"]), self.count_loss_units(batch))
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ((output.float() - target.float()) ** 2).sum()
+        """Summed over tokens of the per-token mean squared error (padding: zero output and target)."""
+        return ((output.float() - target.float()) ** 2).sum() / target.shape[1]
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         target = batch["target"][batch["sample_index"] >= 0].double()
