@@ -146,7 +146,8 @@ def shuffled(wanted: Sequence[dict], seed: int = 0) -> list[dict]:
 def format_table(scores: dict[str, dict[str, float]]) -> str:
     """Rows = attributes, columns = the scored settings (e.g. model, shuffled captions, ground truth)."""
     names = list(scores)
-    lines = [f"{'attribute':<10}" + "".join(f"{n:>18}" for n in names)]
+    width = max(18, *(len(n) + 2 for n in names))
+    lines = [f"{'attribute':<10}" + "".join(f"{n:>{width}}" for n in names)]
     for attribute in [*ATTRIBUTES, "all"]:
-        lines.append(f"{attribute:<10}" + "".join(f"{scores[n][attribute]:>18.1%}" for n in names))
+        lines.append(f"{attribute:<10}" + "".join(f"{scores[n][attribute]:>{width}.1%}" for n in names))
     return "\n".join(lines)

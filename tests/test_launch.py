@@ -32,7 +32,8 @@ def train_sh(*args: str, env: dict | None = None, timeout: float = 240) -> subpr
     (["--data.train_path", "/nonexistent/shards", "--data.prepare", "null"],
      r"data\.train_path: path does not exist: /nonexistent/shards"),
     (["--model.num_kv_heads", "3"], r"num_heads \(8\) must be a multiple of num_kv_heads \(3\)"),
-], ids=["unknown-key", "wrong-type", "indivisible", "missing-data", "bad-model"])
+    (["--train.sample_interval", "10"], r"train\.sample_interval=10: model family 'llm' writes no validation samples"),
+], ids=["unknown-key", "wrong-type", "indivisible", "missing-data", "bad-model", "no-sample-writer"])
 def test_bad_config_fails_fast_without_workers(args, needle):
     start = time.monotonic()
     result = train_sh(str(QUICKSTART), *args)
