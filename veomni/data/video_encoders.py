@@ -57,8 +57,9 @@ class VaeGeometry:
         VAE cannot encode that shape."""
         spatial, temporal = self.spatial_factor, self.temporal_factor
         if height % spatial or width % spatial or (frames - 1) % temporal:
+            frames_too = f" and F - 1 by {temporal}" if temporal > 1 else ""
             raise EncoderError(f"a {frames}x{height}x{width} (FxHxW) clip does not fit the {self.class_name}: it needs "
-                               f"H and W divisible by {spatial} and F - 1 by {temporal}")
+                               f"H and W divisible by {spatial}{frames_too}")
         return [self.latent_channels, 1 + (frames - 1) // temporal, height // spatial, width // spatial]
 
 
