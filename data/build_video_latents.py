@@ -5,18 +5,12 @@ every step) takes them out of the training loop, and the DiT's data loader only 
 
 Input: a clip folder with ``train/`` and ``eval/`` splits (``data/build_moving_shapes.py``), a
 diffusers VAE folder and a text-encoder folder (``data/build_text_encoder.py``; built here from
-the train split's vocabulary when missing). The VAE is either
-
-- ``AutoencoderKL`` (per frame): a clip's frames are encoded as a batch of images (frames of
-  clips of one size batched together, ``--batch-frames`` at a time) and stacked on F;
-  latent = ``(mean - shift_factor) * scaling_factor`` from its config (no shift when unset);
-- ``AutoencoderKLWan`` (whole clip, causal in time: F frames -> 1 + (F - 1) / 4 latent frames):
-  clips of one shape batched as [B, 3, F, H, W]; latent = ``(mean - latents_mean) / latents_std``
-  per channel (how Wan normalises), so the manifest's ``shift_factor`` and ``scaling_factor``
-  are per-channel lists (``latents_mean`` and ``1 / latents_std``) that keep the same formula.
-
-Pixels are scaled to [-1, 1]; the latent is the posterior mean. Text states are the encoder's
-last hidden states of the caption's real tokens (words and the closing ``[EOS]``, no padding).
+the train split's vocabulary when missing). The encoding itself (``AutoencoderKL`` per frame or
+``AutoencoderKLWan`` per clip, the latent normalisation, the text states of the real tokens) is
+``veomni/data/video_encoders.py``, shared with the ``video_clips`` dataset kind that encodes on
+the fly; here clips of one size are batched, ``--batch-frames`` frames per VAE call. For Wan, the
+manifest's ``shift_factor`` and ``scaling_factor`` are per-channel lists (``latents_mean`` and
+``1 / latents_std``) that keep the formula ``(mean - shift) * scaling``.
 
 Output (per split, builder-standard: webdataset shards, then ``manifest.json``): samples of
 ``__key__``, ``latent.safetensors`` (``safetensors.torch.save`` of ``{"latent": float32
@@ -45,130 +39,33 @@ import shutil
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import webdataset
-from diffusers import AutoencoderKL, AutoencoderKLWan
 from safetensors.torch import save
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, UMT5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_text_encoder import build_text_encoder, caption_vocabulary  # noqa: E402
 
+from veomni.data import video_encoders  # noqa: E402
 from veomni.data.builders import MANIFEST, publish_split, staging_folder  # noqa: E402
 from veomni.data.clip_format import Clip, CorruptClipError, decode_clip  # noqa: E402
 from veomni.data.sources import ReadStats, iter_tar_samples  # noqa: E402
+from veomni.data.video_encoders import EncoderError, LatentEncoder, TextEncoder, load_vae  # noqa: E402
 
 FORMAT_VERSION = 1
 SAMPLES_PER_SHARD = 1000
 CLIPS_PER_BUFFER = 64
 PROGRESS_EVERY = 500
-VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderKLWan": AutoencoderKLWan}
-
-
-@dataclass
-class LatentEncoder:
-    """A frozen VAE and how its posterior mean is normalised: ``(mean - shift) * scaling``."""
-
-    vae: AutoencoderKL | AutoencoderKLWan
-    path: Path
-    shift: torch.Tensor
-    """[C, 1, 1, 1]."""
-    scaling: torch.Tensor
-    spatial_factor: int
-    temporal_factor: int
-
-    @property
-    def whole_clip(self) -> bool:
-        return isinstance(self.vae, AutoencoderKLWan)
-
-    def batch_key(self, clip: Clip) -> tuple[int, ...]:
-        """Clips with equal keys are encoded in one batch."""
-        frames, height, width, _ = clip.frames.shape
-        return (frames, height, width) if self.whole_clip else (height, width)
-
-    def check(self, clip: Clip) -> None:
-        frames, height, width, _ = clip.frames.shape
-        if height % self.spatial_factor or width % self.spatial_factor or (frames - 1) % self.temporal_factor:
-            raise SystemExit(f"clip {clip.key} is {frames}x{height}x{width} (FxHxW); the VAE at {self.path} needs "
-                             f"H and W divisible by {self.spatial_factor} and F - 1 by {self.temporal_factor}")
-
-    @torch.no_grad()
-    def encode(self, clips: list[Clip], batch_frames: int) -> list[torch.Tensor]:
-        """Normalised latents [C, F', H', W'] of clips of one batch key."""
-        pixels = [torch.from_numpy(c.frames).permute(0, 3, 1, 2).float() / 127.5 - 1 for c in clips]  # [F, 3, H, W]
-        if self.whole_clip:
-            per_batch = max(1, batch_frames // pixels[0].shape[0])
-            means = [self.vae.encode(torch.stack(pixels[i:i + per_batch]).transpose(1, 2)).latent_dist.mean
-                     for i in range(0, len(pixels), per_batch)]
-            latents = list(torch.cat(means).unbind(0))
-        else:
-            frames = torch.cat(pixels)
-            means = torch.cat([self.vae.encode(frames[i:i + batch_frames]).latent_dist.mean
-                               for i in range(0, frames.shape[0], batch_frames)])
-            latents = [m.transpose(0, 1) for m in means.split([p.shape[0] for p in pixels])]
-        return [((z - self.shift) * self.scaling).contiguous() for z in latents]
-
-    def describe(self) -> dict:
-        """The manifest's ``vae`` entry (factors as the config states them, not rounded to float32)."""
-        config = self.vae.config
-        if self.whole_clip:
-            scaling, shift = [1 / std for std in config.latents_std], list(config.latents_mean)
-        else:
-            scaling, shift = config.scaling_factor, config.shift_factor or 0.0
-        return {"path": str(self.path), "class": type(self.vae).__name__, "scaling_factor": scaling,
-                "shift_factor": shift, "spatial_factor": self.spatial_factor, "temporal_factor": self.temporal_factor}
-
-
-def load_vae(path: Path) -> LatentEncoder:
-    try:
-        name = json.loads((path / "config.json").read_text())["_class_name"]
-    except (OSError, ValueError, KeyError) as error:
-        raise SystemExit(f"{path} is not a diffusers VAE folder (config.json with _class_name): {error}") from error
-    if name not in VAE_CLASSES:
-        raise SystemExit(f"{path} holds a {name}; the precompute reads {' or '.join(VAE_CLASSES)}")
-    vae = VAE_CLASSES[name].from_pretrained(path).eval()
-    config = vae.config
-    if name == "AutoencoderKLWan":
-        shift = torch.tensor(config.latents_mean, dtype=torch.float32)
-        scaling = 1 / torch.tensor(config.latents_std, dtype=torch.float32)
-        if shift.numel() != config.z_dim or scaling.numel() != config.z_dim:
-            raise SystemExit(f"{path}: latents_mean/latents_std need z_dim = {config.z_dim} values")
-        spatial, temporal = 2 ** len(config.temperal_downsample), 2 ** sum(config.temperal_downsample)
-    else:
-        shift = torch.tensor([config.shift_factor or 0.0])
-        scaling = torch.tensor([config.scaling_factor])
-        spatial, temporal = 2 ** (len(config.block_out_channels) - 1), 1
-    return LatentEncoder(vae, path, shift.view(-1, 1, 1, 1), scaling.view(-1, 1, 1, 1), spatial, temporal)
-
-
-@dataclass
-class TextEncoder:
-    tokenizer: PreTrainedTokenizerBase
-    encoder: UMT5EncoderModel
-    path: Path
-
-    @torch.no_grad()
-    def encode(self, captions: list[str]) -> list[torch.Tensor]:
-        """The last hidden states [L, text_dim] of each caption's real tokens."""
-        batch = self.tokenizer(captions, padding=True, return_tensors="pt")
-        lengths = batch["attention_mask"].sum(1)
-        for caption, ids, length in zip(captions, batch["input_ids"], lengths):
-            if length > self.tokenizer.model_max_length or self.tokenizer.unk_token_id in ids.tolist():
-                raise SystemExit(f"caption {caption!r} has unknown words or over {self.tokenizer.model_max_length} "
-                                 f"tokens for the tokenizer at {self.path}; rebuild it from these captions "
-                                 "(data/build_text_encoder.py)")
-        states = self.encoder(**batch).last_hidden_state
-        return [s[:n].contiguous() for s, n in zip(states, lengths.tolist())]
 
 
 def load_text_encoder(path: Path, clips: Path) -> TextEncoder:
+    """The encoder at ``path``, built there from the train split's vocabulary when missing."""
     if not (path / MANIFEST).exists():
         build_text_encoder(path, caption_vocabulary(clips / "train"))
-    return TextEncoder(AutoTokenizer.from_pretrained(path), UMT5EncoderModel.from_pretrained(path).eval(), path)
+    return video_encoders.load_text_encoder(path)
 
 
 def inputs_sha256(clips: Path, vae: Path, text_encoder: Path) -> str:
@@ -310,7 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     if (args.out is None) == (args.train_out is None or args.eval_out is None):
         parser.error("give either --out or both --train-out and --eval-out")
     train_out, eval_out = (args.out / "train", args.out / "eval") if args.out else (args.train_out, args.eval_out)
-    build(args.clips, args.vae, args.text_encoder, train_out, eval_out, args.batch_frames, args.max_bad_fraction)
+    try:
+        build(args.clips, args.vae, args.text_encoder, train_out, eval_out, args.batch_frames, args.max_bad_fraction)
+    except EncoderError as error:
+        raise SystemExit(f"[build_video_latents] {error}") from None
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ PATH_KEYS = {
     ("data", "eval_path"),
     ("data", "prepare"),
     ("data", "tokenizer"),
+    ("data", "vae"),
+    ("data", "text_encoder"),
     ("train", "output_dir"),
     ("checkpoint", "init_from_hf"),
     ("checkpoint", "init"),
@@ -267,7 +269,7 @@ def _build_value(node: _Value, annotation: Any, dotted: str, is_path: bool = Fal
         raise ConfigError(f"{child.origin}: '{dotted}.{key}' is nested too deep: '{dotted}' takes one value, "
                           "not a mapping of keys")
     value = coerce(_plain(node), annotation, f"{node.origin}: {dotted}")
-    if is_path and isinstance(value, str):
+    if is_path and isinstance(value, str) and value:  # empty: unset (as _absolute keeps it), not the file's folder
         value = str((node.base_dir / os.path.expanduser(value)).resolve())
     return value
 

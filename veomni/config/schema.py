@@ -32,6 +32,12 @@ class DataConfig:
     tokenizer: str = ""
     """Folder loadable by ``transformers.AutoTokenizer.from_pretrained`` (offline); needed only
     by dataset kinds that read text."""
+    vae: str = ""
+    """``video_clips`` kind: folder of the frozen diffusers VAE (``AutoencoderKL`` or
+    ``AutoencoderKLWan``) that encodes each clip on the fly."""
+    text_encoder: str = ""
+    """``video_clips`` kind: folder of the frozen transformers text encoder and its tokenizer that
+    encodes each caption on the fly."""
     max_seq_len: int = 1024
     """Text kinds: longest sample in tokens; longer documents are cut into consecutive chunks of
     this length (checked by the kind: >= 2 and <= ``tokens_per_micro_batch``)."""

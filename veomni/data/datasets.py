@@ -1,7 +1,7 @@
 """Build a run's data loader from the registered dataset kinds.
 
 Importing this module registers the engine's own kinds (``packed_text``, ``chat_media``,
-``graph``, ``frames``, ``video_latents``);
+``graph``, ``frames``, ``video_latents``, ``video_clips``);
 plugin packages register theirs when ``veomni.spec.load_plugins`` imports them.
 """
 
@@ -17,6 +17,7 @@ from veomni.data import (  # noqa: F401  (register the kinds)
     graph_dataset,
     loader,
     multimodal,
+    video_clips,
     video_latents,
 )
 from veomni.data.loader import PackedDataLoader, load_tokenizer

@@ -39,7 +39,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,7 +92,7 @@ class VideoLatentsDataset(ResumableDataset):
     def __init__(self, request: DatasetRequest) -> None:
         super().__init__(request.dp_rank, request.dp_size)
         cfg, model = request.cfg, request.model_config
-        problems = model_problems(model) or split_problems("data path", request.path, cfg, model)
+        problems = model_problems(model) or self._split_problems("data path", request.path, cfg, model)
         if problems:
             raise ValueError("; ".join(problems))
         _, self.files = resolve_files(request.path, "webdataset")
@@ -100,6 +100,11 @@ class VideoLatentsDataset(ResumableDataset):
         self.patch = tuple(model.patch_size)
         self.channels, self.text_dim = model.in_channels, model.text_dim
         self._start = self._pos = Position()
+
+    @staticmethod
+    def _split_problems(name: str, path: str, cfg: DataConfig, model_config: Any) -> list[str]:
+        """What is wrong between a split and the model (the launch check of one split)."""
+        return split_problems(name, path, cfg, model_config)
 
     # ----- the record stream of one epoch ----------------------------------------------------
     def _consumer_files(self, epoch: int) -> tuple[list[Path], int, int]:
@@ -135,7 +140,8 @@ class VideoLatentsDataset(ResumableDataset):
         """``(record index, sample, patches)`` of this consumer's good records of ``epoch``: from
         ``start.next_record`` on, plus the buffered ``start.pending`` ones before it. Every record
         read is decoded, also the other consumers' in a record-level split, so each consumer's
-        bad fraction is that of the whole stream (and only consumer 0 warns about shared files)."""
+        bad fraction is that of the whole stream (and only consumer 0 warns about shared files);
+        only this consumer's records become samples (``_to_sample``)."""
         files, stride, offset = self._consumer_files(epoch)
         consumer, _ = self.consumer()
         warn = stride == 1 or consumer == 0
@@ -147,19 +153,29 @@ class VideoLatentsDataset(ResumableDataset):
             sample = self._decode(record, cursor.stats, warn)
             mine = index % stride == offset and (index >= start.next_record or index in pending)
             if sample is not None and mine:
+                sample = self._to_sample(sample)
                 yield index, sample, self._patches(sample)
         cursor.done = True
 
-    def _decode(self, record: dict, stats: ReadStats, warn: bool) -> LatentSample | None:
-        """The record's sample, or None (logged and counted as bad) when it is corrupt."""
+    def _decode(self, record: dict, stats: ReadStats, warn: bool) -> Any:
+        """The decoded record (``_decode_record``), or None (logged and counted as bad) when it is corrupt."""
         key, url = record.get("__key__", "?"), record.get("__url__", "?")
         try:
-            return decode_sample(record, self.channels, self.text_dim)
+            return self._decode_record(record)
         except Exception as error:  # noqa: BLE001 - one corrupt sample must not stop the run
             (logger.warning if warn else logger.debug)("%s: sample %s skipped: %s: %s", url, key,
                                                        type(error).__name__, error)
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
+
+    def _decode_record(self, record: dict) -> Any:
+        """What every record read is turned into; any error makes it a counted corrupt record."""
+        return decode_sample(record, self.channels, self.text_dim)
+
+    def _to_sample(self, decoded: Any) -> LatentSample:
+        """The sample of a decoded record this consumer keeps (a kind that encodes does it here);
+        its errors stop the run."""
+        return decoded
 
     def _patches(self, sample: LatentSample) -> int:
         """Its patch count; a sample the manifest did not announce (over the budget, or not
@@ -281,10 +297,10 @@ def decode_sample(record: dict, channels: int, text_dim: int) -> LatentSample:
 
 
 # ----- the launch check: the manifest against the model ---------------------------------------
-def model_problems(model_config: Any) -> list[str]:
+def model_problems(model_config: Any, kind: str = "video_latents") -> list[str]:
     missing = [name for name in MODEL_FIELDS if not hasattr(model_config, name)]
     if missing:
-        return [f"data.kind video_latents feeds models whose config has {', '.join(MODEL_FIELDS)} "
+        return [f"data.kind {kind} feeds models whose config has {', '.join(MODEL_FIELDS)} "
                 f"(veomni.ops.video_patch.VideoModelConfig); {type(model_config).__name__} lacks "
                 f"{', '.join(missing)}: pick a video model (model.arch) or another data.kind"]
     return []
@@ -312,29 +328,37 @@ def split_problems(name: str, path: str, cfg: DataConfig, model_config: Any) -> 
         manifest = read_latent_manifest(path)
     except ValueError as error:
         return [f"{name}: {error}"]
+    examples = {shape: f"sample {manifest['example_keys'].get(shape, '?')!r}" for shape in manifest["shapes"]}
+    return latent_problems(name, path, manifest["latent_channels"], manifest["text_dim"], examples, cfg,
+                           model_config)
+
+
+def latent_problems(name: str, source: str, channels: int, text_dim: int, examples: dict[str, str],
+                    cfg: DataConfig, model_config: Any) -> list[str]:
+    """The latents' channels and text width against the model, every latent shape (``examples``:
+    ``"CxFxHxW"`` -> which sample shows it, e.g. ``"sample 'k'"``) against the patch size, and the
+    largest against the budget; ``source`` says where the latents come from."""
     patch, budget = tuple(model_config.patch_size), cfg.tokens_per_micro_batch
     problems = []
-    if manifest["latent_channels"] != model_config.in_channels:
-        problems.append(f"{name}: latents of {path} have {manifest['latent_channels']} channels, "
-                        f"model.in_channels={model_config.in_channels}; set model.in_channels: "
-                        f"{manifest['latent_channels']}")
-    if manifest["text_dim"] != model_config.text_dim:
-        problems.append(f"{name}: text states of {path} are {manifest['text_dim']} wide, model.text_dim="
-                        f"{model_config.text_dim}; set model.text_dim: {manifest['text_dim']}")
+    if channels != model_config.in_channels:
+        problems.append(f"{name}: latents of {source} have {channels} channels, model.in_channels="
+                        f"{model_config.in_channels}; set model.in_channels: {channels}")
+    if text_dim != model_config.text_dim:
+        problems.append(f"{name}: text states of {source} are {text_dim} wide, model.text_dim={model_config.text_dim}; "
+                        f"set model.text_dim: {text_dim}")
     largest = None
-    for text in manifest["shapes"]:
+    for text, example in examples.items():
         shape = [int(size) for size in text.split("x")]
-        example = manifest["example_keys"].get(text, "?")
         try:
             tokens = patch_count(shape, patch)
         except ValueError as error:
-            problems.append(f"{name}: sample {example!r} of {path}: {error}")
+            problems.append(f"{name}: {example} of {source}: {error}")
             continue
         if largest is None or tokens > largest[0]:
             largest = (tokens, shape, example)
     if largest is not None and largest[0] > budget:
         tokens, shape, example = largest
-        problems.append(f"{name}: the largest latent of {path}, shape {shape} (e.g. sample {example!r}), is "
+        problems.append(f"{name}: the largest latent of {source}, shape {shape} (e.g. {example}), is "
                         f"{tokens} patches of {list(patch)}, more than data.tokens_per_micro_batch={budget}; "
                         f"raise it to at least {tokens}")
     return problems
@@ -343,12 +367,16 @@ def split_problems(name: str, path: str, cfg: DataConfig, model_config: Any) -> 
 def check_video_latents(cfg: DataConfig, model_config: Any) -> list[str]:
     """The launcher's pre-flight: each split's manifest (no shard is read) against the model.
     A split that does not exist yet is the launcher's own message (``data.prepare``)."""
-    problems = model_problems(model_config)
-    if problems:
-        return problems
+    return model_problems(model_config) or each_split_problems(cfg, model_config, split_problems)
+
+
+def each_split_problems(cfg: DataConfig, model_config: Any,
+                        problems_of: Callable[[str, str, DataConfig, Any], list[str]]) -> list[str]:
+    """``problems_of(name, path, cfg, model_config)`` of each split that exists (eval once when it is train)."""
+    problems = []
     for name, path in (("data.train_path", cfg.train_path), ("data.eval_path", cfg.eval_path)):
         if path and Path(path).exists() and not (name == "data.eval_path" and path == cfg.train_path):
-            problems += split_problems(name, path, cfg, model_config)
+            problems += problems_of(name, path, cfg, model_config)
     return problems
 
 
