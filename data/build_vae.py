@@ -9,7 +9,8 @@ the latent precompute reads it:
 Other ``--section.key value`` options override the recipe, for the training and for this script.
 
 1. Training runs through ``scripts/train.sh RECIPE`` (which prepares the clips and launches the
-   ranks) unless the recipe's output folder already holds a complete checkpoint.
+   ranks) unless the recipe's output folder already holds a checkpoint of its last step (an
+   interrupted run resumes from its newest checkpoint).
 2. The newest checkpoint becomes an ``AutoencoderKL`` (``export_checkpoint``; also
    ``python data/build_vae.py --export CHECKPOINT --out DIR`` for any ``vae`` checkpoint).
 3. ``shift_factor`` and ``scaling_factor`` are set to the mean and 1 / std of the posterior means
@@ -97,23 +98,25 @@ def export_checkpoint(checkpoint: Path, out: Path | None = None):
     return run_cfg, vae
 
 
-def newest_checkpoint(output_dir: Path) -> Path | None:
+def finished_checkpoint(output_dir: Path, max_steps: int) -> Path | None:
+    """The run's checkpoint of step ``max_steps`` (or later), None while training is not done."""
     found = list_checkpoints(output_dir / "checkpoints")
-    return found[-1][1] if found else None
+    return found[-1][1] if found and found[-1][0] >= max_steps else None
 
 
 def build(recipe: Path, out: Path, clips: int, overrides: list[str]) -> None:
     run_cfg = load_config(recipe, overrides)
     output_dir = Path(run_cfg.train.output_dir)
-    checkpoint = newest_checkpoint(output_dir)
-    if checkpoint is None:
+    checkpoint = finished_checkpoint(output_dir, run_cfg.train.max_steps)
+    if checkpoint is None:  # a fresh run, or one stopped early (resumed by the launcher's resume: auto)
         print(f"[build_vae] training {recipe} (stage 0)", flush=True)
         train = ["bash", str(REPO / "scripts" / "train.sh"), str(recipe), *overrides]
         if subprocess.run(train, cwd=REPO).returncode != 0:
             sys.exit(f"[build_vae] training {recipe} failed (its output is above)")
-        checkpoint = newest_checkpoint(output_dir)
+        checkpoint = finished_checkpoint(output_dir, run_cfg.train.max_steps)
         if checkpoint is None:
-            sys.exit(f"[build_vae] training finished but {output_dir}/checkpoints holds no complete checkpoint")
+            sys.exit(f"[build_vae] training finished but {output_dir}/checkpoints holds no checkpoint of step "
+                     f"{run_cfg.train.max_steps}")
     _, vae = export_checkpoint(checkpoint)
     shift, std = latent_statistics(vae, clip_frames(Path(run_cfg.data.train_path), clips))
     vae.register_to_config(shift_factor=shift, scaling_factor=1.0 / std)
