@@ -23,3 +23,26 @@ def test_jsonl_tensorboard_and_offline_wandb(tmp_path):
     assert 0 < records[0]["mfu"] < 1 and records[0]["tokens_per_s_per_device"] * 2 == records[0]["tokens_per_s"]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert list((out / "wandb").glob("offline-run-*"))
+
+
+def test_sample_images_reach_tensorboard_and_wandb(tmp_path, monkeypatch):
+    """What a family's SampleWriter returns (validation samples) is logged as images."""
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from veomni.config.schema import LogConfig
+    from veomni.train.reporting import MetricsReporter
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sheet = tmp_path / "sheet.png"
+    Image.fromarray(np.full((6, 10, 3), 200, dtype=np.uint8)).save(sheet)
+    reporter = MetricsReporter(tmp_path, LogConfig(tensorboard=True, wandb=True, progress_bar=False), {}, 10, 0,
+                               enabled=True)
+    reporter.log_images(3, {"contact_sheet": sheet})
+    reporter.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0}).Reload()
+    (image,) = events.Images("samples/contact_sheet")
+    assert image.step == 3 and (image.width, image.height) == (10, 6)
+    assert list((tmp_path / "wandb").glob("offline-run-*/files/media/images/samples/contact_sheet_*.png"))
