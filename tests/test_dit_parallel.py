@@ -1,4 +1,4 @@
-"""The video DiT under FSDP and Ulysses sequence parallelism equals one process.
+"""The video DiT under FSDP / HSDP, Ulysses sequence parallelism and compile equals one process.
 
 Rows pack images and clips of different sizes whose tokens straddle the sequence-parallel split
 points, with captions of different lengths. Each sample's noise, timestep and caption dropout are
@@ -108,7 +108,10 @@ def test_rows_straddle_the_split():
     (2, ParallelConfig(sp=2), 1),
     (2, ParallelConfig(sp=2, activation_checkpointing="full"), 1),
     (4, ParallelConfig(sp=2, dp_shard=2), 2),
-], ids=["fsdp2", "sp2", "sp2-ac", "fsdp2xsp2"])
-def test_dit_parallel_matches_single_process(reference, world, parallel, dp_world):
-    for got in run_distributed(_run, world, parallel, dp_world):
+    (4, ParallelConfig(sp=2, dp_replicate=2), 2),
+    (2, ParallelConfig(dp_shard=2, compile=True), 2),
+], ids=["fsdp2", "sp2", "sp2-ac", "fsdp2xsp2", "hsdp2xsp2", "fsdp2-compile"])
+def test_dit_parallel_matches_single_process(reference, world, parallel, dp_world, tmp_path):
+    # compile: a private inductor cache, so nothing is left behind
+    for got in run_distributed(_run, world, parallel, dp_world, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}):
         assert_records_close(reference, got, atol=2e-5)

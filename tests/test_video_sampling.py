@@ -87,7 +87,8 @@ def test_ddim_uses_the_tasks_noise_schedule_and_reaches_the_data_of_an_exact_noi
     latents = _pipeline(model, task, split).sample_latents([PROMPT], 1, 16, 16, steps=5, guidance=1.0)
     torch.testing.assert_close(latents, torch.full_like(latents, -0.4), atol=1e-4, rtol=0)
     steps = torch.cat(model.timesteps)
-    assert torch.equal(steps, steps.round()) and steps[0] == 999  # integer steps, from pure noise
+    # integer steps, spaced like Stable Diffusion's DDIM (leading, offset 1): 1000 // 5 apart from 801
+    assert steps.tolist() == [801, 601, 401, 201, 1]
 
 
 def test_decoding_undoes_the_latent_normalisation_frame_by_frame(split):

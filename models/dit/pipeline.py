@@ -106,14 +106,21 @@ def latent_format(manifest: dict[str, Any]) -> LatentFormat:
 
 
 def ddim_scheduler(task: DiffusionTask):
-    """A deterministic DDIM scheduler on the task's own noise schedule (betas from its ``alphas_cumprod``)."""
+    """A deterministic DDIM scheduler on the task's own noise schedule (betas from its ``alphas_cumprod``).
+
+    Steps are spaced as Stable Diffusion samples its epsilon-prediction models ("leading", offset 1:
+    the first step is t = 967 of 1000 for 30 steps). "trailing" would start at t = 999, where the
+    cosine schedule leaves alpha_bar ~ 1e-8, and DDIM's data estimate (x - sqrt(1 - a) eps) / sqrt(a)
+    multiplies the epsilon error by ~1e4: measured on the tiny recipe's DDPM run, trailing gave
+    noise-like clips (colour read right 22.5% vs 17.5% for shuffled captions), leading 35% vs 20%."""
     from diffusers import DDIMScheduler
 
     alpha_bar = task.alphas_cumprod.double()
     previous = torch.cat([alpha_bar.new_ones(1), alpha_bar[:-1]])
     betas = (1 - alpha_bar / previous).tolist()
     return DDIMScheduler(num_train_timesteps=task.ddpm_steps, trained_betas=betas, clip_sample=False,
-                         set_alpha_to_one=True, prediction_type="epsilon", timestep_spacing="trailing")
+                         set_alpha_to_one=True, prediction_type="epsilon", timestep_spacing="leading",
+                         steps_offset=1)
 
 
 class VideoPipeline:
