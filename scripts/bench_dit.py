@@ -10,7 +10,8 @@ after the fifth (both divide model FLOPs by the same measured CPU matmul peak) a
 
 ``memory`` runs one forward of the tiny text-to-video DiT on a packed row of ``--tokens`` latent
 tokens (clips of the bundled data's sizes) under ``sp`` = 1 and 2 gloo processes and counts the
-bytes of every tensor autograd saves for backward (each storage once): what a rank must hold
+bytes of every activation autograd saves for backward (tensors along the row: a rank's tokens,
+or inside Ulysses all tokens of its heads; each storage once): what a rank must hold
 per latent token it owns, independent of allocator and device. Ulysses keeps each rank's
 activations to its own tokens, so the figure per token should not grow with sp.
 
@@ -53,7 +54,8 @@ def _train(recipe: Path, steps: int, out: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-m", "veomni.launch", str(recipe)], check=True, env=env,
                    stdout=subprocess.DEVNULL)  # data built once (a no-op when cached)
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "veomni.train.run", str(recipe),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "veomni.train.run", str(recipe),
            "--train.max_steps", str(steps), "--train.output_dir", str(out), "--train.eval_interval", "0",
            "--data.eval_path", "null", "--checkpoint.interval", "0", "--checkpoint.save_final", "false",
            "--checkpoint.resume", "none", "--log.progress_bar", "false", "--train.sample_interval", "0",
@@ -113,18 +115,20 @@ def _memory_worker(rank: int, sp: int, tokens: int, port: int, queue) -> None:
     model = parallelize(model, parallel, build_mesh(ParallelDims.resolve(parallel, sp), "cpu"), "cpu")
     task = get_model_spec("dit").task(model_cfg)
     batch = shard_batch(_row(tokens, model_cfg), rank, sp, task.contract)
+    local_rows = len(batch["sample_index"])
+    rows = {local_rows, local_rows * sp}  # a rank's tokens, or (inside Ulysses) all tokens of its heads
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        if t.dim() >= 1 and t.shape[0] in rows and not hasattr(t, "to_local"):  # activations, not weights
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = task(model, batch).loss_sum
     local = int((batch["sample_index"] >= 0).sum())
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = sum(n for ptr, n in seen.items() if ptr not in params)
+    saved = sum(seen.values())
     loss.backward()
     queue.put((rank, saved / local, local))
     dist.destroy_process_group()
@@ -141,7 +145,7 @@ def bench_memory(tokens: int) -> None:
         procs = [ctx.Process(target=_memory_worker, args=(r, sp, tokens, port, queue)) for r in range(sp)]
         for p in procs:
             p.start()
-        results = [queue.get(timeout=600) for _ in procs]
+        results = [queue.get(timeout=300) for _ in procs]
         for p in procs:
             p.join()
         per_token[sp] = max(r[1] for r in results)
