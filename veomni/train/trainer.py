@@ -270,7 +270,7 @@ class Trainer:
             metrics.update(self.evaluate())
             self._last_eval_step = self.step
         self.reporter.log(self.step, metrics)
-        if cfg.train.sample_interval and self.step % cfg.train.sample_interval == 0:
+        if self.sample_writer is not None and self.step % cfg.train.sample_interval == 0:
             self.write_samples()
         self.checkpoints.poll()
         self.preempted = stop > 0
