@@ -41,7 +41,7 @@ from veomni.config.schema import ParallelConfig  # noqa: E402
 from veomni.ops.video_patch import grid_positions, patchify  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
-from veomni.parallel.sequence import shard_batch  # noqa: E402
+from veomni.parallel.row_split import RowSplit, shard_batch  # noqa: E402
 from veomni.spec import build_model, get_model_spec, load_plugins  # noqa: E402
 
 DIT_RECIPE = REPO / "recipes" / "goku" / "tiny_t2v.yaml"
@@ -114,7 +114,7 @@ def _memory_worker(rank: int, sp: int, tokens: int, port: int, queue) -> None:
     parallel = ParallelConfig(sp=sp)
     model = parallelize(model, parallel, build_mesh(ParallelDims.resolve(parallel, sp), "cpu"), "cpu")
     task = get_model_spec("dit").task(model_cfg)
-    batch = shard_batch(_row(tokens, model_cfg), rank, sp, task.contract)
+    batch = shard_batch(_row(tokens, model_cfg), RowSplit(sp_rank=rank, sp=sp), task.contract)
     local_rows = len(batch["sample_index"])
     rows = {local_rows, local_rows * sp}  # a rank's tokens, or (inside Ulysses) all tokens of its heads
     seen: dict[int, int] = {}

@@ -34,7 +34,7 @@ from veomni.config.schema import ParallelConfig  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
-from veomni.parallel.sequence import shard_batch  # noqa: E402
+from veomni.parallel.row_split import RowSplit, shard_batch  # noqa: E402
 from veomni.spec import build_model  # noqa: E402
 from veomni.tasks import LM_CONTRACT  # noqa: E402
 
@@ -53,7 +53,7 @@ def _worker(rank: int, sp: int, tokens: int, port: int, repeats: int, queue) -> 
     parallel = ParallelConfig(sp=sp)
     model = parallelize(model, parallel, build_mesh(ParallelDims.resolve(parallel, sp), "cpu"), "cpu")
     samples = [torch.randint(0, 8192, (min(SAMPLE, tokens - i),)).tolist() for i in range(0, tokens, SAMPLE)]
-    batch = shard_batch(pack_samples(samples), rank, sp, LM_CONTRACT)
+    batch = shard_batch(pack_samples(samples), RowSplit(sp_rank=rank, sp=sp), LM_CONTRACT)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()

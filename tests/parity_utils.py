@@ -9,7 +9,7 @@ from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
-from veomni.parallel.sequence import shard_batch
+from veomni.parallel.row_split import shard_batch
 from veomni.spec import build_model, get_model_spec
 from veomni.train.step import clip_and_step, forward_backward
 
@@ -67,12 +67,11 @@ def run_steps(micro_batches_per_step: list[list[list[list[int]]]], parallel: Par
     task = get_model_spec(arch).task(model.config)
     model = parallelize(model, parallel or ParallelConfig(), meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    sp_rank = meshes.sp.get_local_rank()
     record = {"loss": [], "grads": [], "metrics": []}
     for micro_batches in micro_batches_per_step:
-        batches = [shard_batch(task.prepare(pack_samples(samples)), sp_rank, dims.sp, task.contract)
+        batches = [shard_batch(task.prepare(pack_samples(samples)), meshes.row_split, task.contract)
                    for samples in micro_batches]
-        metrics = forward_backward(model, task, batches, meshes.loss.get_group(), dims.loss_size, dims.sp)
+        metrics = forward_backward(model, task, batches, meshes.loss.get_group(), dims.loss_size, dims.row_ranks)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({k: v for k, v in metrics.items() if k.startswith(("loss_", "moe/"))})
         record["grads"].append(full_grads(model))

@@ -17,7 +17,7 @@ from veomni.config.schema import ParallelConfig
 from veomni.ops.video_patch import grid_positions, patch_grid, patchify
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
-from veomni.parallel.sequence import shard_batch
+from veomni.parallel.row_split import shard_batch
 from veomni.spec import build_model, get_model_spec, load_plugins
 from veomni.train.step import clip_and_step, forward_backward
 
@@ -76,14 +76,13 @@ def _run(rank, world, parallel, dp_world):
     model = parallelize(model, parallel, meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     dp_rank = meshes.dp_rank if dp_world > 1 else 0
-    sp_rank = meshes.sp.get_local_rank()
     record = {"loss": [], "grads": [], "metrics": []}
     for step, shapes in enumerate(SHAPES):
         rows = [prepared_sample(s, 100 * step + i, task) for i, s in enumerate(shapes)]
         batch = concat_rows(rows[dp_rank::dp_world])
-        if dims.sp > 1:
-            batch = shard_batch(batch, sp_rank, dims.sp, task.contract)
-        metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), dims.loss_size, dims.sp)
+        if dims.row_ranks > 1:
+            batch = shard_batch(batch, meshes.row_split, task.contract)
+        metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), dims.loss_size, dims.row_ranks)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({})
         record["grads"].append(full_grads(model))

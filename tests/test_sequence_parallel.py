@@ -12,7 +12,8 @@ from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.mesh import LayoutError, ParallelDims, build_mesh
-from veomni.parallel.sequence import check_sequence_parallel, kv_repeat_factor, shard_batch
+from veomni.parallel.row_split import RowSplit, shard_batch
+from veomni.parallel.sequence import check_sequence_parallel, kv_repeat_factor
 from veomni.tasks import LM_CONTRACT
 
 STEPS = [sample_lengths(7, seed=20), sample_lengths(5, seed=21)]  # 2 steps, odd total lengths
@@ -47,14 +48,14 @@ def test_sequence_parallel_matches_single_process(reference, world, parallel, dp
 
 def test_shard_batch_pads_and_keeps_global_boundaries():
     batch = pack_samples([[1, 2, 3], [4, 5, 6, 7, 8]])  # T = 8 -> sp=3 pads to 9
-    parts = [shard_batch(batch, r, 3, LM_CONTRACT) for r in range(3)]
+    parts = [shard_batch(batch, RowSplit(sp_rank=r, sp=3), LM_CONTRACT) for r in range(3)]
     assert [p["input_ids"].tolist() for p in parts] == [[1, 2, 3], [4, 5, 6], [7, 8, 0]]
     assert [p["position_ids"].tolist() for p in parts] == [[0, 1, 2], [0, 1, 2], [3, 4, 0]]
     assert parts[2]["labels"].tolist() == [8, -100, -100]
     assert all(torch.equal(p["cu_seqlens"], batch["cu_seqlens"]) for p in parts)
     assert [p["valid_tokens"] for p in parts] == [3, 3, 2]  # leading real tokens: MoE routes only these
     short = pack_samples([[1, 2, 3, 4]])  # T = 4 -> sp=3 pads to 6: the last slice is all padding
-    assert [shard_batch(short, r, 3, LM_CONTRACT)["valid_tokens"] for r in range(3)] == [2, 2, 0]
+    assert [shard_batch(short, RowSplit(sp_rank=r, sp=3), LM_CONTRACT)["valid_tokens"] for r in range(3)] == [2, 2, 0]
 
 
 def _bytes_per_layer(rank, world):
@@ -63,7 +64,7 @@ def _bytes_per_layer(rank, world):
     from veomni.parallel.apply import parallelize
 
     model = parallelize(tiny_model(), ParallelConfig(sp=world), meshes, "cpu")
-    batch = shard_batch(pack_samples(sample_lengths(6, seed=3)), meshes.sp.get_local_rank(), world, LM_CONTRACT)
+    batch = shard_batch(pack_samples(sample_lengths(6, seed=3)), meshes.row_split, LM_CONTRACT)
     with COMM_COUNTER.measure() as counter:
         model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"]).sum().backward()
     return counter.bytes["sp_all_to_all"], counter.calls["sp_all_to_all"], batch["input_ids"].numel()

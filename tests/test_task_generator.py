@@ -48,7 +48,7 @@ def _uninterrupted(rank, world, tmp):
     task = RecordingTask()
     trainer = Trainer(_config(tmp), task=task)
     trainer.train()
-    return trainer.meshes.dp_rank, trainer.sp_rank, _keyed(task.draws, first_step=1)
+    return trainer.meshes.dp_rank, trainer.meshes.sp.get_local_rank(), _keyed(task.draws, first_step=1)
 
 
 def _crash_after_2_then_resume(rank, world, tmp):

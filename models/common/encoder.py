@@ -36,6 +36,7 @@ class EncoderAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         self.proj = nn.Linear(hidden_size, hidden_size)
         self.attn_fn = bidirectional_varlen_attention
+        self.causal = False  # for parallel recipes that replace attn_fn (context parallelism)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         tokens = x.shape[0]

@@ -85,6 +85,7 @@ class SelfAttention(nn.Module):
         self.norm_q = nn.RMSNorm(dim, eps=cfg.eps)
         self.norm_k = nn.RMSNorm(dim, eps=cfg.eps)
         self.attn_fn = bidirectional_varlen_attention
+        self.causal = False  # for parallel recipes that replace attn_fn (context parallelism)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         heads = (self.num_heads, self.head_dim)

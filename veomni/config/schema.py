@@ -75,7 +75,14 @@ class ParallelConfig:
     """FSDP shard group size; -1 takes every rank not used by another dimension."""
     sp: int = 1
     """Ulysses sequence-parallel group size: ranks that split each packed row; must divide
-    the attention heads. Parameters are sharded over dp_shard x sp."""
+    the attention heads. Parameters are sharded over dp_shard x cp x sp."""
+    cp: int = 1
+    """Context-parallel group size (ring attention / Mesh-Attention): ranks that split each packed
+    row outside Ulysses, with no head limit; sp x cp ranks hold one row. See docs/context_parallel.md."""
+    cp_mesh: list[int] = field(default_factory=list)
+    """[a, b] with a x b = cp: Mesh-Attention's tile grid (a ranks share query chunks, b ranks ring
+    key/value chunks); [1, cp] is ring attention. Empty picks the shape with the least predicted
+    attention time from the model's head counts and the link bandwidth measured at start-up."""
     ep: int = 1
     """Expert parallelism: the experts of each MoE layer are split over groups of ``ep`` ranks
     (carved out of ``dp_shard``; must divide it and the model's expert count). Inside a group the

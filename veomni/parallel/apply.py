@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
+from veomni.parallel.context import apply_context_parallel
+from veomni.parallel.cp_cost import auto_cp_mesh
 from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from veomni.parallel.graph import apply_graph_parallel
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
 from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
-from veomni.parallel.sequence import apply_sequence_parallel, check_sequence_parallel
+from veomni.parallel.sequence import apply_sequence_parallel, check_sequence_parallel, kv_repeat_factor
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +38,37 @@ def apply_compile(model: nn.Module, plan: ParallelPlan) -> None:
     logger.info("torch.compile on %d blocks", len(blocks))
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str) -> nn.Module:
-    problems = check_sequence_parallel(model, meshes.dims.sp)  # the launcher's check, for library callers
+def _auto_cp_mesh(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, device_type: str,
+                  row_tokens: int) -> tuple[int, int]:
+    if row_tokens <= 0:
+        raise ValueError("parallel.cp_mesh is empty (automatic) but parallelize() got no row_tokens to size "
+                         "the choice; pass row_tokens or set parallel.cp_mesh")
+    dims = meshes.dims
+    _, attention = match_modules(model, plan.attention)[0]
+    kv_heads = attention.num_kv_heads * kv_repeat_factor(attention.num_heads, attention.num_kv_heads, dims.sp)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    shape = auto_cp_mesh(meshes.cp.get_group(), device, row_tokens // dims.cp, attention.num_heads // dims.sp,
+                         kv_heads // dims.sp, attention.head_dim, dtype, attention.causal)
+    logger.info("parallel.cp_mesh chosen from the measured link and attention time: %s", list(shape))
+    return shape
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str,
+                row_tokens: int = 0) -> nn.Module:
+    """``row_tokens`` (the micro-batch budget) sizes the automatic Mesh-Attention choice."""
+    problems = check_sequence_parallel(model, meshes.dims.sp, meshes.dims.cp)  # the launcher's check, for callers
     if problems:
         raise ValueError("; ".join(problems))
     plan = flatten_plan(model.parallel_plan())  # encoder blocks are treated like the LLM's
     if not match_modules(model, plan.blocks):
         raise ValueError(f"{type(model).__name__}.parallel_plan() blocks {plan.blocks} match no module")
-    if meshes.dims.sp > 1:
+    if meshes.dims.cp > 1:
+        a, b = meshes.dims.cp_mesh or _auto_cp_mesh(model, plan, meshes, device_type, row_tokens)
+        count = apply_context_parallel(model, plan, meshes.cp_groups(a, b))
+        logger.info("context parallelism (cp=%d, %s) on %d attention modules", meshes.dims.cp,
+                    "ring" if a == 1 else f"Mesh-Attention {a}x{b}", count)
+    if meshes.dims.sp > 1:  # after cp: Ulysses wraps the context-parallel core (the hybrid)
         count = apply_sequence_parallel(model, plan, meshes.sp.get_group())
         logger.info("Ulysses sequence parallelism (sp=%d) on %d attention modules", meshes.dims.sp, count)
     if plan.message_passing:

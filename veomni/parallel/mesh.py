@@ -3,12 +3,14 @@
 ``ParallelDims.resolve`` is pure arithmetic so the launcher can reject a bad layout before
 any worker starts; ``build_mesh`` runs inside the workers. A size-1 dimension costs nothing.
 
-The root mesh is ``(pp, dp_replicate, dp_shard, sp)``: pipeline stages outermost, so each
-pipeline stage is a full data/sequence-parallel layout of its own (``pp`` x the rest). Parameters are sharded over
-``dp_shard x sp`` (SP ranks hold different tokens, so they shard like data ranks). Expert
-parallelism splits those same ``dp_shard x sp`` ranks into ``(ep_fsdp, ep)``: consecutive
-groups of ``ep`` ranks hold all experts between them, and the ``ep_fsdp`` ranks holding the
-same experts FSDP-shard them (see ``veomni/parallel/expert.py``).
+The root mesh is ``(pp, dp_replicate, dp_shard, cp, sp)``: pipeline stages outermost, so each
+pipeline stage is a full data/sequence-parallel layout of its own (``pp`` x the rest); Ulysses
+(``sp``) innermost, on the fastest links, context parallelism (``cp``) around it. Parameters are
+sharded over ``dp_shard x cp x sp`` (those ranks hold different tokens, so they shard like data
+ranks). Expert parallelism splits those same ranks into ``(ep_fsdp, ep)``: consecutive groups of
+``ep`` ranks hold all experts between them, and the ``ep_fsdp`` ranks holding the same experts
+FSDP-shard them (see ``veomni/parallel/expert.py``). The cp ranks form Mesh-Attention's
+``b x a`` tile grid (``context.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from functools import cached_property
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from veomni.config.schema import ParallelConfig
+from veomni.parallel.context import MeshGroups
+from veomni.parallel.row_split import RowSplit
 
 
 class LayoutError(ValueError):
@@ -33,6 +37,9 @@ class ParallelDims:
     sp: int = 1
     ep: int = 1
     pp: int = 1
+    cp: int = 1
+    cp_mesh: tuple[int, int] | None = None
+    """Mesh-Attention's (a, b); None: chosen in the workers (``cp_cost.choose_cp_mesh``)."""
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -42,30 +49,32 @@ class ParallelDims:
             raise LayoutError(f"parallel.pp={cfg.pp} must be >= 1 and divide the world size {world_size}; "
                               f"pick a divisor of {world_size}")
         total_world, world_size = world_size, world_size // cfg.pp  # the ranks of one pipeline stage
-        for name in ("dp_replicate", "sp"):
+        for name in ("dp_replicate", "cp", "sp"):
             value = getattr(cfg, name)
             if value < 1:
                 raise LayoutError(f"parallel.{name} must be >= 1, got {value}")
             if world_size % value:
                 raise LayoutError(f"parallel.{name}={value} does not divide the world size {world_size}; "
                                   f"pick a divisor of {world_size}")
-        others = cfg.dp_replicate * cfg.sp
+        others = cfg.dp_replicate * cfg.cp * cfg.sp
         if world_size % others:
-            raise LayoutError(f"parallel.dp_replicate x parallel.sp = {others} does not divide the world size "
-                              f"{world_size}" + (f" / parallel.pp {cfg.pp}" if cfg.pp > 1 else ""))
+            raise LayoutError(f"parallel.dp_replicate x parallel.cp x parallel.sp = {others} does not divide the "
+                              f"world size {world_size}" + (f" / parallel.pp {cfg.pp}" if cfg.pp > 1 else ""))
+        cp_mesh = _resolve_cp_mesh(cfg.cp_mesh, cfg.cp)
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             dp_shard = world_size // others
         if dp_shard < 1 or others * dp_shard != world_size:
             raise LayoutError(
-                f"parallel.dp_replicate ({cfg.dp_replicate}) x parallel.dp_shard ({cfg.dp_shard}) x parallel.sp "
-                f"({cfg.sp}) = {others * cfg.dp_shard} but the world size is {world_size}; set parallel.dp_shard "
+                f"parallel.dp_replicate ({cfg.dp_replicate}) x parallel.dp_shard ({cfg.dp_shard}) x parallel.cp "
+                f"({cfg.cp}) x parallel.sp ({cfg.sp}) = {others * cfg.dp_shard} but the world size is {world_size}; "
+                f"set parallel.dp_shard "
                 f"to {world_size // others} or -1 (take the remaining ranks)"
             )
-        shard_ranks = dp_shard * cfg.sp
+        shard_ranks = dp_shard * cfg.cp * cfg.sp
         if cfg.ep < 1 or shard_ranks % cfg.ep:
             raise LayoutError(
-                f"parallel.ep={cfg.ep} must be >= 1 and divide the parameter-sharding ranks dp_shard x sp = "
+                f"parallel.ep={cfg.ep} must be >= 1 and divide the parameter-sharding ranks dp_shard x cp x sp = "
                 f"{shard_ranks} (world size {world_size} / dp_replicate {cfg.dp_replicate}); pick a divisor of "
                 f"{shard_ranks}"
             )
@@ -73,7 +82,7 @@ class ParallelDims:
             raise LayoutError("parallel.ep > 1 with parallel.dp_replicate > 1 (HSDP) is not supported yet; "
                               "set parallel.dp_replicate=1")
         return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=total_world, sp=cfg.sp, ep=cfg.ep,
-                   pp=cfg.pp)
+                   pp=cfg.pp, cp=cfg.cp, cp_mesh=cp_mesh)
 
     @property
     def dp_size(self) -> int:
@@ -81,28 +90,53 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def row_ranks(self) -> int:
+        """Ranks that split one packed row (cp x sp)."""
+        return self.cp * self.sp
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks that shard the parameters (dp_shard x cp x sp)."""
+        return self.dp_shard * self.row_ranks
+
+    @property
     def loss_size(self) -> int:
-        """Ranks whose token losses make up one step's loss (dp x sp); FSDP averages dense
+        """Ranks whose token losses make up one step's loss (dp x cp x sp); FSDP averages dense
         gradients over exactly these ranks."""
-        return self.dp_size * self.sp
+        return self.dp_size * self.row_ranks
 
     @property
     def ep_fsdp(self) -> int:
         """Ranks holding the same experts, which FSDP-shard them."""
-        return self.dp_shard * self.sp // self.ep
+        return self.shard_size // self.ep
 
     def describe(self) -> str:
         kind = "HSDP" if self.dp_replicate > 1 else "FSDP"
+        cp = ""
+        if self.cp > 1:
+            shape = "auto" if self.cp_mesh is None else \
+                "ring" if self.cp_mesh[0] == 1 else f"Mesh-Attention {self.cp_mesh[0]}x{self.cp_mesh[1]}"
+            cp = f"  cp={self.cp} ({shape})"
         sp = f"  sp={self.sp} (Ulysses)" if self.sp > 1 else ""
         text = (
-            f"world={self.world_size}  dp_replicate={self.dp_replicate}  dp_shard={self.dp_shard}{sp}  ({kind}; "
-            f"parameters sharded {self.dp_shard * self.sp}-way, replicated {self.dp_replicate}-way)"
+            f"world={self.world_size}  dp_replicate={self.dp_replicate}  dp_shard={self.dp_shard}{cp}{sp}  ({kind}; "
+            f"parameters sharded {self.shard_size}-way, replicated {self.dp_replicate}-way)"
         )
         if self.pp > 1:
             text += f"  pp={self.pp} (pipeline stages, each over {self.world_size // self.pp} ranks)"
         if self.ep > 1:
             text += f"  ep={self.ep} (experts split {self.ep}-way, each slice FSDP-sharded {self.ep_fsdp}-way)"
         return text
+
+
+def _resolve_cp_mesh(cp_mesh: list[int], cp: int) -> tuple[int, int] | None:
+    if not cp_mesh:
+        return (1, 1) if cp == 1 else None
+    shapes = ", ".join(f"[{a}, {cp // a}]" for a in range(1, cp + 1) if cp % a == 0)
+    if len(cp_mesh) != 2 or min(cp_mesh) < 1 or cp_mesh[0] * cp_mesh[1] != cp:
+        raise LayoutError(f"parallel.cp_mesh={list(cp_mesh)} must be [a, b] with a x b = parallel.cp ({cp}): one of "
+                          f"{shapes} ([1, {cp}] is ring attention), or [] to choose automatically")
+    return cp_mesh[0], cp_mesh[1]
 
 
 @dataclass
@@ -114,15 +148,15 @@ class ParallelMeshes:
 
     @cached_property
     def fsdp(self) -> DeviceMesh:
-        """The shard mesh (dp_shard x sp), 2-D with dp_replicate in front for HSDP."""
+        """The shard mesh (dp_shard x cp x sp), 2-D with dp_replicate in front for HSDP."""
         if self.dims.dp_replicate > 1:
             # A mesh of its own over the same rank order: slicing a flattened dim back out
             # of the root mesh is deprecated.
             mesh = init_device_mesh(self.root.device_type,
-                                    (self.dims.pp, self.dims.dp_replicate, self.dims.dp_shard * self.dims.sp),
-                                    mesh_dim_names=("pp", "dp_replicate", "dp_shard_sp"))
-            return mesh["dp_replicate", "dp_shard_sp"]
-        return self.root["dp_shard", "sp"]._flatten("dp_shard_sp")
+                                    (self.dims.pp, self.dims.dp_replicate, self.dims.shard_size),
+                                    mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp_sp"))
+            return mesh["dp_replicate", "dp_shard_cp_sp"]
+        return self.root["dp_shard", "cp", "sp"]._flatten("dp_shard_cp_sp")
 
     @cached_property
     def dp(self) -> DeviceMesh:
@@ -131,13 +165,32 @@ class ParallelMeshes:
 
     @cached_property
     def loss(self) -> DeviceMesh:
-        """Every rank holding part of the step's tokens (dp x sp): loss, token and expert-load
+        """Every rank holding part of the step's tokens (dp x cp x sp): loss, token and expert-load
         reductions."""
-        return self.root["dp_replicate", "dp_shard", "sp"]._flatten("loss")
+        return self.root["dp_replicate", "dp_shard", "cp", "sp"]._flatten("loss")
 
     @cached_property
     def sp(self) -> DeviceMesh:
         return self.root["sp"]
+
+    @cached_property
+    def cp(self) -> DeviceMesh:
+        return self.root["cp"]
+
+    @property
+    def row_split(self) -> RowSplit:
+        """Where this rank's positions of each packed row are (``row_split.py``)."""
+        return RowSplit(sp_rank=self.sp.get_local_rank(), sp=self.dims.sp, cp_rank=self.cp.get_local_rank(),
+                        cp=self.dims.cp)
+
+    def cp_groups(self, a: int, b: int) -> MeshGroups:
+        """Mesh-Attention's groups for an ``a x b`` tile grid of the cp ranks: rows of ``a``
+        consecutive cp ranks, columns (the key/value rings) of ``b``."""
+        d = self.dims
+        mesh = init_device_mesh(self.root.device_type, (d.pp, d.dp_replicate, d.dp_shard, b, a, d.sp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp_kv", "cp_q", "sp"))
+        return MeshGroups(self.cp.get_local_rank(), a, b, mesh["cp_q"].get_group() if a > 1 else None,
+                          mesh["cp_kv"].get_group() if b > 1 else None)
 
     @cached_property
     def pp(self) -> DeviceMesh:
@@ -146,7 +199,7 @@ class ParallelMeshes:
 
     @cached_property
     def _experts(self) -> DeviceMesh | None:
-        """(ep_fsdp, ep) over the dp_shard x sp ranks, in the root's rank order."""
+        """(ep_fsdp, ep) over the dp_shard x cp x sp ranks, in the root's rank order."""
         if self.dims.ep == 1:
             return None
         mesh = init_device_mesh(self.root.device_type, (self.dims.pp, self.dims.ep_fsdp, self.dims.ep),
@@ -170,7 +223,7 @@ class ParallelMeshes:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMeshes:
     root = init_device_mesh(
-        device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.sp),
-        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "sp")
+        device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.sp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "sp")
     )
     return ParallelMeshes(dims=dims, root=root)

@@ -25,7 +25,9 @@ class ParallelPlan:
                and pipeline cutting.
     experts:   grouped-expert modules whose weights shard on the leading expert dim.
     attention: attention modules exposing an ``attn_fn`` injection point; their inputs carry
-               a sequence dim that sequence parallelism may split.
+               a sequence dim that sequence and context parallelism may split. Each declares
+               ``num_heads``, ``num_kv_heads`` and ``causal`` (a decoder's mask, or full
+               attention within each sample).
     stages:    ordered top-level pieces (embed, blocks container, head) for pipelines.
     message_passing: message-passing modules exposing an ``aggregate`` injection point
                (``veomni.ops.graph.NeighbourAggregation``); graph parallelism and layer pipelines

@@ -1,16 +1,15 @@
 """Ulysses sequence parallelism, applied through the attention injection point.
 
-Each rank of an SP group holds ``T / sp`` consecutive tokens of the packed row. Around every
-attention core (the plan's ``attention`` modules) an all-to-all gathers the sequence and
-scatters the heads: attention then runs over the whole row for ``H / sp`` heads, with the
-global ``cu_seqlens``, so sample boundaries survive any split point; the inverse all-to-all
-restores the token layout. Everything else in the model is per token and runs unchanged.
+Each rank of an SP group holds ``T / sp`` consecutive tokens of the packed row (of its
+context-parallel chunk under the hybrid; ``row_split.py`` says which). Around every attention
+core (the plan's ``attention`` modules) an all-to-all gathers the sequence and scatters the
+heads: attention then runs over the whole row (chunk) for ``H / sp`` heads, with the global
+``cu_seqlens``, so sample boundaries survive any split point; the inverse all-to-all restores
+the token layout. Everything else in the model is per token and runs unchanged.
 
-- What is sliced is the task's batch contract: its ``sequence_fields``, padded with its
-  ``pad_values`` (labels: no target). Rows whose length does not divide by ``sp`` are padded at
-  the end; padding lies past ``cu_seqlens[-1]`` (attention gives it zero output), has no label
-  and is marked by the batch's ``valid_tokens`` (MoE layers do not route it), so it changes
-  nothing.
+- Padding: rows are padded at the end (``row_split.py``); padding lies past ``cu_seqlens[-1]``
+  (attention gives it zero output), has no label and is marked by the batch's
+  ``valid_tokens`` (MoE layers do not route it), so it changes nothing.
 - GQA: K/V heads are repeated just enough that their count divides ``sp`` and still divides
   the query heads, keeping each query head with its own K/V head.
 - Positions: ``position_ids`` are sliced from the full row, so RoPE sees global positions.
@@ -20,7 +19,6 @@ restores the token layout. Everything else in the model is per token and runs un
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,29 +30,6 @@ from torch import nn
 from veomni.ops.attention import AttentionFn, SeqInfo
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.plan import ParallelPlan, match_modules
-from veomni.tasks.base import BatchContract
-
-
-def shard_batch(batch: dict[str, Any], sp_rank: int, sp_size: int, contract: BatchContract) -> dict[str, Any]:
-    """This rank's slice of each of the contract's sequence fields of a packed row (padded with
-    the contract's pad values); every other field (``cu_seqlens``, ``max_seqlen``) stays
-    global. ``valid_tokens`` counts the slice's leading real rows, so MoE layers leave the
-    padding unrouted."""
-    total = contract.row_length(batch)
-    padded = math.ceil(total / sp_size) * sp_size
-    local = padded // sp_size
-    out = dict(batch)
-    for key in contract.sequence_fields:
-        value = batch[key]
-        if value.shape[0] != total:
-            raise ValueError(f"batch field {key!r} has {value.shape[0]} rows, the row has {total}: every "
-                             "sequence field of the task's contract must run along the row")
-        if padded > total:
-            value = torch.cat([value, value.new_full((padded - total, *value.shape[1:]),
-                                                     contract.pad_value(key))])
-        out[key] = value[sp_rank * local:(sp_rank + 1) * local]
-    out["valid_tokens"] = min(max(total - sp_rank * local, 0), local)
-    return out
 
 
 def kv_repeat_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
@@ -66,28 +41,39 @@ def kv_repeat_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     raise ValueError(f"no K/V head count fits sp={sp_size} with {num_heads} query / {num_kv_heads} K/V heads")
 
 
-def check_sequence_parallel(model: nn.Module, sp_size: int) -> list[str]:
-    """Problems that make ``sp_size`` impossible for this model (empty when it fits)."""
-    if sp_size == 1:
+def check_sequence_parallel(model: nn.Module, sp_size: int, cp_size: int = 1) -> list[str]:
+    """Problems that make Ulysses over ``sp_size`` ranks and context parallelism over ``cp_size``
+    ranks impossible for this model (empty when they fit)."""
+    if sp_size == 1 and cp_size == 1:
         return []
+    keys = " x ".join(f"parallel.{k}={v}" for k, v in (("sp", sp_size), ("cp", cp_size)) if v > 1)
     plan: ParallelPlan = model.parallel_plan()
     if plan.encoders:
-        return [f"parallel.sp={sp_size}: sequence parallelism is not supported for models with encoders "
+        return [f"{keys}: sequence and context parallelism are not supported for models with encoders "
                 f"({', '.join(plan.encoders)}): the encoder features spliced into a row would have to be "
-                "scattered over the sequence-parallel ranks; use parallel.sp: 1"]
+                "scattered over the ranks that split it; use parallel.sp: 1 and parallel.cp: 1"]
     if plan.message_passing:
-        return [f"parallel.sp={sp_size}: a graph model has no sequence to split; graphs scale by partitions "
+        return [f"{keys}: a graph model has no sequence to split; graphs scale by partitions "
                 "(each data-parallel rank trains one partition of the nodes) and by layers (parallel.pp, "
-                "GNNPipe): set parallel.sp: 1 and those ranks become graph partitions"]
+                "GNNPipe): set parallel.sp and parallel.cp to 1 and those ranks become graph partitions"]
     modules = match_modules(model, plan.attention)
     if not modules:
-        return [f"parallel.sp={sp_size}: the model's plan declares no attention modules to run sequence-parallel"]
+        return [f"{keys}: the model's plan declares no attention modules to split the sequence around"]
     name, module = modules[0]  # all attention modules of a model share their head counts
+    problems = []
     if module.num_heads % sp_size:
-        return [f"parallel.sp={sp_size} does not divide the {module.num_heads} attention heads of {name}; "
-                f"use a divisor of {module.num_heads}"]
-    kv_repeat_factor(module.num_heads, module.num_kv_heads, sp_size)  # raises if no K/V layout fits
-    return []
+        divisors = [d for d in range(1, module.num_heads + 1) if module.num_heads % d == 0]
+        problems.append(f"parallel.sp={sp_size} does not divide the {module.num_heads} attention heads of {name}; "
+                        f"use a divisor of {module.num_heads} ({', '.join(map(str, divisors))}) and put the other "
+                        "ranks in parallel.cp (ring / Mesh-Attention has no head limit)")
+    else:
+        kv_repeat_factor(module.num_heads, module.num_kv_heads, sp_size)  # raises if no K/V layout fits
+    if cp_size > 1:
+        problems += [f"parallel.cp={cp_size}: attention module {n} ({type(m).__name__}) does not declare "
+                     "`causal` (True for a decoder, False for full attention within each sample), which "
+                     "context parallelism needs to skip and mask blocks"
+                     for n, m in modules if not isinstance(getattr(m, "causal", None), bool)][:1]
+    return problems
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -133,7 +119,8 @@ def gather_heads_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> 
 
 
 class UlyssesAttention:
-    """Wraps an attention core ``fn(q, k, v, seq)`` with the Ulysses all-to-alls."""
+    """Wraps an attention core ``fn(q, k, v, seq)`` (the model's, or context parallelism's) with
+    the Ulysses all-to-alls."""
 
     def __init__(self, inner: AttentionFn, group: dist.ProcessGroup, kv_repeat: int) -> None:
         self.inner = inner
@@ -162,9 +149,12 @@ def apply_sequence_parallel(model: nn.Module, plan: ParallelPlan, group: dist.Pr
 def full_sequence_attention(model: nn.Module) -> Iterator[None]:
     """Run with the plain attention cores (every rank holding the whole sequence), e.g. for
     generation, where all ranks decode the same prompt."""
-    wrapped = [(m, m.attn_fn) for m in model.modules() if isinstance(getattr(m, "attn_fn", None), UlyssesAttention)]
+    wrapped = [(m, m.attn_fn) for m in model.modules() if hasattr(getattr(m, "attn_fn", None), "inner")]
     for module, fn in wrapped:
-        module.attn_fn = fn.inner
+        inner = fn
+        while hasattr(inner, "inner"):  # Ulysses around context parallelism around the model's core
+            inner = inner.inner
+        module.attn_fn = inner
     try:
         yield
     finally:

@@ -78,7 +78,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     root_params = total - sum(block_params)
     expert_params = sum(p.numel() for _, m in match_modules(model, plan.experts) for p in m.parameters())
     not_local = expert_params * (1 - 1 / dims.ep) / max(1, len(blocks))  # per block, left on other EP ranks
-    shard = dims.dp_shard * dims.sp
+    shard = dims.shard_size
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     activations = cost.activation_bytes_per_unit(model, compute_bytes, cfg.parallel.activation_checkpointing)
     activated = cost.activated_params(model)
@@ -94,7 +94,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
         ema_gb=4 * total / shard / GiB if cfg.train.ema_decay else 0.0,
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
-        activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.sp / GiB,
+        activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.row_ranks / GiB,
         compute_bytes=compute_bytes,
         model_lines=cost.report_lines(model, seq) + (graph.lines if graph else []),
         history_gb=graph.history_gb if graph else 0.0,
@@ -104,7 +104,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
 def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
     unit = est.unit
     step_units = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
-    shard = dims.dp_shard * dims.sp
+    shard = dims.shard_size
     memory = [
         (f"parameters (fp32, 1/{shard})", est.params_gb),
         (f"gradients (fp32, 1/{shard})", est.grads_gb),

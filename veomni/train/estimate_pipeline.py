@@ -84,7 +84,7 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     index = pieces.index(container)
     before = sum(p.numel() for n in pieces[:index] for p in model.get_submodule(n).parameters())
     after = total - before - sum(block_sizes)
-    shard = dims.dp_shard * dims.sp
+    shard = dims.shard_size
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     rows_per_mb = cfg.train.grad_accum // m
     tokens = rows_per_mb * cfg.data.tokens_per_micro_batch
@@ -118,7 +118,7 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
         act_chunk += head_act * (m if par.pp_schedule == "GPipe" else 1) if holds_head else 0
         states = (4 + 4 + 4 * optimizer_states) * params / shard / GiB
         gathered_gb = compute_bytes * gathered / GiB
-        act_gb = act_chunk * tokens / dims.sp / GiB
+        act_gb = act_chunk * tokens / dims.row_ranks / GiB
         lines.append(f"  {r:<8}{','.join(map(str, ids)):<10}{n_blocks:>7}{params / 1e9:>12.3f}{states:>10.2f}"
                      f"{gathered_gb:>10.2f}{flight:>10}{act_gb:>9.2f}{states + gathered_gb + act_gb:>9.2f}")
     return lines

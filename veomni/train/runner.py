@@ -41,7 +41,7 @@ class PlainRunner(RunnerBase):
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         metrics = forward_backward(self.model, self.task, micro_batches, self.meshes.loss.get_group(),
-                                   self.dims.loss_size, self.dims.sp, self.spec.cost)
+                                   self.dims.loss_size, self.dims.row_ranks, self.spec.cost)
         metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm))
         return metrics
 
@@ -97,7 +97,8 @@ def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
     """The model built, initialised (``initialise`` runs on rank 0's full CPU copy), parallelised
     by the one recipe and wrapped in the runner its layout needs."""
     build = functools.partial(spec.instantiate, model_config)
-    recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type)
+    recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type,
+                               row_tokens=cfg.data.tokens_per_micro_batch)
     if meshes.dims.pp > 1:
         with torch.device("meta"):
             meta_model = build()

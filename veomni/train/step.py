@@ -37,13 +37,13 @@ from veomni.train.moe_stats import MoEStepStats
 
 
 def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str, Any]],
-                     loss_group: dist.ProcessGroup, loss_size: int, sp_size: int = 1,
+                     loss_group: dist.ProcessGroup, loss_size: int, row_ranks: int = 1,
                      cost: CostModel | None = None) -> dict[str, Any]:
     """Accumulate gradients of the global unit-mean loss; return global loss/unit counts.
 
-    With sequence parallelism each micro-batch is this rank's slice of a packed row that still
-    describes the whole row (``cu_seqlens``), so model FLOPs are shared by the ``sp_size``
-    ranks. ``flops`` is reported when a cost model is given (0 otherwise).
+    With sequence or context parallelism each micro-batch is this rank's part of a packed row
+    that still describes the whole row (``cu_seqlens``), so model FLOPs are shared by the
+    ``row_ranks`` (cp x sp) ranks. ``flops`` is reported when a cost model is given (0 otherwise).
     """
     global_loss_units = count_global_loss_units(task, micro_batches, loss_group)
     scale = loss_size / global_loss_units
@@ -61,7 +61,7 @@ def forward_backward(model: nn.Module, task: Task, micro_batches: list[dict[str,
             moe.record()
         loss_sum += float(out.loss_sum.detach())
         add_task_metrics(extra, out.metrics)
-    flops = step_flops(cost, model, micro_batches) / sp_size
+    flops = step_flops(cost, model, micro_batches) / row_ranks
     units = sum(task.contract.row_length(mb) for mb in micro_batches)
     names = sorted(extra)  # every rank runs the same task, so the same names in the same order
     total_loss, total_units, total_flops, *totals = all_reduce_values(

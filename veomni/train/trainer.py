@@ -34,7 +34,8 @@ from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_t
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
-from veomni.parallel.sequence import full_sequence_attention, shard_batch
+from veomni.parallel.row_split import shard_batch
+from veomni.parallel.sequence import full_sequence_attention
 from veomni.spec import build_config, get_model_spec, load_plugins
 from veomni.tasks.base import Baseline, Task, task_generator
 from veomni.tasks.lm import LanguageModelingTask
@@ -71,7 +72,6 @@ class Trainer:
         self.rank = dist.get_rank()
         self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
         self.meshes = build_mesh(self.dims, self.device.type)
-        self.sp_rank = self.meshes.sp.get_local_rank()
         self.output_dir = Path(cfg.train.output_dir)
         self.launch = list(launch) if launch else [str(self.output_dir / "config.yaml")]
         if self.rank == 0:
@@ -189,11 +189,11 @@ class Trainer:
 
     # ----- steps ------------------------------------------------------------------------
     def _local(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
-        """This rank's part of a loader batch (its sequence slice under SP), on the device. The
+        """This rank's part of a loader batch (its positions under SP/CP), on the device. The
         task draws its randomness on the whole row, before slicing."""
         batch = self.task.prepare(batch, generator)
-        if self.dims.sp > 1:
-            batch = shard_batch(batch, self.sp_rank, self.dims.sp, self.task.contract)
+        if self.dims.row_ranks > 1:
+            batch = shard_batch(batch, self.meshes.row_split, self.task.contract)
         return _to_device(batch, self.device)
 
     def _next_micro_batches(self) -> list[dict[str, Any]]:
