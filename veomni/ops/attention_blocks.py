@@ -1,13 +1,10 @@
 """Attention over one block of a packed row, with its log-sum-exp: the unit context parallelism
 computes, merges and differentiates.
 
-Context-parallel ranks each hold pieces of a packed row (contiguous runs of global positions).
-A block is one (query piece, key/value piece) pair: within it, attention runs per sample (a
-``Segment`` is the part of one sample lying in both pieces) and never across samples. Pieces
-are either the same run (a diagonal block: causal attention within each segment) or disjoint
-(a query piece after its key piece attends fully; one before it is skipped under a causal
-mask). ``block_segments`` returns no segments when no sample spans the pair, so the caller
-skips the block without computing or sending anything for it.
+A block is a query chunk against a key/value chunk, each a concatenation of pieces of samples
+(``veomni/parallel/row_split.py``). Within it attention runs per ``Segment``: a run of query
+rows of one sample against a run of key rows of the same sample, causal (a piece against
+itself) or full (a piece against an earlier piece of its sample), and never across samples.
 
 ``attend_block`` returns each query row's output and log-sum-exp (``-inf`` for a row that sees
 no key in the block); ``merge_partials`` combines partial results of several blocks exactly
@@ -29,33 +26,13 @@ import torch
 
 
 class Segment(NamedTuple):
-    """Rows ``[q_start, q_end)`` of the query piece attend to rows ``[k_start, k_end)`` of the
-    key piece (offsets within the pieces)."""
+    """Rows ``[q_start, q_end)`` of the query chunk attend to rows ``[k_start, k_end)`` of the
+    key/value chunk: one sample's part of the block."""
 
     q_start: int
     q_end: int
     k_start: int
     k_end: int
-
-
-def block_segments(bounds: list[int], q_piece: tuple[int, int], k_piece: tuple[int, int],
-                   causal: bool) -> tuple[list[Segment], bool]:
-    """The per-sample segments of a block and whether they are causal (a diagonal block).
-
-    ``bounds`` are the row's ``cu_seqlens``; positions past ``bounds[-1]`` are padding and belong
-    to no sample. Pieces are ``(start, end)`` global positions, either equal or disjoint."""
-    (q0, q1), (k0, k1) = q_piece, k_piece
-    diagonal = q_piece == k_piece
-    if not diagonal and q0 < k1 and k0 < q1:
-        raise ValueError(f"query piece {q_piece} and key piece {k_piece} overlap without being equal")
-    if causal and not diagonal and q1 <= k0:
-        return [], False  # every query precedes every key
-    segments = []
-    for start, end in zip(bounds, bounds[1:]):
-        qa, qb, ka, kb = max(q0, start), min(q1, end), max(k0, start), min(k1, end)
-        if qa < qb and ka < kb:
-            segments.append(Segment(qa - q0, qb - q0, ka - k0, kb - k0))
-    return segments, causal and diagonal
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -11,9 +11,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-KINDS = ("sp_all_to_all", "graph_halo", "pp_p2p")
-"""Ulysses sequence <-> head all-to-alls; halo rows and their gradients between graph partitions;
-stage activations and gradients between pipeline ranks (point-to-point, ``p2p.py``)."""
+KINDS = ("sp_all_to_all", "cp_kv", "cp_q", "graph_halo", "pp_p2p")
+"""Ulysses sequence <-> head all-to-alls; context parallelism's key/value chunks and their
+gradients around the ring (``context.py``), and its queries, partial outputs and query
+gradients within a Mesh-Attention tile row; halo rows and their gradients between graph
+partitions; stage activations and gradients between pipeline ranks (point-to-point, ``p2p.py``)."""
 
 
 class CommCounter:

@@ -1,12 +1,12 @@
 """Context parallelism: ring attention and Mesh-Attention over packed rows, on the attention
 injection point.
 
-Layout (``row_split.py``). A row split over ``cp`` context-parallel ranks is padded to a multiple
-of ``2 * cp`` (times ``sp`` under the hybrid) and cut into ``2 * cp`` equal pieces; cp rank ``r``
-holds pieces ``r`` and ``2cp - 1 - r`` (zig-zag), so under a causal mask every pair of ranks shares
-the same amount of work and no rank waits for the others. ``cu_seqlens`` stays global, so each
-rank knows which samples every block of the attention matrix holds and skips the blocks no
-sample spans.
+Layout (``row_split.py``). Every sample of the row is cut into ``2 * cp`` pieces and cp rank
+``r`` holds pieces ``r`` and ``2cp - 1 - r`` of each (per-sample zig-zag), so under a causal mask
+every rank has the same work from every sample and none waits for the others. ``cu_seqlens``
+stays global, so every rank knows every rank's pieces: a query chunk meets a key/value chunk
+only where they hold pieces of the same sample, and nothing is computed for pairs no sample
+spans.
 
 Mesh-Attention (Seed, arXiv 2512.20968). The cp ranks form ``b`` rows of ``a`` consecutive ranks
 (``a * b = cp``); rank ``r`` sits in row ``r // a`` and column ``r % a``. Rank ``r`` computes the
@@ -46,15 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.ops.attention import AttentionFn, SeqInfo
-from veomni.ops.attention_blocks import attend_block, attend_block_backward, block_segments, merge_partials
+from veomni.ops.attention_blocks import Segment, attend_block, attend_block_backward, merge_partials
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.plan import ParallelPlan, match_modules
-
-
-def chunk_pieces(cp_rank: int, cp: int, chunk_tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The two global ``(start, end)`` pieces of cp rank ``cp_rank``'s chunk of ``chunk_tokens``."""
-    half = chunk_tokens // 2
-    return (cp_rank * half, (cp_rank + 1) * half), ((2 * cp - 1 - cp_rank) * half, (2 * cp - cp_rank) * half)
+from veomni.parallel.row_split import Piece, cp_pieces
 
 
 class MeshGroups:
@@ -125,40 +120,51 @@ def _row_reduce_scatter(x: torch.Tensor, groups: MeshGroups) -> torch.Tensor:
 
 
 class _ChunkPair:
-    """The blocks of one query chunk against one key/value chunk (two pieces each)."""
+    """One query chunk against one key/value chunk: at most two calls of the block kernel, one for
+    the causal segments (a piece against itself) and one for the full ones (a piece against an
+    earlier piece of its sample; any other piece of it when attention is bidirectional). Pieces of
+    different samples never meet, and under a causal mask a piece never sees a later one."""
 
-    def __init__(self, bounds: list[int], q_owner: int, kv_owner: int, groups: MeshGroups, chunk: int,
-                 causal: bool) -> None:
-        q_pieces = chunk_pieces(q_owner, groups.cp, chunk)
-        k_pieces = chunk_pieces(kv_owner, groups.cp, chunk)
-        half = chunk // 2
-        self.blocks = []
-        for qi, q_piece in enumerate(q_pieces):
-            for ki, k_piece in enumerate(k_pieces):
-                segments, block_causal = block_segments(bounds, q_piece, k_piece, causal)
-                if segments:
-                    self.blocks.append((slice(qi * half, (qi + 1) * half), slice(ki * half, (ki + 1) * half),
-                                        segments, block_causal))
+    def __init__(self, q_pieces: list[Piece], k_pieces: list[Piece], causal: bool) -> None:
+        by_sample: dict[int, list[Piece]] = {}
+        for piece in k_pieces:
+            by_sample.setdefault(piece.sample, []).append(piece)
+        diagonal, full = [], []
+        for qp in q_pieces:
+            if qp.sample < 0:  # padding attends to nothing
+                continue
+            rows = (qp.local, qp.local + qp.end - qp.start)
+            keys = []
+            for kp in by_sample.get(qp.sample, ()):
+                if causal and kp.index == qp.index:
+                    diagonal.append(Segment(*rows, kp.local, kp.local + kp.end - kp.start))
+                elif not causal or kp.index < qp.index:
+                    keys.append((kp.local, kp.local + kp.end - kp.start))
+            # A rank's two pieces of a sample sit side by side in its chunk: one key run per query piece.
+            if keys:
+                full.append(Segment(*rows, keys[0][0], keys[-1][1]))
+                if any(a[1] != b[0] for a, b in zip(keys, keys[1:])):
+                    raise AssertionError(f"key pieces of sample {qp.sample} are not adjacent: {keys}")
+        self.blocks = [(segments, is_causal) for segments, is_causal in ((diagonal, True), (full, False)) if segments]
 
     def forward(self, q, k, v, out, lse, scale):
-        for rows, keys, segments, causal in self.blocks:
-            block_out, block_lse = attend_block(q[rows], k[keys], v[keys], segments, causal, scale)
-            out[rows], lse[rows] = merge_partials(out[rows], lse[rows], block_out.float(), block_lse)
+        for segments, causal in self.blocks:
+            block_out, block_lse = attend_block(q, k, v, segments, causal, scale)
+            out[:], lse[:] = merge_partials(out, lse, block_out.float(), block_lse)
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale):
-        for rows, keys, segments, causal in self.blocks:
-            gq, gk, gv = attend_block_backward(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows],
-                                               segments, causal, scale)
-            dq[rows] += gq
-            dk[keys] += gk
-            dv[keys] += gv
+        for segments, causal in self.blocks:
+            gq, gk, gv = attend_block_backward(dout, q, k, v, out, lse, segments, causal, scale)
+            dq += gq
+            dk += gk
+            dv += gv
 
 
 class _MeshAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int],
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[list[Piece]],
                 groups: MeshGroups, causal: bool) -> torch.Tensor:
-        chunk, scale = q.shape[0], q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5
         queries = _row_all_gather(q, groups)
         out = torch.zeros(queries.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(queries.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -167,7 +173,7 @@ class _MeshAttention(torch.autograd.Function):
         for step in range(groups.b):
             pending = _shift(kv, groups) if step < groups.b - 1 else None
             for j, q_owner in enumerate(groups.row_members()):
-                pair = _ChunkPair(bounds, q_owner, groups.kv_owner(step), groups, chunk, causal)
+                pair = _ChunkPair(pieces[q_owner], pieces[groups.kv_owner(step)], causal)
                 pair.forward(queries[j], kv[0], kv[1], out[j], lse[j], scale)
                 pairs.append(pair)
             if pending is not None:
@@ -220,10 +226,11 @@ class ContextParallelAttention:
         self.inner, self.groups, self.causal = inner, groups, causal
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        if q.shape[0] % 2:
-            raise ValueError(f"context parallelism needs an even chunk per rank, got {q.shape[0]} tokens: rows "
-                             f"must be split with veomni.parallel.row_split.shard_batch (padded to a multiple of 2 x cp)")
-        return _MeshAttention.apply(q, k, v, seq.cu_seqlens.tolist(), self.groups, self.causal)
+        pieces = cp_pieces(seq.cu_seqlens.tolist(), q.shape[0] * self.groups.cp, self.groups.cp)
+        if sum(p.end - p.start for p in pieces[self.groups.cp_rank]) != q.shape[0]:
+            raise ValueError(f"this rank holds {q.shape[0]} tokens, not its share of the row: rows must be split "
+                             "with veomni.parallel.row_split.shard_batch")
+        return _MeshAttention.apply(q, k, v, pieces, self.groups, self.causal)
 
 
 def apply_context_parallel(model: nn.Module, plan: ParallelPlan, groups: MeshGroups) -> int:
