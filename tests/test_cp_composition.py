@@ -11,9 +11,10 @@ divide by ``2 x cp``, and their samples straddle the zig-zag chunk boundaries.
 import json
 
 import pytest
+import torch
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assert_records_close, run_steps, sample_lengths
+from tests.parity_utils import assert_records_close, run_steps, sample_lengths, tiny_model
 from tests.test_pipeline_parity import MOE as PIPELINE_MOE
 from tests.test_pipeline_parity import OPTIONS as PIPELINE_OPTIONS
 from tests.test_pipeline_parity import _moe_reference, _reference, check, check_moe, run_pipeline_steps
@@ -174,3 +175,33 @@ def test_generation_after_a_cp_run_uses_the_plain_cores(trainer_reference, tmp_p
         assert got["cp_cores"] == 4  # restored after the sample
     assert trainer_reference["summary"]["sample"].startswith("def value")
     assert results[0]["summary"]["sample"] == trainer_reference["summary"]["sample"]
+
+
+def _whole_row_under_the_hybrid(rank, world):
+    from veomni.parallel.apply import parallelize
+    from veomni.parallel.mesh import ParallelDims, build_mesh
+    from veomni.parallel.sequence import UlyssesAttention, full_sequence_attention
+
+    parallel = ParallelConfig(sp=2, cp=2, cp_mesh=[1, 2])
+    meshes = build_mesh(ParallelDims.resolve(parallel, world), "cpu")
+    plain = tiny_model()
+    model = parallelize(tiny_model(), parallel, meshes, "cpu")
+    batch = pack_samples(sample_lengths(4, seed=42))  # the whole row (103 tokens), on every rank
+    args = (batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"])
+    with torch.no_grad(), full_sequence_attention(model):
+        got = model(*args)
+    cores = [m.attn_fn for m in model.modules() if hasattr(m, "attn_fn")]
+    restored = all(isinstance(fn, UlyssesAttention) and isinstance(fn.inner, ContextParallelAttention)
+                   for fn in cores)
+    with torch.no_grad():
+        expected = plain(*args)
+    return float((got - expected).abs().max()), restored, len(cores), batch["input_ids"].numel()
+
+
+def test_full_sequence_attention_strips_the_hybrid():
+    """Under Ulysses 2 x ring 2 every rank runs a whole (odd-length) row through the plain cores
+    inside ``full_sequence_attention``, as one process does, and gets both wrappers back after."""
+    for diff, restored, cores, tokens in run_distributed(_whole_row_under_the_hybrid, 4):
+        assert tokens % 2 == 1 and cores == 2
+        assert restored
+        assert diff < 1e-5
