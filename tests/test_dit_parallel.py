@@ -1,4 +1,7 @@
-"""The video DiT under FSDP / HSDP, Ulysses sequence parallelism and compile equals one process.
+"""The video DiT under FSDP / HSDP, Ulysses sequence parallelism, context parallelism (ring at
+cp=2, Mesh-Attention 2x2 at cp=4: the self-attention runs context-parallel, bidirectional, and
+the text cross-attention stays replicated, every rank holding the whole caption) and compile
+equals one process.
 
 Rows pack images and clips of different sizes whose tokens straddle the sequence-parallel split
 points, with captions of different lengths. Each sample's noise, timestep and caption dropout are
@@ -100,6 +103,7 @@ def reference():
 def test_rows_straddle_the_split():
     totals = [sum(f * (h // 2) * (w // 2) for f, h, w in shapes) for shapes in SHAPES]
     assert any(t % 2 for t in totals), "a row whose length sp=2 does not divide exercises the padding"
+    assert all(t % 4 for t in totals), "nor do cp=2's 4 zig-zag chunks (or cp=4's 8) divide any row"
 
 
 @pytest.mark.parametrize("world, parallel, dp_world", [
@@ -109,7 +113,9 @@ def test_rows_straddle_the_split():
     (4, ParallelConfig(sp=2, dp_shard=2), 2),
     (4, ParallelConfig(sp=2, dp_replicate=2), 2),
     (2, ParallelConfig(dp_shard=2, compile=True), 2),
-], ids=["fsdp2", "sp2", "sp2-ac", "fsdp2xsp2", "hsdp2xsp2", "fsdp2-compile"])
+    (2, ParallelConfig(cp=2, cp_mesh=[1, 2]), 1),
+    (4, ParallelConfig(cp=4, cp_mesh=[2, 2]), 1),
+], ids=["fsdp2", "sp2", "sp2-ac", "fsdp2xsp2", "hsdp2xsp2", "fsdp2-compile", "cp2-ring", "cp4-mesh2x2"])
 def test_dit_parallel_matches_single_process(reference, world, parallel, dp_world, tmp_path):
     # compile: a private inductor cache, so nothing is left behind
     for got in run_distributed(_run, world, parallel, dp_world, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}):

@@ -59,7 +59,7 @@ def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbat
         mine = samples[meshes.dp_rank::dims.dp_size]
         batches = [pack_samples(piece) for piece in split(mine, microbatches)]
         metrics = pipeline_forward_backward(pipe, task, batches, meshes.loss.get_group(), dims.loss_size, dims.pp,
-                                            ROW_TOKENS // microbatches, flops_model)
+                                            ROW_TOKENS // microbatches, flops_model, split=meshes.row_split)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({k: v for k, v in metrics.items() if k.startswith(("loss_", "moe/"))})
         grads = {}

@@ -71,7 +71,6 @@ def test_checkpoint_moves_between_pipeline_sizes(tmp_path):
     (dict(pp=2, pp_schedule="GPipe", pp_virtual_stages=2), 2, 4, "runs one stage per rank"),
     (dict(pp=2, pp_schedule="ZBVZeroBubble", pp_virtual_stages=3), 2, 8, "exactly 2 stages per rank"),
     (dict(pp=2, pp_layer_split=[1, 2]), 2, 4, "sums to 3 but the model has 4 blocks"),
-    (dict(pp=2, sp=2), 2, 4, "parallel.sp"),
     (dict(pp=2, pp_schedule="DualPipeV", activation_checkpointing="selective"), 4, 4, "selective activation"),
 ])
 def test_bad_pipeline_settings_fail_with_a_clear_message(settings, grad_accum, blocks, message):

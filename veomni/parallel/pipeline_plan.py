@@ -52,10 +52,6 @@ def check_pipeline(cfg: ParallelConfig, grad_accum: int, num_blocks: int | None 
         return
     schedule, v = cfg.pp_schedule, virtual_stages(cfg)
     stages = cfg.pp * v
-    if cfg.sp > 1 or cfg.cp > 1:
-        raise PipelineConfigError(f"parallel.pp={cfg.pp} with parallel.sp={cfg.sp} x parallel.cp={cfg.cp} is not "
-                                  "supported yet (stage inputs would be sequence slices of a padded row); set "
-                                  "parallel.pp or both of parallel.sp and parallel.cp to 1")
     if v < 1:
         raise PipelineConfigError(f"parallel.pp_virtual_stages={cfg.pp_virtual_stages} must be >= 0 (0 = auto)")
     if schedule in SINGLE_STAGE_SCHEDULES and v != 1:

@@ -17,7 +17,9 @@ What is split is the task's batch contract: its ``sequence_fields``, padded with
 ``pad_values`` (labels: no target) and gathered at the rank's positions; every other field
 (``cu_seqlens``, ``max_seqlen``) stays global, so attention sees the true sample boundaries
 and RoPE the global positions. ``valid_tokens`` counts the slice's real (leading) rows, so MoE
-layers leave the padding unrouted.
+layers leave the padding unrouted. A row that was already padded (a pipeline micro-batch, whose
+``valid_tokens`` says where its real rows end) keeps that: its padding is at the end of the row,
+so it is a suffix of every rank's ascending positions too.
 """
 
 from __future__ import annotations
@@ -97,8 +99,10 @@ def cp_pieces(bounds: list[int], padded: int, cp: int) -> list[list[Piece]]:
 
 def shard_batch(batch: dict[str, Any], split: RowSplit, contract: BatchContract) -> dict[str, Any]:
     """This rank's part of each of the contract's sequence fields of a packed row; every other
-    field stays global."""
+    field stays global. ``valid_tokens`` in ``batch`` (rows from there on are padding) is honoured."""
     total = contract.row_length(batch)
+    real = batch.get("valid_tokens")
+    real = total if real is None else int(real)
     padded = split.padded(total)
     if split.cp > 1 and "cu_seqlens" not in batch:
         raise ValueError("context parallelism splits rows by their samples, but the batch has no cu_seqlens")
@@ -113,5 +117,5 @@ def shard_batch(batch: dict[str, Any], split: RowSplit, contract: BatchContract)
             value = torch.cat([value, value.new_full((padded - total, *value.shape[1:]),
                                                      contract.pad_value(key))])
         out[key] = value[positions.to(value.device)]
-    out["valid_tokens"] = int((positions < total).sum())
+    out["valid_tokens"] = int((positions < real).sum())
     return out

@@ -58,9 +58,11 @@ class PlainRunner(RunnerBase):
 
 class PipelineRunner(RunnerBase):
     """Every rank of a pipeline reads the same micro-batches; ``whole_model`` is a meta copy of
-    the full model, for the cost model only."""
+    the full model, for the cost model only. Under sequence / context parallelism it gets whole
+    loader rows and cuts each pipeline row to this rank's positions (``pipeline_rows``)."""
 
     whole_model = None
+    shards_rows = True
 
     def __init__(self, pipeline: Pipeline, meta_model: nn.Module, cfg: RunConfig, spec: ModelSpec,
                  model_config: Any, task: Task, meshes: ParallelMeshes) -> None:
@@ -70,7 +72,7 @@ class PipelineRunner(RunnerBase):
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         metrics = pipeline_forward_backward(self.pipeline, self.task, micro_batches, self.meshes.loss.get_group(),
                                             self.dims.loss_size, self.dims.pp, self.cfg.data.tokens_per_micro_batch,
-                                            self.meta_model, self.spec.cost)
+                                            self.meta_model, self.spec.cost, self.meshes.row_split)
         metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
                                      self.meshes.pp.get_group()))
         return metrics
@@ -79,7 +81,7 @@ class PipelineRunner(RunnerBase):
         """Eval batches in groups of one step's micro-batches; a short last group is filled with
         rows without loss units (the schedule always runs its full micro-batch count). The loss
         sums live on the last stages, so they are reduced over the world, and the units (counted
-        on every stage) once per pipeline."""
+        on the whole rows by every stage and every cp x sp rank) once per pipeline and row."""
         size, loss_sum, units = self.cfg.train.grad_accum, 0.0, 0
         batches = list(batches)
         contract = self.task.contract
@@ -88,8 +90,9 @@ class PipelineRunner(RunnerBase):
             units += sum(self.task.count_loss_units(b) for b in group)
             group += [empty_row(group[0], contract)] * (size - len(group))
             loss_sum += self.pipeline.evaluate(pipeline_rows(group, self.pipeline.microbatches,
-                                                             self.cfg.data.tokens_per_micro_batch, contract))
-        return self.eval_result(loss_sum, units, {}, None, units_divisor=self.dims.pp)
+                                                             self.cfg.data.tokens_per_micro_batch, contract,
+                                                             self.meshes.row_split))
+        return self.eval_result(loss_sum, units, {}, None, units_divisor=self.dims.pp * self.dims.row_ranks)
 
 
 def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task, meshes: ParallelMeshes,

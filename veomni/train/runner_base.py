@@ -24,6 +24,9 @@ class StepRunner(Protocol):
     """The modules this rank holds (the model, or its pipeline stages): checkpointed and stepped."""
     whole_model: nn.Module | None
     """The model when every rank runs all of it (for decoding a sample), else None."""
+    shards_rows: bool
+    """True when the runner cuts rows to this rank's cp x sp positions itself (a pipeline joins a
+    step's loader rows first): the trainer then hands it whole rows."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
@@ -38,6 +41,8 @@ class StepRunner(Protocol):
 
 
 class RunnerBase:
+    shards_rows = False
+
     def __init__(self, parts: list[nn.Module], cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
                  meshes: ParallelMeshes) -> None:
         self.parts, self.cfg, self.spec, self.task, self.meshes = parts, cfg, spec, task, meshes

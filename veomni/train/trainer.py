@@ -190,9 +190,10 @@ class Trainer:
     # ----- steps ------------------------------------------------------------------------
     def _local(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
         """This rank's part of a loader batch (its positions under SP/CP), on the device. The
-        task draws its randomness on the whole row, before slicing."""
+        task draws its randomness on the whole row, before slicing. A runner that joins rows
+        before slicing them (``shards_rows``: the pipeline) gets the whole row."""
         batch = self.task.prepare(batch, generator)
-        if self.dims.row_ranks > 1:
+        if self.dims.row_ranks > 1 and not self.runner.shards_rows:
             batch = shard_batch(batch, self.meshes.row_split, self.task.contract)
         return _to_device(batch, self.device)
 
@@ -223,7 +224,8 @@ class Trainer:
         result = self.runner.evaluate(baseline.observe(self._eval_batches(self._loader("eval"))))
         for part in self.parts:
             part.train()
-        self.baseline = baseline.result(self.meshes.loss.get_group())
+        # Whole rows (the runner slices them) are the same on every cp x sp rank: add them over dp only.
+        self.baseline = baseline.result((self.meshes.dp if self.runner.shards_rows else self.meshes.loss).get_group())
         self.last_eval = result
         return result
 
