@@ -92,11 +92,12 @@ def test_a_padded_row_keeps_its_real_length_when_split():
     row = pad_row(pack_samples([[1, 2, 3], [4, 5, 6, 7, 8]]), 16, LM_CONTRACT)  # 8 real of 16
     assert row["valid_tokens"] == 8
     parts = [shard_batch(row, RowSplit(cp_rank=r, cp=2), LM_CONTRACT) for r in range(2)]
-    # zig-zag, 4 chunks of 4: rank 0 holds 0-3 and 12-15, rank 1 holds 4-7 and 8-11
-    assert [p["input_ids"].tolist() for p in parts] == [[1, 2, 3, 4, 0, 0, 0, 0], [5, 6, 7, 8, 0, 0, 0, 0]]
+    # per-sample zig-zag, 4 pieces each: sample [1, 2, 3] -> 1,1,1,0; [4..8] -> 1,1,1,2 (its spare token
+    # continues round-robin at piece 3); padding 8 -> 2,2,2,2. Rank 0 takes pieces 0 and 3, rank 1 pieces 1, 2.
+    assert [p["input_ids"].tolist() for p in parts] == [[1, 4, 7, 8, 0, 0, 0, 0], [2, 3, 5, 6, 0, 0, 0, 0]]
     assert [p["valid_tokens"] for p in parts] == [4, 4]
-    short = pad_row(pack_samples([[1, 2, 3]]), 16, LM_CONTRACT)  # rank 1's whole slice is padding
-    assert [shard_batch(short, RowSplit(cp_rank=r, cp=2), LM_CONTRACT)["valid_tokens"] for r in range(2)] == [3, 0]
+    short = pad_row(pack_samples([[1, 2, 3]]), 16, LM_CONTRACT)  # pieces 1,1,1,0 then padding 3,3,3,4
+    assert [shard_batch(short, RowSplit(cp_rank=r, cp=2), LM_CONTRACT)["valid_tokens"] for r in range(2)] == [1, 2]
 
 
 @pytest.fixture(scope="module")
