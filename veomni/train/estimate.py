@@ -15,6 +15,9 @@ recipes. Memory per rank (bytes):
 - activations: the family's per-unit estimate (its spec's cost model) for the checkpointing
   mode, times the units a rank holds (the micro-batch budget, divided by ``sp`` under sequence
   parallelism).
+
+Under sequence or context parallelism a "sequence split" section follows: each way to split a
+row over the ``sp x cp`` ranks, with its attention traffic and buffers (``estimate_cp.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from veomni.ops.graph import GraphCost
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.plan import flatten_plan, match_modules
 from veomni.spec import build_model, get_model_spec
+from veomni.train.estimate_cp import AttentionShape, sequence_split_lines
 from veomni.train.estimate_graph import graph_plan
 
 GiB = 2**30
@@ -55,6 +59,8 @@ class Estimate:
     """Graph models in chunked runs: the per-layer history tables (``estimate_graph.py``)."""
     ema_gb: float = 0.0
     """The weight EMA's fp32 copy (``train.ema_decay``)."""
+    sequence_lines: list[str] = field(default_factory=list)
+    """Under sp or cp > 1: each way to split a row over those ranks (``estimate_cp.py``)."""
 
     @property
     def total_gb(self) -> float:
@@ -84,6 +90,15 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     activated = cost.activated_params(model)
     graph = (graph_plan(cfg, dims, model, cost, activations)
              if plan.message_passing and isinstance(cost, GraphCost) else None)
+    activations_per_rank = activations * cfg.data.tokens_per_micro_batch / dims.row_ranks
+    attention = match_modules(model, plan.attention)
+    sequence_lines = []
+    if dims.row_ranks > 1 and attention:
+        _, first = attention[0]
+        shape = AttentionShape(len(attention), first.num_heads, first.num_kv_heads, first.head_dim)
+        sequence_lines = sequence_split_lines(shape, cfg.data.tokens_per_micro_batch, dims.sp, dims.cp, dims.cp_mesh,
+                                              compute_bytes, cfg.parallel.activation_checkpointing,
+                                              cfg.train.grad_accum, activations_per_rank)
     return Estimate(
         total_params=total,
         activated_params=activated,
@@ -94,10 +109,11 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         optimizer_gb=optimizer_states * 4 * total / shard / GiB,
         ema_gb=4 * total / shard / GiB if cfg.train.ema_decay else 0.0,
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
-        activations_gb=activations * cfg.data.tokens_per_micro_batch / dims.row_ranks / GiB,
+        activations_gb=activations_per_rank / GiB,
         compute_bytes=compute_bytes,
         model_lines=cost.report_lines(model, seq) + (graph.lines if graph else []),
         history_gb=graph.history_gb if graph else 0.0,
+        sequence_lines=sequence_lines,
     )
 
 
@@ -136,5 +152,6 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} {unit}s x "
         f"{dims.dp_size} dp ranks = {step_units:,} {unit}s",
         *memory_lines,
+        *est.sequence_lines,
     ]
     return "\n".join(lines)
