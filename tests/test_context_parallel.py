@@ -15,8 +15,14 @@ from tests.parity_utils import TINY_LLM, assert_records_close, run_steps, sample
 from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo, sdpa_varlen_attention
-from veomni.ops.attention_blocks import (Segment, _math_backward, _math_forward, attend_block, attend_block_backward,
-                                         merge_partials)
+from veomni.ops.attention_blocks import (
+    Segment,
+    _math_backward,
+    _math_forward,
+    attend_block,
+    attend_block_backward,
+    merge_partials,
+)
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.context import ContextParallelAttention, MeshGroups, _ChunkPair
 from veomni.parallel.cp_cost import choose_cp_mesh, mesh_bytes

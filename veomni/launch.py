@@ -84,7 +84,8 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         check_model_experts(model, cfg.parallel.ep)
         check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
-        return model_cfg, model, check_sequence_parallel(model, cfg.parallel.sp, cfg.parallel.cp) + _sample_problems(cfg, spec)
+        problems = check_sequence_parallel(model, cfg.parallel.sp, cfg.parallel.cp) + _sample_problems(cfg, spec)
+        return model_cfg, model, problems
     except ValueError as exc:
         return model_cfg, model, [str(exc)]
 
