@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from veomni.ops.attention_blocks import Segment, attend_block, attend_block_backward  # noqa: E402
+from veomni.ops.attention_blocks import Segment, accumulators, attend_block, attend_block_backward  # noqa: E402
 from veomni.parallel.context import MeshGroups, _ChunkPair  # noqa: E402
 from veomni.parallel.row_split import cp_pieces  # noqa: E402
 
@@ -73,14 +73,16 @@ def rank_tile(cp_rank: int, a: int, b: int, bounds: list[int], q, k, v, repeats:
     chunks = {owner: (chunk_of(q, owner), chunk_of(k, owner), chunk_of(v, owner))
               for owner in {o for pair in pairs for o in (pair[0], pair[2])}}  # cut once: ranks hold them
 
-    def step():
+    def step():  # as _MeshAttention does it: accumulators per query chunk, gradients per chunk
+        acc = {owner: accumulators(chunks[owner][0], v) for owner in groups.row_members()}
         for q_owner, pair, kv_owner in pairs:
-            qc, (_, kc, vc) = chunks[q_owner][0], chunks[kv_owner]
-            out = torch.zeros(qc.shape, dtype=torch.float32, device=q.device)
-            lse = torch.full(qc.shape[:2], float("-inf"), device=q.device)
-            pair.forward(qc, kc, vc, out, lse, scale)
-            grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (qc, kc, vc)]
-            pair.backward(out.to(q.dtype), qc, kc, vc, out.to(q.dtype), lse, *grads, scale)
+            pair.forward(chunks[q_owner][0], *chunks[kv_owner][1:], *acc[q_owner], scale)
+        grads = {owner: [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in chunk]
+                 for owner, chunk in chunks.items()}
+        for q_owner, pair, kv_owner in pairs:
+            out, lse = acc[q_owner]
+            pair.backward(out.to(q.dtype), chunks[q_owner][0], *chunks[kv_owner][1:], out.to(q.dtype), lse,
+                          grads[q_owner][0], *grads[kv_owner][1:], scale)
 
     work = sum((s.q_end - s.q_start) * (s.q_end - s.q_start + 1) // 2 if causal else
                (s.q_end - s.q_start) * (s.k_end - s.k_start)
@@ -117,11 +119,13 @@ def main() -> None:
     q = torch.randn(tokens, args.heads, args.head_dim, generator=gen).to(device, dtype)
     k, v = (torch.randn(tokens, args.kv_heads, args.head_dim, generator=gen).to(device, dtype) for _ in range(2))
 
-    segments = [Segment(a, b, a, b) for a, b in zip(bounds, bounds[1:])]
+    segments = tuple(Segment(a, b, a, b) for a, b in zip(bounds, bounds[1:]))
 
     def whole():
-        out, lse = attend_block(q, k, v, segments, causal=True)
-        attend_block_backward(out, q, k, v, out, lse, segments, causal=True)
+        out, lse = accumulators(q, v)
+        attend_block(q, k, v, segments, True, out, lse)
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (q, k, v)]
+        attend_block_backward(out.to(dtype), q, k, v, out.to(dtype), lse, segments, True, *grads)
 
     baseline = time_it(whole, device, args.repeats)
     pairs = sum((e - s) * (e - s + 1) // 2 for s, e in zip(bounds, bounds[1:]))

@@ -19,6 +19,7 @@ from veomni.ops.attention_blocks import (
     Segment,
     _math_backward,
     _math_forward,
+    accumulators,
     attend_block,
     attend_block_backward,
     merge_partials,
@@ -102,38 +103,40 @@ def test_block_kernel_matches_sdpa_and_the_matmul_form(causal):
     grad = torch.randn_like(ref)
     ref.backward(grad)
     segments = [Segment(a, b, a, b) for a, b in zip(BOUNDS, BOUNDS[1:])]
-    block_causal = causal
-    out, lse = attend_block(q.detach(), k.detach(), v.detach(), segments, block_causal)
+    out, lse = accumulators(q, v)
+    attend_block(q.detach(), k.detach(), v.detach(), segments, causal, out, lse)
     torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
     assert torch.isinf(lse[77:]).all() and torch.isfinite(lse[:77]).all()
-    dq, dk, dv = attend_block_backward(grad, q.detach(), k.detach(), v.detach(), out, lse, segments, block_causal)
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    attend_block_backward(grad, q.detach(), k.detach(), v.detach(), out, lse, segments, causal, dq, dk, dv)
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     s = segments[1]  # the matmul form (CUDA fp32's kernel) on one segment, K/V heads repeated
     rows, keys = slice(s.q_start, s.q_end), slice(s.k_start, s.k_end)
     kr, vr = (t.detach()[keys].repeat_interleave(2, 1) for t in (k, v))
-    m_out, m_lse = _math_forward(q.detach()[rows], kr, vr, block_causal, DIM ** -0.5)
+    m_out, m_lse = _math_forward(q.detach()[rows], kr, vr, causal, DIM ** -0.5)
     torch.testing.assert_close(m_out, out[rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(m_lse, lse[rows], atol=1e-5, rtol=1e-5)
-    m_dq, _, _ = _math_backward(grad[rows], q.detach()[rows], kr, vr, out[rows], lse[rows], block_causal, DIM ** -0.5)
+    m_dq, _, _ = _math_backward(grad[rows], q.detach()[rows], kr, vr, out[rows], lse[rows], causal, DIM ** -0.5)
     torch.testing.assert_close(m_dq, dq[rows], atol=1e-5, rtol=1e-5)
 
 
 def test_chunk_pairs_skip_other_samples_and_later_pieces():
     pieces = cp_pieces([0, 8, 16], 16, 2)  # two samples of 8: pieces of 2, rank 0 holds 0 and 3 of each
     own = _ChunkPair(pieces[0], pieces[0], causal=True)
-    assert own.blocks == [([(0, 2, 0, 2), (2, 4, 2, 4), (4, 6, 4, 6), (6, 8, 6, 8)], True),  # each piece itself
-                          ([(2, 4, 0, 2), (6, 8, 4, 6)], False)]  # piece 3 sees piece 0 of its own sample only
+    assert own.blocks == [(((0, 2, 0, 2), (2, 4, 2, 4), (4, 6, 4, 6), (6, 8, 6, 8)), True),  # each piece itself
+                          (((2, 4, 0, 2), (6, 8, 4, 6)), False)]  # piece 3 sees piece 0 of its own sample only
     other = _ChunkPair(pieces[0], pieces[1], causal=True)  # rank 1 holds pieces 1 and 2
-    assert other.blocks == [([(2, 4, 0, 4), (6, 8, 4, 8)], False)]  # piece 3 sees pieces 1 and 2, side by side
+    assert other.blocks == [(((2, 4, 0, 4), (6, 8, 4, 8)), False)]  # piece 3 sees pieces 1 and 2, side by side
     assert _ChunkPair(pieces[0], [], causal=False).blocks == []
 
 
 def test_merge_of_split_keys_equals_attention_over_all_and_stays_finite_when_empty():
     q, k, v = _qkv(1, rows=12)
-    whole, whole_lse = attend_block(q, k, v, [Segment(0, 12, 0, 12)], False)
-    first, first_lse = attend_block(q, k[:5], v[:5], [Segment(0, 12, 0, 5)], False)
-    second, second_lse = attend_block(q, k[5:], v[5:], [Segment(0, 6, 0, 7)], False)  # rows 6.. see no key here
+    (whole, whole_lse), (first, first_lse), (second, second_lse) = (accumulators(q, v) for _ in range(3))
+    attend_block(q, k, v, [Segment(0, 12, 0, 12)], False, whole, whole_lse)
+    attend_block(q, k[:5], v[:5], [Segment(0, 12, 0, 5)], False, first, first_lse)
+    attend_block(q, k[5:], v[5:], [Segment(0, 6, 0, 7)], False, second, second_lse)  # rows 6.. see no key here
     nothing = torch.full_like(first_lse, float("-inf"))
     out, lse = merge_partials(torch.zeros_like(first), nothing, first, first_lse)
     out, lse = merge_partials(out, lse, second, second_lse)
@@ -281,9 +284,12 @@ def test_cuda_flash_blocks_match_the_fp32_matmul_form(dtype):
     for segments, causal in ((diagonal, True), (full, False)):
         q = torch.randn(512, 8, 64, generator=gen).cuda().to(dtype)
         k, v = (torch.randn(512, 2, 64, generator=gen).cuda().to(dtype) for _ in range(2))
-        out, lse = attend_block(q, k, v, segments, causal)
+        out, lse = accumulators(q, v)
+        attend_block(q, k, v, segments, causal, out, lse)
+        out = out.to(dtype)
         dout = torch.randn_like(out)
-        dq, dk, dv = attend_block_backward(dout, q, k, v, out, lse, segments, causal)
+        dq, dk, dv = (torch.zeros(t.shape, device=t.device) for t in (q, k, v))
+        attend_block_backward(dout, q, k, v, out, lse, segments, causal, dq, dk, dv)
         for s in segments:
             rows, keys = slice(s.q_start, s.q_end), slice(s.k_start, s.k_end)
             kr, vr = (t[keys].float().repeat_interleave(4, 1) for t in (k, v))

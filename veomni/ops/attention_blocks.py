@@ -6,11 +6,11 @@ A block is a query chunk against a key/value chunk, each a concatenation of piec
 rows of one sample against a run of key rows of the same sample, causal (a piece against
 itself) or full (a piece against an earlier piece of its sample), and never across samples.
 
-``attend_block`` returns each query row's output and log-sum-exp (``-inf`` for a row that sees
-no key in the block); ``merge_partials`` combines partial results of several blocks exactly
-(online softmax) and stays finite when a row has seen nothing yet. ``attend_block_backward``
-takes the *final* output and LSE of the rows, so each block's gradients are exact parts of the
-full gradient.
+``attend_block`` merges a block's output and log-sum-exp into a query chunk's accumulators
+(``merge_partials``: the exact online-softmax combination, finite for a row that has seen no
+key yet), touching only the rows its segments hold. ``attend_block_backward`` takes the *final*
+output and LSE of the rows, so each block's gradients are exact parts of the full gradient, and
+adds them to the chunk's fp32 gradients.
 
 The kernel is chosen per call: flash attention's varlen kernel (one call per block) on CUDA in
 half precision; torch's CPU flash kernel per segment on CPU; an exact matmul form elsewhere
@@ -19,7 +19,7 @@ half precision; torch's CPU flash kernel per segment on CPU; an exact matmul for
 
 from __future__ import annotations
 
-import itertools
+import functools
 from typing import NamedTuple
 
 import torch
@@ -60,16 +60,37 @@ def _use_flash_varlen(q: torch.Tensor) -> bool:
             and torch.backends.cuda.is_flash_attention_available())
 
 
-def _segment_rows(segments: list[Segment], device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor, torch.Tensor, int, int]:
-    """Row indices of the segments' queries and keys, their cumulative lengths, longest lengths."""
-    q_rows = torch.cat([torch.arange(s.q_start, s.q_end) for s in segments])
-    k_rows = torch.cat([torch.arange(s.k_start, s.k_end) for s in segments])
-    q_lens = [s.q_end - s.q_start for s in segments]
-    k_lens = [s.k_end - s.k_start for s in segments]
-    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=device)
-    return q_rows.to(device), k_rows.to(device), cu_q, cu_k, max(q_lens), max(k_lens)
+class BlockRows(NamedTuple):
+    """What the varlen kernel takes for a block: the segments' query and key rows (a ``slice``
+    when they are one run, which costs no gather), cumulative lengths (int32) and longest lengths."""
+
+    q: slice | torch.Tensor
+    k: slice | torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+@functools.lru_cache(maxsize=512)
+def block_rows(segments: tuple[Segment, ...], device: torch.device) -> BlockRows:
+    """Built once per block and device: every layer of a step meets the same blocks."""
+    bounds = torch.tensor(segments, dtype=torch.int64).view(-1, 4)
+    q_lens, k_lens = bounds[:, 1] - bounds[:, 0], bounds[:, 3] - bounds[:, 2]
+
+    def rows(starts: torch.Tensor, lengths: torch.Tensor) -> slice | torch.Tensor:
+        offsets = torch.cumsum(lengths, 0) - lengths  # where each segment begins in the gathered rows
+        index = torch.arange(int(lengths.sum())) + torch.repeat_interleave(starts - offsets, lengths)
+        first = int(index[0])
+        if torch.equal(index, torch.arange(first, first + index.shape[0])):
+            return slice(first, first + index.shape[0])
+        return index.to(device)
+
+    def cumulative(lengths: torch.Tensor) -> torch.Tensor:
+        return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(device, torch.int32)
+
+    return BlockRows(rows(bounds[:, 0], q_lens), rows(bounds[:, 2], k_lens), cumulative(q_lens), cumulative(k_lens),
+                     int(q_lens.max()), int(k_lens.max()))
 
 
 def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -97,61 +118,64 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq, dk, dv
 
 
-def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], causal: bool,
-                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [Tq, H, D] (q's dtype) and LSE [Tq, H] (fp32) of the query piece against the key
-    piece, per segment. GQA: ``H`` is a multiple of k/v's heads. Rows outside every segment get
-    a zero output and LSE ``-inf``."""
+def accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty output and LSE accumulators for the query rows ``q`` (fp32 zeros and ``-inf``)."""
+    return (torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device),
+            torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple[Segment, ...], causal: bool,
+                 out: torch.Tensor, lse: torch.Tensor, scale: float | None = None) -> None:
+    """Merge the block's attention into the accumulators ``out`` [Tq, H, D] and ``lse`` [Tq, H]
+    (fp32; start from zeros and ``-inf``), per segment, touching only the segments' rows. GQA:
+    ``H`` is a multiple of k/v's heads."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
     if not segments:
-        return out, lse
-    groups = q.shape[1] // k.shape[1]
+        return
     if _use_flash_varlen(q):
-        q_rows, k_rows, cu_q, cu_k, max_q, max_k = _segment_rows(segments, q.device)
+        rows = block_rows(tuple(segments), q.device)
         seg_out, seg_lse, *_ = torch.ops.aten._flash_attention_forward(
-            q[q_rows], k[k_rows], v[k_rows], cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
-        out[q_rows] = seg_out
-        lse[q_rows] = seg_lse.transpose(0, 1).float() if seg_lse.shape[0] == q.shape[1] else seg_lse.float()
-        return out, lse
+            q[rows.q], k[rows.k], v[rows.k], rows.cu_q, rows.cu_k, rows.max_q, rows.max_k, 0.0, causal, False,
+            scale=scale)
+        seg_lse = seg_lse.transpose(0, 1) if seg_lse.shape[0] == q.shape[1] else seg_lse
+        out[rows.q], lse[rows.q] = merge_partials(out[rows.q], lse[rows.q], seg_out.float(), seg_lse.float())
+        return
+    groups = q.shape[1] // k.shape[1]
     for s in segments:
-        qs, ks, vs = q[s.q_start:s.q_end], _repeat_kv(k[s.k_start:s.k_end], groups), \
-            _repeat_kv(v[s.k_start:s.k_end], groups)
+        rows, keys = slice(s.q_start, s.q_end), slice(s.k_start, s.k_end)
+        qs, ks, vs = q[rows], _repeat_kv(k[keys], groups), _repeat_kv(v[keys], groups)
         if q.device.type == "cpu":
             seg_out, seg_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 _bhld(qs), _bhld(ks), _bhld(vs), 0.0, causal, scale=scale)
             seg_out, seg_lse = _lhd(seg_out), seg_lse.squeeze(0).transpose(0, 1)
         else:
             seg_out, seg_lse = _math_forward(qs, ks, vs, causal, scale)
-        out[s.q_start:s.q_end] = seg_out
-        lse[s.q_start:s.q_end] = seg_lse.float()
-    return out, lse
+        out[rows], lse[rows] = merge_partials(out[rows], lse[rows], seg_out.float(), seg_lse.float())
 
 
 def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor, segments: list[Segment], causal: bool,
-                          scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (fp32) of q, k, v from this block, given the rows' *final* output and LSE (of
-    attention over every block) and the output gradient. Rows outside the segments get zeros."""
+                          out: torch.Tensor, lse: torch.Tensor, segments: tuple[Segment, ...], causal: bool,
+                          dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float | None = None) -> None:
+    """Add this block's gradients of q, k, v to ``dq``, ``dk``, ``dv`` (fp32), given the rows'
+    *final* output and LSE (of attention over every block) and the output gradient."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     if not segments:
-        return dq, dk, dv
-    groups = q.shape[1] // k.shape[1]
+        return
     if _use_flash_varlen(q):
-        q_rows, k_rows, cu_q, cu_k, max_q, max_k = _segment_rows(segments, q.device)
-        seg_lse = lse[q_rows].transpose(0, 1).contiguous()
+        rows = block_rows(tuple(segments), q.device)
         empty = torch.empty(0, device=q.device)
         gq, gk, gv = torch.ops.aten._flash_attention_backward(
-            dout[q_rows], q[q_rows], k[k_rows], v[k_rows], out[q_rows], seg_lse, cu_q, cu_k, max_q, max_k, 0.0,
-            causal, empty, empty, scale=scale)
-        dq[q_rows] = gq.float()
-        dk.index_add_(0, k_rows, gk.float())
-        dv.index_add_(0, k_rows, gv.float())
-        return dq, dk, dv
+            dout[rows.q], q[rows.q], k[rows.k], v[rows.k], out[rows.q], lse[rows.q].transpose(0, 1).contiguous(),
+            rows.cu_q, rows.cu_k, rows.max_q, rows.max_k, 0.0, causal, empty, empty, scale=scale)
+        dq[rows.q] += gq.float()  # a block's query rows are distinct; its key rows may repeat
+        if isinstance(rows.k, slice):
+            dk[rows.k] += gk.float()
+            dv[rows.k] += gv.float()
+        else:
+            dk.index_add_(0, rows.k, gk.float())
+            dv.index_add_(0, rows.k, gv.float())
+        return
+    groups = q.shape[1] // k.shape[1]
     for s in segments:
         rows, keys = slice(s.q_start, s.q_end), slice(s.k_start, s.k_end)
         ks, vs = _repeat_kv(k[keys], groups), _repeat_kv(v[keys], groups)
@@ -165,7 +189,6 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         dq[rows] += gq.float()
         dk[keys] += _fold_kv(gk.float(), groups)
         dv[keys] += _fold_kv(gv.float(), groups)
-    return dq, dk, dv
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, other_out: torch.Tensor,

@@ -39,6 +39,7 @@ above. The loss needs no cp term: each rank counts the loss units of its own pos
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.ops.attention import AttentionFn, SeqInfo
-from veomni.ops.attention_blocks import Segment, attend_block, attend_block_backward, merge_partials
+from veomni.ops.attention_blocks import Segment, accumulators, attend_block, attend_block_backward, merge_partials
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.plan import ParallelPlan, match_modules
 from veomni.parallel.row_split import Piece, cp_pieces
@@ -145,35 +146,61 @@ class _ChunkPair:
                 full.append(Segment(*rows, keys[0][0], keys[-1][1]))
                 if any(a[1] != b[0] for a, b in zip(keys, keys[1:])):
                     raise AssertionError(f"key pieces of sample {qp.sample} are not adjacent: {keys}")
-        self.blocks = [(segments, is_causal) for segments, is_causal in ((diagonal, True), (full, False)) if segments]
+        self.blocks = [(tuple(segments), is_causal) for segments, is_causal in ((diagonal, True), (full, False))
+                       if segments]
 
     def forward(self, q, k, v, out, lse, scale):
         for segments, causal in self.blocks:
-            block_out, block_lse = attend_block(q, k, v, segments, causal, scale)
-            out[:], lse[:] = merge_partials(out, lse, block_out.float(), block_lse)
+            attend_block(q, k, v, segments, causal, out, lse, scale)
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale):
         for segments, causal in self.blocks:
-            gq, gk, gv = attend_block_backward(dout, q, k, v, out, lse, segments, causal, scale)
-            dq += gq
-            dk += gk
-            dv += gv
+            attend_block_backward(dout, q, k, v, out, lse, segments, causal, dq, dk, dv, scale)
+
+
+class _RowPlan:
+    """Every cp rank's pieces of one row and the chunk pairs between them, built once per row:
+    all attention layers of a step meet the same row."""
+
+    def __init__(self, bounds: tuple[int, ...], padded: int, cp: int, causal: bool) -> None:
+        self.pieces, self.causal = cp_pieces(list(bounds), padded, cp), causal
+        self._pairs: dict[tuple[int, int], _ChunkPair] = {}
+
+    def pair(self, q_owner: int, kv_owner: int) -> _ChunkPair:
+        key = (q_owner, kv_owner)
+        if key not in self._pairs:
+            self._pairs[key] = _ChunkPair(self.pieces[q_owner], self.pieces[kv_owner], self.causal)
+        return self._pairs[key]
+
+
+@functools.lru_cache(maxsize=8)
+def _row_plan(bounds: tuple[int, ...], padded: int, cp: int, causal: bool) -> _RowPlan:
+    return _RowPlan(bounds, padded, cp, causal)
+
+
+_last_bounds: list = [None, ()]  # (the cu_seqlens tensor last read, its values): one read per step, not per layer
+
+
+def _row_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    if _last_bounds[0] is not cu_seqlens:
+        _last_bounds[:] = [cu_seqlens, tuple(cu_seqlens.tolist())]
+    return _last_bounds[1]
 
 
 class _MeshAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[list[Piece]],
-                groups: MeshGroups, causal: bool) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _RowPlan,
+                groups: MeshGroups) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5
         queries = _row_all_gather(q, groups)
-        out = torch.zeros(queries.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(queries.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = accumulators(queries.flatten(0, 1), v)
+        out, lse = out.view(queries.shape), lse.view(queries.shape[:3])
         kv = torch.stack([k, v])
         pairs = []
         for step in range(groups.b):
             pending = _shift(kv, groups) if step < groups.b - 1 else None
             for j, q_owner in enumerate(groups.row_members()):
-                pair = _ChunkPair(pieces[q_owner], pieces[groups.kv_owner(step)], causal)
+                pair = plan.pair(q_owner, groups.kv_owner(step))
                 pair.forward(queries[j], kv[0], kv[1], out[j], lse[j], scale)
                 pairs.append(pair)
             if pending is not None:
@@ -214,7 +241,7 @@ class _MeshAttention(torch.autograd.Function):
                 for work in works:
                     work.wait()
         dq = _row_reduce_scatter(dq, groups)
-        return dq.to(queries.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(queries.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 class ContextParallelAttention:
@@ -226,11 +253,11 @@ class ContextParallelAttention:
         self.inner, self.groups, self.causal = inner, groups, causal
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        pieces = cp_pieces(seq.cu_seqlens.tolist(), q.shape[0] * self.groups.cp, self.groups.cp)
-        if sum(p.end - p.start for p in pieces[self.groups.cp_rank]) != q.shape[0]:
+        plan = _row_plan(_row_bounds(seq.cu_seqlens), q.shape[0] * self.groups.cp, self.groups.cp, self.causal)
+        if sum(p.end - p.start for p in plan.pieces[self.groups.cp_rank]) != q.shape[0]:
             raise ValueError(f"this rank holds {q.shape[0]} tokens, not its share of the row: rows must be split "
                              "with veomni.parallel.row_split.shard_batch")
-        return _MeshAttention.apply(q, k, v, pieces, self.groups, self.causal)
+        return _MeshAttention.apply(q, k, v, plan, self.groups)
 
 
 def apply_context_parallel(model: nn.Module, plan: ParallelPlan, groups: MeshGroups) -> int:

@@ -75,14 +75,16 @@ def measure_link(group: dist.ProcessGroup, device: torch.device, megabytes: int 
 def _block_seconds(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device, causal: bool) -> float:
     """Forward + backward time of one ``tokens x tokens`` attention block on this device."""
-    from veomni.ops.attention_blocks import Segment, attend_block, attend_block_backward
+    from veomni.ops.attention_blocks import Segment, accumulators, attend_block, attend_block_backward
 
     q = torch.randn(tokens, heads, head_dim, dtype=dtype, device=device)
     k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
-    segments = [Segment(0, tokens, 0, tokens)]
+    segments = (Segment(0, tokens, 0, tokens),)
     start = time.perf_counter()
-    out, lse = attend_block(q, k, v, segments, causal)
-    attend_block_backward(torch.ones_like(out), q, k, v, out, lse, segments, causal)
+    out, lse = accumulators(q, v)
+    attend_block(q, k, v, segments, causal, out, lse)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (q, k, v)]
+    attend_block_backward(out.to(dtype), q, k, v, out.to(dtype), lse, segments, causal, *grads)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
