@@ -190,6 +190,19 @@ def _attention_vs_whole_row(rank, world, a, b, sp, causal):
     return forward, backward
 
 
+def _notes_formula(a, b, c, h, hkv, d, e):
+    """Bytes one rank sends per layer, (forward, backward) by kind, from the reference notes'
+    matrix model (papers.md section 7) extended to the backward pass. Forward: a-1 query chunks
+    in, b-1 K/V chunks around the ring, a-1 partial outputs + fp32 LSEs back. Backward: a-1
+    (dout, out, LSE), b-1 K/V hops and b fp32 dK/dV hops (the last takes them home), a-1 fp32
+    dQ chunks."""
+    kv_chunk = 2 * c * hkv * d
+    forward = {"cp_q": (a - 1) * c * h * (2 * d * e + 4), "cp_kv": (b - 1) * kv_chunk * e}
+    backward = {"cp_q": (a - 1) * c * h * (2 * d * e + 4 + d * 4),
+                "cp_kv": (b - 1) * kv_chunk * e + (b * kv_chunk * 4 if b > 1 else 0)}
+    return forward, backward
+
+
 CASES = [(1, 2, 1), (1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2)]
 CASE_IDS = ["ring2", "ring4", "mesh2x2", "mesh4x1", "sp2xring2"]
 
@@ -198,15 +211,8 @@ CASE_IDS = ["ring2", "ring4", "mesh2x2", "mesh4x1", "sp2xring2"]
 @pytest.mark.parametrize("a, b, sp", CASES, ids=CASE_IDS)
 def test_context_parallel_attention_matches_the_whole_row(a, b, sp, causal):
     sent = run_distributed(_attention_vs_whole_row, a * b * sp, a, b, sp, causal)
-    # The reference notes' formulas (papers.md section 7) written out: c tokens per rank after
-    # Ulysses, H/sp heads, fp32 (e = 4). Forward: a-1 query chunks in, b-1 K/V chunks around the
-    # ring, a-1 partial outputs + LSEs back. Backward: a-1 (dout, out, LSE), b-1 K/V hops and b
-    # fp32 dK/dV hops (the last takes them home), a-1 fp32 dQ chunks.
-    c, h, hkv, e = ROW // (a * b), HEADS // sp, KV_HEADS // sp, 4
-    kv_chunk = 2 * c * hkv * DIM
-    forward = {"cp_q": (a - 1) * c * h * (2 * DIM * e + 4), "cp_kv": (b - 1) * kv_chunk * e}
-    backward = {"cp_q": (a - 1) * c * h * (2 * DIM * e + 4 + DIM * 4),
-                "cp_kv": (b - 1) * kv_chunk * e + (b * kv_chunk * 4 if b > 1 else 0)}
+    c, h, hkv = ROW // (a * b), HEADS // sp, KV_HEADS // sp  # tokens and heads per rank after Ulysses
+    forward, backward = _notes_formula(a, b, c, h, hkv, DIM, 4)
     for got_forward, got_backward in sent:
         for kind in ("cp_q", "cp_kv"):
             assert got_forward.get(kind, 0) == forward[kind] and got_backward.get(kind, 0) == backward[kind]
@@ -228,6 +234,9 @@ def test_mesh_sends_less_than_ring_by_the_predicted_ratio():
     assert mesh_total / ring_total == pytest.approx((20 * d + 8 + 32 * d) / (80 * d))  # ~0.65
     ring8, mesh8 = sum(mesh_bytes(1, 8, c, h, h, d).values()), sum(mesh_bytes(2, 4, c, h, h, d).values())
     assert mesh8 / ring8 < mesh_total / ring_total
+    for a in (1, 2, 4, 8):  # cp = 8, GQA, bf16: the dry run's count against the notes' formula
+        forward, backward = _notes_formula(a, 8 // a, c, h, 2, d, 2)
+        assert mesh_bytes(a, 8 // a, c, h, 2, d, 2) == {k: forward[k] + backward[k] for k in forward}
 
 
 def test_automatic_shape_hides_the_ring_when_compute_allows():
