@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import TINY_LLM, assert_records_close, run_steps, sample_lengths
+from tests.parity_utils import TINY_LLM, assert_records_close, run_steps, sample_lengths, tiny_model
 from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo, sdpa_varlen_attention
@@ -29,6 +29,7 @@ from veomni.parallel.context import ContextParallelAttention, MeshGroups, _Chunk
 from veomni.parallel.cp_cost import choose_cp_mesh, mesh_bytes
 from veomni.parallel.mesh import LayoutError, ParallelDims
 from veomni.parallel.row_split import RowSplit, cp_pieces, shard_batch
+from veomni.parallel.sequence import check_sequence_parallel
 from veomni.tasks import LM_CONTRACT
 
 BOUNDS = [0, 7, 30, 31, 52, 77]  # 5 samples; positions 77..79 are padding before any split
@@ -310,3 +311,15 @@ def test_cuda_flash_blocks_match_the_fp32_matmul_form(dtype):
             torch.testing.assert_close(dq[rows], gq, atol=5e-2, rtol=5e-2)
             torch.testing.assert_close(dk[keys], _fold_kv(gk, 4), atol=5e-2, rtol=5e-2)
             torch.testing.assert_close(dv[keys], _fold_kv(gv, 4), atol=5e-2, rtol=5e-2)
+
+
+def test_launch_checks_name_what_context_parallelism_needs():
+    model = tiny_model()
+    assert check_sequence_parallel(model, 1, 8) == []  # 4 heads: cp has no head limit
+    assert "parallel.sp=8 does not divide the 4 attention heads" in check_sequence_parallel(model, 8, 1)[0]
+    assert "put the other ranks in parallel.cp" in check_sequence_parallel(model, 8, 1)[0]
+    for module in model.modules():
+        if hasattr(module, "causal"):
+            del module.causal
+    problem = check_sequence_parallel(model, 1, 2)[0]
+    assert "parallel.cp=2: attention module layers.0.attn (Attention) does not declare `causal`" in problem
