@@ -13,8 +13,8 @@ recipes. Memory per rank (bytes):
   two blocks (the current one and the prefetched next) unsharded in the compute dtype; with
   expert parallelism a block gathers only its ``E / ep`` local experts;
 - activations: the family's per-unit estimate (its spec's cost model) for the checkpointing
-  mode, times the units a rank holds (the micro-batch budget, divided by ``sp`` under sequence
-  parallelism).
+  mode, times the units a rank holds (the micro-batch budget, divided by the ``sp x cp`` ranks
+  that split each row).
 
 Under sequence or context parallelism a "sequence split" section follows: each way to split a
 row over the ``sp x cp`` ranks, with its attention traffic and buffers (``estimate_cp.py``).
