@@ -2,22 +2,17 @@
 (the 128k GPU recipe as its planned dry runs, the 32k CPU recipe at a CI-sized row)."""
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.test_launch import train_sh
+
 REPO = Path(__file__).resolve().parents[1]
 LONG = REPO / "recipes" / "long-context"
 GiB = 2**30
-
-
-def train_sh(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NPROC_PER_NODE": str(nproc)}
-    return subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _table(stdout: str) -> dict[str, list[str]]:
@@ -56,7 +51,7 @@ def _train_32k(tmp_path, nproc: int, *overrides: str) -> subprocess.CompletedPro
     out = tmp_path / "run"
     result = train_sh(str(LONG / "tiny_32k_cp.yaml"), "--data.max_seq_len", "2048", "--data.tokens_per_micro_batch",
                       "2048", "--train.max_steps", "2", "--train.output_dir", str(out), "--train.sample_tokens", "4",
-                      *overrides, nproc=nproc)
+                      *overrides, env={"NPROC_PER_NODE": str(nproc)}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
