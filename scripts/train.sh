@@ -31,8 +31,12 @@ GPU_FLAG=()
 DRY_RUN=0
 for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY_RUN=1; done
 
-python -m veomni.launch "$RECIPE" --launcher-world-size "$WORLD" "${GPU_FLAG[@]}" "$@"
+SETTINGS=$(mktemp); STOP_FILE=$(mktemp)
+trap 'rm -f "$SETTINGS" "$STOP_FILE"' EXIT
+python -m veomni.launch "$RECIPE" --launcher-world-size "$WORLD" --launch-settings "$SETTINGS" \
+    "${GPU_FLAG[@]}" "$@"
 [ "$DRY_RUN" = 1 ] && exit 0
+source "$SETTINGS"  # MAX_RESTARTS (train.max_restarts)
 
 echo "[train.sh] $NNODES node(s) x $NPROC_PER_NODE process(es), $([ "$GPUS" -gt 0 ] && echo "GPU/NCCL" || echo "CPU/gloo")" >&2
 if [ "$NNODES" = 1 ]; then
@@ -42,5 +46,15 @@ else
           --node-rank="$NODE_RANK")
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}"
-exec torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" "${RDZV[@]}" \
-    -m veomni.train.run "$RECIPE" "$@"
+# A worker that dies (or fails fast on a stuck collective) restarts the whole group, which
+# resumes from the newest verified checkpoint. A stop a restart cannot fix (veomni.train.stop)
+# exits the workers with 0 and leaves its message in VEOMNI_STOP_FILE.
+export VEOMNI_STOP_FILE="$STOP_FILE"
+status=0
+torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" "${RDZV[@]}" \
+    -m veomni.train.run "$RECIPE" "$@" || status=$?
+if [ -s "$STOP_FILE" ]; then
+    echo "[train.sh] run stopped: $(cat "$STOP_FILE")" >&2
+    exit 1
+fi
+exit "$status"

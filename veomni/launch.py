@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
     parser.add_argument("--launcher-world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--launch-settings", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=None,
                         help="with --dry-run: plan for this many ranks instead of this machine's")
     parser.add_argument("--gpus", action="store_true", help="the workers run (or, with --dry-run, would run) on GPUs")
@@ -176,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         problems += _check_dataset(cfg, model_cfg)
     if problems:
         return _fail(problems)
+    if args.launch_settings:
+        _write_launch_settings(Path(args.launch_settings), cfg)
     return 0
+
+
+def _write_launch_settings(path: Path, cfg: RunConfig) -> None:
+    """What ``scripts/train.sh`` needs from the recipe to start torchrun, as shell assignments."""
+    path.write_text(f"MAX_RESTARTS={cfg.train.max_restarts}\n")
 
 
 if __name__ == "__main__":

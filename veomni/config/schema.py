@@ -149,6 +149,33 @@ class TrainConfig:
     """Keep an exponential moving average of the weights with this decay (e.g. 0.999), saved in
     checkpoints and used for samples; 0 keeps none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_restarts: int = 3
+    """Times ``scripts/train.sh`` restarts the worker group after a worker dies (torchrun's elastic
+    restart); each restart resumes from the newest verified checkpoint of the run. 0: a dead worker
+    ends the run. See docs/fault_tolerance.md."""
+    collective_timeout_s: float = 600.0
+    """A rank that makes no progress (no step, eval or checkpoint phase finished) for this long dumps
+    the collective it is waiting in and its stack, and the run fails fast so the restart can act."""
+    straggler_factor: float = 1.5
+    """A rank whose step time, averaged over ``straggler_window`` steps, exceeds the median rank's by
+    this factor is named in the log and in metrics; 0 turns the check off."""
+    straggler_window: int = 10
+    """Steps whose per-rank times are averaged before ranks are compared."""
+    shared_fs_timeout_s: float = 60.0
+    """At start-up every rank must see a marker rank 0 writes in ``output_dir`` within this many
+    seconds (checkpoints need one filesystem shared by all nodes), or the run stops before training."""
+    loss_spike_factor: float = 0.0
+    """A step whose loss exceeds this multiple of the mean of the last ``loss_spike_window`` good
+    steps is skipped like a non-finite one (no optimizer or scheduler step, on every rank); 0 skips
+    only non-finite losses and gradient norms."""
+    loss_spike_window: int = 20
+    """Good steps the loss-spike reference averages; the spike check starts once this many are seen."""
+    max_bad_steps: int = 3
+    """Consecutive skipped steps after which ``on_bad_steps`` acts."""
+    on_bad_steps: Literal["rollback", "stop"] = "rollback"
+    """``rollback``: reload the newest checkpoint and go on with the data after the bad window (stops
+    when there is no checkpoint, or when the bad steps recur before a newer one is saved); ``stop``:
+    end the run with a message naming the steps."""
 
 
 @dataclass

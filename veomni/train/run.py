@@ -12,14 +12,18 @@ import torch.distributed as dist
 
 from veomni.config.loader import load_config
 from veomni.logging_setup import setup_logging
+from veomni.train.stop import RunStopped, report_stop
 from veomni.train.trainer import Trainer
 
 
 def main(argv: list[str]) -> int:
     setup_logging()
     cfg = load_config(argv[0], argv[1:])
-    trainer = Trainer(cfg, launch=argv)
-    trainer.train()
+    try:
+        trainer = Trainer(cfg, launch=argv)
+        trainer.train()
+    except RunStopped as exc:  # every rank raised it at the same point: no barrier needed
+        return report_stop(exc)
     dist.barrier()
     dist.destroy_process_group()
     return 0

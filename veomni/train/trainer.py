@@ -42,6 +42,7 @@ from veomni.tasks.lm import LanguageModelingTask
 from veomni.train.baseline import BaselineCollector
 from veomni.train.distributed import all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
+from veomni.train.faults import FaultInjector
 from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.reporting import MetricsReporter
@@ -90,6 +91,8 @@ class Trainer:
                                    self._initialise)
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.parts, self.model = self.runner.parts, self.runner.whole_model
+        self.faults = FaultInjector(self.rank)
+        self.faults.attach(self.parts)
         self.optimizer, self.scheduler = self.runner.optimizer, self.runner.scheduler
         self.ema = WeightEMA(self.parts, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.sample_writer = self.spec.sample_writer(self.model_config, cfg.data) \
@@ -198,6 +201,7 @@ class Trainer:
         return _to_device(batch, self.device)
 
     def _next_micro_batches(self) -> list[dict[str, Any]]:
+        self.faults.before_step(self.step + 1)
         seed, dp_rank = self.cfg.train.seed, self.meshes.dp_rank
         return [self._local(next(self._train_iter), task_generator(seed, self.step, i, dp_rank))
                 for i in range(self.cfg.train.grad_accum)]
