@@ -4,8 +4,10 @@ Layout under ``<output_dir>/checkpoints/``::
 
     step_00000100/            a published, complete checkpoint
         .metadata, *.distcp   model + optimizer + scheduler + trainer state (DCP, resharding)
-        rank_00000.pt ...     per-rank state: data-loader position and RNG
-        complete.json         written last, before the rename; marks the folder complete
+        rank_00000.pt ...     per-rank state: data-loader position and RNG (tensors and plain
+                              values only: read with ``weights_only=True``, never as code)
+        complete.json         written last, before the rename; marks the folder complete and
+                              records every file's size and SHA-256 (``verify.py``)
     .step_00000200.tmp/       a save in progress (ignored by resume, removed on the next save)
 
 Every rank writes into the ``.tmp`` folder; rank 0 writes ``complete.json`` and renames the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from concurrent.futures import Future
@@ -44,6 +47,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from veomni.checkpoint.verify import (
+    COMPLETE_MARKER,
+    FILES_KEY,
+    checkpoint_files,
+    choose_checkpoint,
+    digest,
+    file_problems,
+    recorded_files,
+    share,
+    size_problems,
+)
 from veomni.parallel.stage_optimizers import StageOptimizers
 
 logger = logging.getLogger(__name__)
@@ -82,7 +96,6 @@ class CheckpointSaveError(RuntimeError):
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-COMPLETE_MARKER = "complete.json"
 
 
 def step_dir_name(step: int) -> str:
@@ -107,20 +120,30 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_resume(resume: str, root: Path) -> Path | None:
-    """``auto`` -> newest complete checkpoint or None; ``none`` -> None; else the path, checked."""
+def resume_candidates(resume: str, root: Path, run_id: str | None = None) -> tuple[list[Path], bool]:
+    """The checkpoints ``resume`` allows, newest first, and whether the recipe named one folder.
+    ``run_id``: a restarted worker group's run (torchrun's ``TORCHELASTIC_RUN_ID``), whose own
+    checkpoints come first whatever ``resume`` says: a restart continues the run it restarts."""
+    own = [path for _, path in reversed(list_checkpoints(root))
+           if run_id and json.loads((path / COMPLETE_MARKER).read_text()).get("run_id") == run_id]
     if resume == "none":
-        return None
+        return own, False
     if resume == "auto":
-        found = list_checkpoints(root)
-        return found[-1][1] if found else None
+        return own + [path for _, path in reversed(list_checkpoints(root)) if path not in own], False
     path = Path(resume)
     if not (path / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(
             f"checkpoint.resume={resume}: not a complete checkpoint (no {COMPLETE_MARKER}); "
             f"complete ones under {root}: {[p.name for _, p in list_checkpoints(root)] or 'none'}"
         )
-    return path
+    return own + [path], not own
+
+
+def resolve_resume(resume: str, root: Path, run_id: str | None = None) -> Path | None:
+    """The checkpoint to resume from by the launcher's cheap check (recorded sizes; see
+    ``choose_checkpoint``), or None for a fresh run."""
+    candidates, explicit = resume_candidates(resume, root, run_id)
+    return choose_checkpoint(candidates, size_problems, explicit, root)
 
 
 @dataclass
@@ -157,7 +180,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         dist.barrier()
-        torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")
+        torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")  # plain values and tensors only
         models, optims = _stage_state(model, optimizer)
         state = {"model": _union(models), "optim": _union(optims), "app": app_state}
         if self.async_save:
@@ -192,8 +215,9 @@ class CheckpointManager:
         # rank's shards are on disk; the barrier also covers the per-rank files.
         group = self._async_group if pending.future is not None else None
         dist.barrier(group=group)
+        files = self._digests(pending.tmp, group)
         if self.rank == 0:
-            meta = {"step": pending.step, **self.layout}
+            meta = {"step": pending.step, **self.layout, FILES_KEY: files}
             (pending.tmp / COMPLETE_MARKER).write_text(json.dumps(meta, indent=1))
             final = self.root / step_dir_name(pending.step)
             if final.exists():
@@ -202,6 +226,27 @@ class CheckpointManager:
             self._prune()
             logger.info("checkpoint published: %s", final)
         dist.barrier(group=group)
+
+    @staticmethod
+    def _digests(folder: Path, group: dist.ProcessGroup | None) -> dict[str, dict]:
+        """Size and SHA-256 of every file of ``folder``, each rank hashing its share."""
+        names = checkpoint_files(folder)
+        mine = {name: digest(folder / name) for name in share(names, dist.get_rank(group), dist.get_world_size(group))}
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(gathered, mine, group=group)
+        return {name: entry for part in gathered for name, entry in sorted(part.items())}
+
+    def problems(self, path: Path) -> list[str]:
+        """What is wrong with the files of checkpoint ``path`` (sizes and hashes against complete.json),
+        each rank checking its share; the same list on every rank."""
+        recorded = recorded_files(path)
+        if recorded is None:
+            logger.warning("%s records no checksums (saved by an older version): loading it unchecked", path)
+            return []
+        mine = file_problems(path, recorded, share(sorted(recorded), self.rank, dist.get_world_size()), hashes=True)
+        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, mine)
+        return sorted(p for part in gathered for p in part)
 
     def _prune(self) -> None:
         found = list_checkpoints(self.root)
@@ -224,6 +269,19 @@ class CheckpointManager:
             set_optimizer_state_dict(part, optim, {k: state["optim"][k] for k in optim_sd}, options=_OPTIM)
         meta = json.loads((path / COMPLETE_MARKER).read_text())
         rank_files = sorted(path.glob("rank_*.pt"))
-        rank_states = [torch.load(f, weights_only=False) for f in rank_files]
-        logger.info("resumed from %s (saved at step %d, layout %s)", path, meta["step"], meta)
+        rank_states = [load_rank_state(f) for f in rank_files]
+        layout = {k: v for k, v in meta.items() if k not in ("step", FILES_KEY)}
+        logger.info("resumed from %s (saved at step %d, layout %s)", path, meta["step"], layout)
         return meta, rank_states
+
+
+def load_rank_state(path: Path) -> dict[str, Any]:
+    """A per-rank state file, read as data: ``weights_only=True`` refuses any pickled object that
+    would run code on load (a checkpoint folder from someone else must not execute anything)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{path} holds a pickled object other than tensors and plain values; refusing to load "
+                         f"it, since unpickling it could run code ({str(exc).splitlines()[0]}). A checkpoint "
+                         "written by this project never holds one: take the checkpoint from a source you trust"
+                         ) from None

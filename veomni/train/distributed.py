@@ -40,12 +40,26 @@ def init_distributed(preference: str = "auto", timeout_s: int = 600) -> torch.de
         threads = os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_world)
         torch.set_num_threads(int(threads))
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(timeout),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                device_id=device if device.type == "cuda" else None)
     return device
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with its keys under this restart attempt's prefix.
+
+    After torchrun restarts a worker group, the agent's store still holds the keys the dead
+    attempt's process groups wrote (gloo's peer addresses among them), under the same names: a new
+    rank could read a dead peer's address and fail to connect ("Connection refused"), or wait on it.
+    A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps every attempt to its own keys."""
+    rank = int(os.environ["RANK"])
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=rank == 0 and not agent_hosts_it,
+                          timeout=timeout, multi_tenant=not agent_hosts_it)
+    return dist.PrefixStore(f"veomni/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def all_reduce_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM, group=None,

@@ -45,7 +45,7 @@ class GraphPipelineRunner(RunnerBase):
                    "flops": total_flops}
         metrics.update(task_metric_means(names, totals))
         metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
-                                     self.meshes.pp.get_group()))
+                                     self.meshes.pp.get_group(), self.guard, metrics["loss"]))
         return metrics
 
     def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:

@@ -42,7 +42,8 @@ class PlainRunner(RunnerBase):
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         metrics = forward_backward(self.model, self.task, micro_batches, self.meshes.loss.get_group(),
                                    self.dims.loss_size, self.dims.row_ranks, self.spec.cost)
-        metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm))
+        metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
+                                     guard=self.guard, loss=metrics["loss"]))
         return metrics
 
     def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
@@ -74,7 +75,7 @@ class PipelineRunner(RunnerBase):
                                             self.dims.loss_size, self.dims.pp, self.cfg.data.tokens_per_micro_batch,
                                             self.meta_model, self.spec.cost, self.meshes.row_split)
         metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
-                                     self.meshes.pp.get_group()))
+                                     self.meshes.pp.get_group(), self.guard, metrics["loss"]))
         return metrics
 
     def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:

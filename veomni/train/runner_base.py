@@ -15,6 +15,7 @@ from veomni.parallel.mesh import ParallelDims, ParallelMeshes
 from veomni.spec import ModelSpec
 from veomni.tasks.base import Task
 from veomni.train.distributed import all_reduce_values
+from veomni.train.guard import StepGuard
 from veomni.train.optim import build_optimizer, build_scheduler
 from veomni.train.step import task_metric_means
 
@@ -29,9 +30,12 @@ class StepRunner(Protocol):
     step's loader rows first): the trainer then hands it whole rows."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    guard: StepGuard
+    """Skips steps with a non-finite (or spiking) loss or gradient norm (``guard.py``)."""
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
-        """Forward, backward, clip and step over this rank's micro-batches; global metrics."""
+        """Forward, backward, clip and step over this rank's micro-batches; global metrics (with
+        ``skipped``: why, when the guard rejected the step)."""
         ...
 
     def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
@@ -49,6 +53,7 @@ class RunnerBase:
         self.dims: ParallelDims = meshes.dims
         self.optimizer = build_optimizer(parts, cfg.train, spec.param_rules(model_config))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.guard = StepGuard(cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
 
     def eval_result(self, loss_sum: float, units: float, extra: dict[str, list[float]],
                     group: dist.ProcessGroup | None, units_divisor: int = 1) -> dict[str, float]:

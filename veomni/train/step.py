@@ -33,6 +33,7 @@ from torch import nn
 from veomni.spec.hooks import CostModel
 from veomni.tasks.base import Task
 from veomni.train.distributed import all_reduce_values
+from veomni.train.guard import StepGuard
 from veomni.train.moe_stats import MoEStepStats
 
 
@@ -105,18 +106,23 @@ def step_flops(cost: CostModel | None, model: nn.Module, micro_batches: list[dic
 
 def clip_and_step(model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler | None, max_grad_norm: float,
-                  pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+                  pp_group: dist.ProcessGroup | None = None, guard: StepGuard | None = None,
+                  loss: float = 0.0) -> dict[str, Any]:
     """Clip by the global gradient norm (0 = report only), step, zero the gradients. ``model``
-    may be this rank's pipeline stage modules, with ``pp_group`` joining the stages' norms."""
+    may be this rank's pipeline stage modules, with ``pp_group`` joining the stages' norms. With a
+    ``guard``, a step it rejects (by the step's global ``loss`` and the norm) only zeroes the
+    gradients, and the metrics say why under ``skipped``."""
     parts = [model] if isinstance(model, nn.Module) else list(model)
-    grad_norm = clip_grad_norm([p for part in parts for p in part.parameters()], max_grad_norm or math.inf,
-                               pp_group)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = float(clip_grad_norm([p for part in parts for p in part.parameters()], max_grad_norm or math.inf,
+                                     pp_group))
     lr = optimizer.param_groups[0]["lr"]
-    if scheduler is not None:
+    skipped = guard.verdict(loss, grad_norm) if guard is not None else ""
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None and not skipped:
         scheduler.step()
-    return {"grad_norm": float(grad_norm), "lr": lr}
+    return {"grad_norm": grad_norm, "lr": lr, **({"skipped": skipped} if skipped else {})}
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float,

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from veomni.checkpoint.component_init import init_entries, load_components
-from veomni.checkpoint.manager import CheckpointManager, list_checkpoints, resolve_resume
+from veomni.checkpoint.manager import CheckpointManager, list_checkpoints
+from veomni.checkpoint.verify import choose_checkpoint
 from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_tokenizer
@@ -46,7 +47,9 @@ from veomni.train.faults import FaultInjector
 from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.reporting import MetricsReporter
+from veomni.train.restart import choose_resume, last_logged_step, restart_attempt, run_id
 from veomni.train.runner import build_runner
+from veomni.train.stop import RunStopped
 from veomni.train.summary import RunSummary, format_summary, next_commands, summary_record, training_stats
 
 logger = logging.getLogger(__name__)
@@ -85,7 +88,12 @@ class Trainer:
         self.model_config = build_config(cfg.model.arch, cfg.model.options)
         self.task = task or self.spec.task(self.model_config)
         self.unit = self.task.contract.unit
-        self.resume_path = resolve_resume(cfg.checkpoint.resume, self.output_dir / "checkpoints")
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+            layout={"world_size": self.dims.world_size, "dp_size": self.dims.dp_size,
+                    "num_workers": cfg.data.num_workers, "run_id": run_id()},
+        )
+        self.resume_path = choose_resume(cfg.checkpoint.resume, self.checkpoints.root, self.checkpoints.problems)
         torch.manual_seed(cfg.train.seed)
         self.runner = build_runner(cfg, self.spec, self.model_config, self.task, self.meshes, self.device,
                                    self._initialise)
@@ -103,13 +111,15 @@ class Trainer:
         self.train_loader = self._loader("train")
         self.step = 0
         self.units_seen = 0
-        self.checkpoints = CheckpointManager(
-            self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-            layout={"world_size": self.dims.world_size, "dp_size": self.dims.dp_size,
-                    "num_workers": cfg.data.num_workers},
-        )
         if self.resume_path is not None:
             self._resume(self.resume_path)
+        self.restarts, self.rollbacks, self._rolled_back_to = restart_attempt(), 0, None
+        self._once: dict[str, Any] = {}  # goes into the next step's metrics only
+        if self.restarts:
+            lost = max(0, last_logged_step(self.output_dir / "metrics.jsonl") - self.step)
+            self._once = {"steps_lost": lost}
+            logger.warning("restart %d (of at most %d): resumed at step %d; the %d step(s) run since that "
+                           "checkpoint are run again", self.restarts, cfg.train.max_restarts, self.step, lost)
         self._train_iter: Iterator[dict] = iter(self.train_loader)
         self._timer = StepTimer()
         self._last_saved_step = self.step if self.resume_path is not None else -1
@@ -166,14 +176,22 @@ class Trainer:
         self.checkpoints.save(self.step, self.parts, self.optimizer, self._app_state(), self._rank_state())
         self._last_saved_step = self.step
 
-    def _resume(self, path: Path) -> None:
-        app_state = self._app_state()
-        meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state)
+    def _load(self, path: Path) -> tuple[dict, list[dict]]:
+        """Weights, optimizer, schedule and counters from checkpoint ``path``; its layout and rank states."""
+        try:
+            app_state = self._app_state()
+            meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state)
+        except ValueError as exc:  # a rank-state file that is not plain data: the same on every rank
+            raise RunStopped(str(exc)) from None
         self.scheduler.load_state_dict(app_state["scheduler"])
         self.step = int(app_state["step"])
         self.units_seen = int(app_state["units_seen"])
         if self.ema is not None:
             self.ema.load_state_dict(app_state["ema"])
+        return meta, rank_states
+
+    def _resume(self, path: Path) -> None:
+        meta, rank_states = self._load(path)
         # Ranks of one pipeline read the same data: a changed pp size keeps the data layout.
         same_layout = (meta["dp_size"], meta["num_workers"]) == (self.dims.dp_size, self.cfg.data.num_workers)
         if same_layout:
@@ -254,6 +272,9 @@ class Trainer:
         """One optimizer step plus what follows it: metrics, eval and checkpoint when due."""
         cfg = self.cfg
         metrics = self._named(self.train_step(self._next_micro_batches()))
+        if "skipped" in metrics:
+            self._skipped(metrics)
+            return metrics
         if self.ema is not None:
             self.ema.update()
         units = metrics[self._key("s")]
@@ -272,6 +293,8 @@ class Trainer:
             "mfu": metrics["flops"] / slowest / world / self.peak_flops,
             "peak_mem_gb": peak_mem, "step_time_s": slowest, self._key("s_seen"): self.units_seen,
         })
+        metrics.update(self._fault_counts(), **self._once)
+        self._once = {}
         if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
             metrics.update(self.evaluate())
             self._last_eval_step = self.step
@@ -285,6 +308,52 @@ class Trainer:
         self._timer.lap()  # eval and checkpoint time is not charged to the next step
         return metrics
 
+    def _fault_counts(self) -> dict[str, int]:
+        """Restarts, rollbacks and skipped steps so far, once there was one."""
+        counts = {"restarts": self.restarts, "rollbacks": self.rollbacks, "skipped_steps": self.runner.guard.skipped}
+        return {key: value for key, value in counts.items() if value}
+
+    def _skipped(self, metrics: dict[str, Any]) -> None:
+        """A step the guard rejected (nothing was updated): log it, and after ``max_bad_steps`` in a
+        row roll back or stop (``train.on_bad_steps``)."""
+        guard, cfg, attempted = self.runner.guard, self.cfg.train, self.step + 1
+        logger.warning("step %d skipped (%s: loss %.4g, grad norm %.4g): no update; %d bad step(s) in a row",
+                       attempted, metrics["skipped"], metrics["loss"], metrics["grad_norm"], guard.consecutive)
+        self.reporter.log(attempted, {"skipped": metrics["skipped"], "skipped_loss": metrics["loss"],
+                                      "grad_norm": metrics["grad_norm"], **self._fault_counts()})
+        if guard.consecutive < cfg.max_bad_steps:
+            return
+        what = f"{guard.consecutive} bad steps in a row at step {attempted} (last: {metrics['skipped']})"
+        if cfg.on_bad_steps == "stop":
+            raise RunStopped(f"{what}; train.on_bad_steps=stop. Lower train.lr or raise train.warmup_steps, check "
+                             "the data of these steps, or set train.on_bad_steps: rollback")
+        self._rollback(what)
+
+    def _rollback(self, what: str) -> None:
+        """Back to the newest intact checkpoint, keeping the data position: the bad window is skipped."""
+        root = self.checkpoints.root
+        self.checkpoints.wait()
+        try:
+            path = choose_checkpoint([p for _, p in reversed(list_checkpoints(root))], self.checkpoints.problems,
+                                     False, root)
+        except ValueError as exc:
+            raise RunStopped(f"{what}; cannot roll back: {exc}") from None
+        if path is None:
+            raise RunStopped(f"{what}; there is no checkpoint under {root} to roll back to. Set "
+                             "checkpoint.interval so one is saved, or lower train.lr")
+        if path == self._rolled_back_to:
+            raise RunStopped(f"{what}, again after rolling back to {path.name} before a newer checkpoint was saved: "
+                             "the run is unstable, not one bad batch. Lower train.lr or check the data")
+        skipped_from = self.step + 1
+        self._load(path)
+        self.runner.guard.reset()
+        self._rolled_back_to, self.rollbacks = path, self.rollbacks + 1
+        self._last_saved_step = self.step
+        logger.warning("%s: rolled back to %s; training goes on from step %d with the data after the bad window "
+                       "(the data of steps %d-%d is skipped)", what, path.name, self.step + 1, self.step + 1,
+                       skipped_from)
+        self.reporter.log(self.step, {"rolled_back_to": self.step, **self._fault_counts()})
+
     def train(self) -> list[dict[str, float]]:
         """Run to ``max_steps`` and finish; returns this run's per-step metrics."""
         if self.step == 0:
@@ -292,7 +361,9 @@ class Trainer:
         self._timer = StepTimer()
         history = []
         while self.step < self.cfg.train.max_steps and not self.preempted:
-            history.append(self.run_step())
+            metrics = self.run_step()
+            if "skipped" not in metrics:
+                history.append(metrics)
         if self.preempted:
             logger.warning("stopped by a signal after step %d; checkpoint saved, resume with the same command",
                            self.step)

@@ -1,0 +1,54 @@
+"""A rank killed mid-run, launched once through ``bash scripts/train.sh``: torchrun restarts the
+worker group, which resumes from the newest checkpoint, and the run finishes with the losses of an
+uninterrupted run (same seed, same data)."""
+
+import json
+
+import pytest
+
+from tests.test_launch import QUICKSTART, SMALL, train_sh
+
+RUN = [str(QUICKSTART), *SMALL, "--train.max_steps", "30", "--checkpoint.interval", "10",
+       "--train.eval_interval", "0"]
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(records: list[dict]) -> dict[int, float]:
+    """Loss per step; a step run again after a restart keeps its last value."""
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    result = train_sh(*RUN, "--train.output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _losses(_records(out))
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_sigkill_at_step_15_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted, killed):
+    out = tmp_path / "run"
+    result = train_sh(*RUN, "--train.output_dir", str(out), env={"VEOMNI_FAULTS": f"kill:rank={killed}:step=15"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exitcode: -9" in result.stderr and "run summary: 30 steps" in result.stderr
+    records = _records(out)
+    losses = _losses(records)
+    assert sorted(losses) == list(range(1, 31))
+    for step in range(1, 31):  # 1-14 from the first attempt, 11-30 after the restart
+        assert losses[step] == pytest.approx(uninterrupted[step], abs=1e-6), step
+    # the restart resumed from step 10; steps 11-14 had run before the kill and ran again
+    first_after = next(r for r in records if r.get("restarts") == 1)
+    assert (first_after["step"], first_after["steps_lost"]) == (11, 4)
+    assert all(r.get("restarts") == 1 for r in records[records.index(first_after):] if "loss" in r)
+
+
+def test_no_restarts_lets_a_dead_rank_end_the_run(tmp_path):
+    result = train_sh(*RUN, "--train.max_steps", "4", "--checkpoint.interval", "2",
+                      "--train.max_restarts", "0", "--train.output_dir", str(tmp_path / "run"),
+                      env={"VEOMNI_FAULTS": "kill:rank=1:step=3"})
+    assert result.returncode != 0
+    assert "exitcode: -9" in result.stderr and "run summary" not in result.stderr

@@ -1,0 +1,57 @@
+"""What a (re)started worker group needs to know: which attempt this is, which checkpoint the run
+continues from, and how many steps a restart lost.
+
+``scripts/train.sh`` runs the workers under torchrun with ``--max-restarts``: when a worker dies
+the whole group is stopped and started again, with ``TORCHELASTIC_RESTART_COUNT`` counting the
+attempts and ``TORCHELASTIC_RUN_ID`` naming the run. Every checkpoint records that run id, so a
+restarted group resumes from the newest checkpoint of its own run whatever ``checkpoint.resume``
+says (``none`` must not start a crashed run over), and otherwise from what the recipe asks for.
+Every candidate is verified against its checksums first (``checkpoint/verify.py``); a damaged one
+is passed over, and when none is left the run stops (``RunStopped``: a restart would find the same
+files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from veomni.checkpoint.manager import resume_candidates
+from veomni.checkpoint.verify import choose_checkpoint
+from veomni.train.stop import RunStopped
+
+
+def restart_attempt() -> int:
+    """0 for the first start of the worker group, n after its n-th restart."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def run_id() -> str:
+    """The run's id, the same across restarts ("" outside torchrun)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def choose_resume(resume: str, root: Path, problems: Callable[[Path], list[str]]) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run), by ``problems`` (the ranks' agreed
+    verification); RunStopped, on every rank, when the only candidates are damaged."""
+    try:
+        candidates, explicit = resume_candidates(resume, root, run_id() if restart_attempt() else None)
+        return choose_checkpoint(candidates, problems, explicit, root)
+    except (ValueError, FileNotFoundError) as exc:
+        raise RunStopped(str(exc)) from None
+
+
+def last_logged_step(metrics_file: Path) -> int:
+    """The step of the last record in ``metrics.jsonl`` (0 when there is none): how far the attempt
+    before a restart got."""
+    if not metrics_file.is_file():
+        return 0
+    last = 0
+    for line in metrics_file.read_text().splitlines():
+        try:
+            last = int(json.loads(line).get("step", last))
+        except (ValueError, AttributeError):  # a line cut short by the crash
+            continue
+    return last
