@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import CheckpointManager, list_checkpoints
-from veomni.checkpoint.verify import choose_checkpoint
 from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_tokenizer
@@ -46,6 +45,7 @@ from veomni.train.ema import WeightEMA
 from veomni.train.faults import FaultInjector
 from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
+from veomni.train.recovery import BadStepHandling
 from veomni.train.reporting import MetricsReporter
 from veomni.train.restart import choose_resume, last_logged_step, restart_attempt, run_id
 from veomni.train.runner import build_runner
@@ -65,7 +65,7 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return move(batch)
 
 
-class Trainer:
+class Trainer(BadStepHandling):
     def __init__(self, cfg: RunConfig, task: Task | None = None, launch: Sequence[str] | None = None) -> None:
         """``launch``: the recipe and overrides the run was started with (``scripts/train.sh``'s
         arguments), for the next commands the end-of-run summary suggests; None: the output
@@ -307,52 +307,6 @@ class Trainer:
             self.save_checkpoint()
         self._timer.lap()  # eval and checkpoint time is not charged to the next step
         return metrics
-
-    def _fault_counts(self) -> dict[str, int]:
-        """Restarts, rollbacks and skipped steps so far, once there was one."""
-        counts = {"restarts": self.restarts, "rollbacks": self.rollbacks, "skipped_steps": self.runner.guard.skipped}
-        return {key: value for key, value in counts.items() if value}
-
-    def _skipped(self, metrics: dict[str, Any]) -> None:
-        """A step the guard rejected (nothing was updated): log it, and after ``max_bad_steps`` in a
-        row roll back or stop (``train.on_bad_steps``)."""
-        guard, cfg, attempted = self.runner.guard, self.cfg.train, self.step + 1
-        logger.warning("step %d skipped (%s: loss %.4g, grad norm %.4g): no update; %d bad step(s) in a row",
-                       attempted, metrics["skipped"], metrics["loss"], metrics["grad_norm"], guard.consecutive)
-        self.reporter.log(attempted, {"skipped": metrics["skipped"], "skipped_loss": metrics["loss"],
-                                      "grad_norm": metrics["grad_norm"], **self._fault_counts()})
-        if guard.consecutive < cfg.max_bad_steps:
-            return
-        what = f"{guard.consecutive} bad steps in a row at step {attempted} (last: {metrics['skipped']})"
-        if cfg.on_bad_steps == "stop":
-            raise RunStopped(f"{what}; train.on_bad_steps=stop. Lower train.lr or raise train.warmup_steps, check "
-                             "the data of these steps, or set train.on_bad_steps: rollback")
-        self._rollback(what)
-
-    def _rollback(self, what: str) -> None:
-        """Back to the newest intact checkpoint, keeping the data position: the bad window is skipped."""
-        root = self.checkpoints.root
-        self.checkpoints.wait()
-        try:
-            path = choose_checkpoint([p for _, p in reversed(list_checkpoints(root))], self.checkpoints.problems,
-                                     False, root)
-        except ValueError as exc:
-            raise RunStopped(f"{what}; cannot roll back: {exc}") from None
-        if path is None:
-            raise RunStopped(f"{what}; there is no checkpoint under {root} to roll back to. Set "
-                             "checkpoint.interval so one is saved, or lower train.lr")
-        if path == self._rolled_back_to:
-            raise RunStopped(f"{what}, again after rolling back to {path.name} before a newer checkpoint was saved: "
-                             "the run is unstable, not one bad batch. Lower train.lr or check the data")
-        skipped_from = self.step + 1
-        self._load(path)
-        self.runner.guard.reset()
-        self._rolled_back_to, self.rollbacks = path, self.rollbacks + 1
-        self._last_saved_step = self.step
-        logger.warning("%s: rolled back to %s; training goes on from step %d with the data after the bad window "
-                       "(the data of steps %d-%d is skipped)", what, path.name, self.step + 1, self.step + 1,
-                       skipped_from)
-        self.reporter.log(self.step, {"rolled_back_to": self.step, **self._fault_counts()})
 
     def train(self) -> list[dict[str, float]]:
         """Run to ``max_steps`` and finish; returns this run's per-step metrics."""
