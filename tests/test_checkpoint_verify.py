@@ -4,13 +4,13 @@ previous intact checkpoint and says so, and a rank-state file is data, never cod
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist_harness import run_distributed
+from tests.fault_injection import flip_byte, plant_pickle, truncate
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.checkpoint.manager import list_checkpoints, resolve_resume
@@ -37,17 +37,6 @@ def _checkpoints(tmp: Path) -> dict[int, Path]:
     return dict(list_checkpoints(tmp / "out" / "checkpoints"))
 
 
-def _truncate(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-
-
-def _flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 @pytest.fixture
 def two_checkpoints(tmp_path):
     """A 2-rank run saved at steps 3 and 6 (checkpoint.interval=3)."""
@@ -66,11 +55,11 @@ def test_complete_json_records_every_file(two_checkpoints):
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
 
 
-@pytest.mark.parametrize("damage", [_truncate, _flip_a_byte], ids=["truncated", "corrupted"])
+@pytest.mark.parametrize("damage", [truncate, flip_byte], ids=["truncated", "corrupted"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(two_checkpoints, damage, caplog):
     newest = _checkpoints(two_checkpoints)[6]
     damage(newest / "__1_0.distcp")
-    if damage is _truncate:  # the launcher's size check sees it too, and says so
+    if damage is truncate:  # the launcher's size check sees it too, and says so
         with caplog.at_level(logging.WARNING):
             chosen = resolve_resume("auto", newest.parent)
         assert chosen.name == "step_00000003"
@@ -82,12 +71,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(two_checkpoints, d
 def test_damaged_only_checkpoint_stops_the_run_naming_the_file(tmp_path, capsys):
     run_distributed(_train, 2, str(tmp_path), 3)
     only = _checkpoints(tmp_path)[3]
-    _flip_a_byte(only / "rank_00000.pt")
+    flip_byte(only / "rank_00000.pt")
     messages = run_distributed(_resume, 2, str(tmp_path))
     assert messages[0] == messages[1]
     assert f"{only / 'rank_00000.pt'} does not match the SHA-256" in messages[0]
     assert "no intact checkpoint to resume from" in messages[0]
-    _truncate(only / "rank_00000.pt")  # a size the launcher can see: refused before any worker starts
+    truncate(only / "rank_00000.pt")  # a size the launcher can see: refused before any worker starts
     cfg = tiny_run_config(tmp_path)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(json.dumps({"data": {"train_path": cfg.data.train_path, "format": "jsonl",
@@ -99,25 +88,10 @@ def test_damaged_only_checkpoint_stops_the_run_naming_the_file(tmp_path, capsys)
     assert f"{only / 'rank_00000.pt'} is " in err and "Traceback" not in err
 
 
-class _Payload:
-    """Unpickling this would create ``marker``."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 def test_planted_pickle_in_rank_state_is_refused_and_never_runs(two_checkpoints):
     folder = _checkpoints(two_checkpoints)[6]
     marker = two_checkpoints / "pwned"
-    torch.save({"dp_rank": 0, "loader": _Payload(str(marker))}, folder / "rank_00000.pt")
-    # an attacker rewrites the checksums too: the load itself must refuse the file
-    meta = json.loads((folder / "complete.json").read_text())
-    data = (folder / "rank_00000.pt").read_bytes()
-    meta["files"]["rank_00000.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "complete.json").write_text(json.dumps(meta))
+    plant_pickle(folder, "rank_00000.pt", marker)  # checksums rewritten: the load itself must refuse it
     messages = run_distributed(_resume, 2, str(two_checkpoints))
     assert "holds a pickled object other than tensors and plain values; refusing to load it" in messages[0]
     assert str(folder / "rank_00000.pt") in messages[0] and messages[0] == messages[1]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.fault_injection import faults_env, kill
 from tests.test_launch import QUICKSTART, SMALL, train_sh
 
 RUN = [str(QUICKSTART), *SMALL, "--train.max_steps", "30", "--checkpoint.interval", "10",
@@ -32,7 +33,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("killed", [1, 0])
 def test_sigkill_at_step_15_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted, killed):
     out = tmp_path / "run"
-    result = train_sh(*RUN, "--train.output_dir", str(out), env={"VEOMNI_FAULTS": f"kill:rank={killed}:step=15"})
+    result = train_sh(*RUN, "--train.output_dir", str(out), env=faults_env(kill(rank=killed, step=15)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exitcode: -9" in result.stderr and "run summary: 30 steps" in result.stderr
     records = _records(out)
@@ -49,6 +50,6 @@ def test_sigkill_at_step_15_restarts_and_matches_the_uninterrupted_run(tmp_path,
 def test_no_restarts_lets_a_dead_rank_end_the_run(tmp_path):
     result = train_sh(*RUN, "--train.max_steps", "4", "--checkpoint.interval", "2",
                       "--train.max_restarts", "0", "--train.output_dir", str(tmp_path / "run"),
-                      env={"VEOMNI_FAULTS": "kill:rank=1:step=3"})
+                      env=faults_env(kill(rank=1, step=3)))
     assert result.returncode != 0
     assert "exitcode: -9" in result.stderr and "run summary" not in result.stderr

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
+from tests.fault_injection import faults_env, nan
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.train.guard import StepGuard
@@ -50,7 +51,7 @@ def _steps_without_the_third_batch(rank, world, tmp):
 
 
 def test_nan_step_is_skipped_and_equals_a_run_without_its_batch(tmp_path):
-    poisoned = run_distributed(_steps_with_nan_at_3, 2, str(tmp_path / "a"), env={"VEOMNI_FAULTS": "nan:step=3"})[0]
+    poisoned = run_distributed(_steps_with_nan_at_3, 2, str(tmp_path / "a"), env=faults_env(nan(step=3)))[0]
     losses, bad, step, before, after, scheduler_steps, final = poisoned
     assert bad["skipped"] == "non-finite loss" and math.isnan(bad["loss"])
     for name in before:
@@ -77,7 +78,7 @@ def _records(tmp: Path) -> list[dict]:
 
 def test_bad_steps_in_a_row_roll_back_and_skip_the_window(tmp_path):
     results = run_distributed(_run, 2, str(tmp_path), {"max_steps": 7, "max_bad_steps": 3},
-                              env={"VEOMNI_FAULTS": "nan:step=5:times=3"})
+                              env=faults_env(nan(step=5, times=3)))
     assert results == [(7, 1, 3)] * 2
     records = _records(tmp_path)
     skipped = [r for r in records if "skipped" in r]
@@ -98,6 +99,6 @@ def test_bad_steps_in_a_row_roll_back_and_skip_the_window(tmp_path):
     ({"max_bad_steps": 2}, "there is no checkpoint under"),
 ], ids=["stop", "rollback-without-checkpoint"])
 def test_bad_steps_that_cannot_be_rolled_back_stop_every_rank(tmp_path, overrides, needle):
-    results = run_distributed(_run, 2, str(tmp_path), overrides, env={"VEOMNI_FAULTS": "nan:step=2:times=2"})
+    results = run_distributed(_run, 2, str(tmp_path), overrides, env=faults_env(nan(step=2, times=2)))
     assert results[0] == results[1] and results[0].startswith("stopped: "), results
     assert needle in results[0]
