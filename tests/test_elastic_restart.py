@@ -3,11 +3,13 @@ worker group, which resumes from the newest checkpoint, and the run finishes wit
 uninterrupted run (same seed, same data)."""
 
 import json
+import os
+import subprocess
 
 import pytest
 
 from tests.fault_injection import faults_env, kill
-from tests.test_launch import QUICKSTART, SMALL, train_sh
+from tests.test_launch import QUICKSTART, REPO, SMALL, _free_port, train_sh
 
 RUN = [str(QUICKSTART), *SMALL, "--train.max_steps", "30", "--checkpoint.interval", "10",
        "--train.eval_interval", "0"]
@@ -45,6 +47,23 @@ def test_sigkill_at_step_15_restarts_and_matches_the_uninterrupted_run(tmp_path,
     first_after = next(r for r in records if r.get("restarts") == 1)
     assert (first_after["step"], first_after["steps_lost"]) == (11, 4)
     assert all(r.get("restarts") == 1 for r in records[records.index(first_after):] if "loss" in r)
+
+
+def test_a_dead_node_restarts_both_nodes(tmp_path, uninterrupted):
+    """Two nodes (one process each, on loopback): rank 1, alone on node 1, is killed; both nodes'
+    agents restart their workers, which meet again and finish the run with the same losses."""
+    out = tmp_path / "run"
+    env = {**os.environ, "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "RDZV_ID": f"restart-{os.getpid()}", **faults_env(kill(rank=1, step=15))}
+    args = ["bash", str(REPO / "scripts" / "train.sh"), *RUN, "--train.output_dir", str(out)]
+    nodes = [subprocess.Popen(args, cwd=REPO, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)[-4000:]
+    assert "exitcode: -9" in logs[1] and "restart 1 (of at most 3): resumed at step 10" in logs[0]
+    losses = _losses(_records(out))
+    for step in range(11, 31):
+        assert losses[step] == pytest.approx(uninterrupted[step], abs=1e-6), step
 
 
 def test_no_restarts_lets_a_dead_rank_end_the_run(tmp_path):
