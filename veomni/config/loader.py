@@ -297,19 +297,30 @@ def _absolute(value: Any) -> Any:
 
 
 def locate_model_error(cfg: RunConfig, error: Exception) -> str:
-    """An error from the model config's own validation, prefixed with where the key it names was set.
+    """An error from the model config's own validation, prefixed with where the keys it names were set.
 
     The loader cannot check what a model's ``dict`` fields hold (``model.encoders.image`` takes the
     modality's config fields), so a mistake there surfaces when the model is built. Its message names
     the key as a dotted path (``model.encoders.image.out_hidden_size (96) must equal ...``) or as
-    ``'num_layer' in model.encoders.image``; the most specific recipe key it names gives the file:line
-    or flag. Without one (``num_heads (8) must be ...``) the message is only prefixed with ``model``."""
+    ``'num_layer' in model.encoders.image``: the most specific recipe key it names gives the file:line
+    or flag. A model config's own fields are named bare (``num_heads (8) must be a multiple of
+    num_kv_heads (3)``): every one the recipe set is located, in the order the message names them.
+    A message naming no key the recipe set is only prefixed with ``model``."""
     message = str(error)
     for key in sorted(cfg.model.origins, key=len, reverse=True):
         parent, _, name = key.rpartition(".")
         if re.search(rf"({re.escape(key)}|'{re.escape(name)}' in {re.escape(parent)})(?!\.?\w)", message):
             return f"{cfg.model.origins[key]}: {message}"
-    return f"model: {message}"
+    named = {}
+    for key, origin in cfg.model.origins.items():
+        name = key.removeprefix("model.")
+        found = re.search(rf"(?<![\w.]){re.escape(name)}(?![\w.])", message) if "." not in name else None
+        if found:
+            named[found.start()] = origin
+    if not named:
+        return f"model: {message}"
+    where = ", ".join(dict.fromkeys(named[position] for position in sorted(named)))
+    return f"{where}: model.{message}" if 0 in named else f"{where}: model: {message}"
 
 
 def _check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
