@@ -134,11 +134,16 @@ def workdir(tmp_path_factory) -> Path:
     return folder
 
 
-def _launch(recipe: Path, overrides: list[str], dry_run: bool, capsys) -> tuple[int, str]:
-    argv = [str(recipe), *(["--dry-run"] if dry_run else []), *overrides]
-    status = launch.main(argv)
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
+def launch_both_modes(recipe: Path, overrides: list[str], capsys) -> list[tuple[int, str]]:
+    """``[(exit status, stdout + stderr)]`` of the launcher, in process: a dry run, then a real run."""
+    results = []
+    for mode in (["--dry-run"], []):
+        start = time.monotonic()
+        status = launch.main([str(recipe), *mode, *overrides])
+        captured = capsys.readouterr()
+        assert time.monotonic() - start < 20, "the launcher's checks take seconds"
+        results.append((status, captured.out + captured.err))
+    return results
 
 
 def _recipe(workdir: Path, edit) -> Path:
@@ -148,24 +153,19 @@ def _recipe(workdir: Path, edit) -> Path:
     return recipe
 
 
-@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "real"])
-def test_base_recipe_passes(workdir, dry_run, capsys):
-    status, output = _launch(_recipe(workdir, None), [], dry_run, capsys)
-    assert status == 0, output
+def test_base_recipe_passes(workdir, monkeypatch, capsys):
+    monkeypatch.chdir(workdir)
+    for status, output in launch_both_modes(_recipe(workdir, None), [], capsys):
+        assert status == 0, output
 
 
 @pytest.mark.parametrize("case_id, edit, overrides, needle", CASES, ids=[case[0] for case in CASES])
 def test_malformed_recipe_fails_in_launcher(workdir, case_id, edit, overrides, needle, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
-    recipe = _recipe(workdir, edit)
-    messages = {}
-    for dry_run in (True, False):
-        start = time.monotonic()
-        status, output = _launch(recipe, overrides, dry_run, capsys)
-        assert status == 2, f"dry_run={dry_run}: exit {status}\n{output}"
-        assert "Traceback" not in output and "warning:" not in output, output
-        errors = [line for line in output.splitlines() if line.startswith("config error:")]
-        assert errors and re.search(needle, "\n".join(errors)), f"dry_run={dry_run}:\n{output}"
-        assert time.monotonic() - start < 20
-        messages[dry_run] = errors
-    assert messages[True] == messages[False], "a dry run must fail with the real run's message"
+    (dry_status, dry_output), (status, output) = launch_both_modes(_recipe(workdir, edit), overrides, capsys)
+    for exit_status, text in ((dry_status, dry_output), (status, output)):
+        assert exit_status == 2, text
+        assert "Traceback" not in text and "warning:" not in text, text
+        errors = "\n".join(line for line in text.splitlines() if line.startswith("config error:"))
+        assert re.search(needle, errors), text
+    assert dry_output == output, "a dry run must fail with the real run's message"
