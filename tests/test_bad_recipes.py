@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_launch import train_sh
 from tests.trainer_utils import TOKENIZER, write_corpus
 from veomni import launch
 
@@ -169,3 +170,17 @@ def test_malformed_recipe_fails_in_launcher(workdir, case_id, edit, overrides, n
         errors = "\n".join(line for line in text.splitlines() if line.startswith("config error:"))
         assert re.search(needle, errors), text
     assert dry_output == output, "a dry run must fail with the real run's message"
+
+
+@pytest.mark.parametrize("case_id", ["duplicate-key", "empty-file", "small-vocab", "missing-init-from-hf"])
+def test_train_sh_starts_no_worker_for_a_malformed_recipe(workdir, case_id):
+    """As a user runs it: the launcher refuses the recipe and torchrun never starts."""
+    _, edit, overrides, needle = next(case for case in CASES if case[0] == case_id)
+    recipe = _recipe(workdir, edit)
+    for mode in (["--dry-run"], []):
+        start = time.monotonic()
+        result = train_sh(str(recipe), *mode, *overrides)
+        assert result.returncode == 2, result.stderr
+        assert re.search(needle, result.stderr), result.stderr
+        assert "process(es)" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert time.monotonic() - start < 60
