@@ -1,7 +1,7 @@
 """``checkpoint.init``: a VLM starts from an LLM saved as a Hugging Face folder and a Qwen2-VL
 vision-tower folder (2 FSDP ranks, LLM frozen); a folder that does not fit, an unknown sub-module
-and a frozen part nothing loads are refused before any worker starts; the stage-1 recipes plan
-without their folders and refuse to launch without them."""
+and a frozen part nothing loads are refused before any worker starts; the stage-1 recipes refuse
+to plan or launch without their folders."""
 
 from __future__ import annotations
 
