@@ -36,7 +36,6 @@ ALIASES = {
     "gradient_clipping": "train.max_grad_norm",
     "eval_steps": "train.eval_interval",
     "save_dir": "train.output_dir",
-    "output_dir": "train.output_dir",
     # batches and sequences: this framework batches by tokens (dynamic batch size)
     "batch_size": "data.tokens_per_micro_batch",
     "micro_batch_size": "data.tokens_per_micro_batch",
@@ -60,7 +59,6 @@ ALIASES = {
     "fsdp": "parallel.dp_shard",
     "fsdp_size": "parallel.dp_shard",
     "data_parallel_shard_degree": "parallel.dp_shard",
-    "zero_stage": "parallel.dp_shard",
     "dp": "parallel.dp_shard",
     "dp_size": "parallel.dp_shard",
     "data_parallel_size": "parallel.dp_shard",
@@ -121,6 +119,10 @@ NOT_OFFERED = {
 }
 
 
+def _closed_sections() -> list[str]:
+    return [name for name in typing.get_type_hints(RunConfig) if name != "model"]
+
+
 def _section_fields(section: str) -> list[str]:
     section_types = typing.get_type_hints(RunConfig)
     return list(typing.get_type_hints(section_types[section])) if section in section_types else []
@@ -128,8 +130,8 @@ def _section_fields(section: str) -> list[str]:
 
 def suggest(key: str, valid: list[str], section: str = "") -> str:
     """The hint to append to "unknown key '<section>.<key>'" (or, without a section, to "unknown
-    section"): the alias's key, else the closest spelling among ``valid`` (the keys of ``section``),
-    else the list of valid keys."""
+    section"): the alias's key, else the same key in the section it belongs to, else the closest
+    spelling among ``valid`` (the keys of ``section``), else the list of valid keys."""
     prefix = f"{section}." if section else ""
     if key in NOT_OFFERED:
         return f"; {NOT_OFFERED[key]}"
@@ -142,6 +144,9 @@ def suggest(key: str, valid: list[str], section: str = "") -> str:
             known = [] if target_section == "model" else _section_fields(target_section)
         if field in known:
             return f"; did you mean '{target}'?"
+    elsewhere = [other for other in _closed_sections() if other != section and key in _section_fields(other)]
+    if section and elsewhere:
+        return f"; did you mean '{elsewhere[0]}.{key}'? (it belongs to the {elsewhere[0]} section)"
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if match:
         return f"; did you mean '{prefix}{match[0]}'?"
