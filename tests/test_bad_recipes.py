@@ -188,3 +188,20 @@ def test_train_sh_starts_no_worker_for_a_malformed_recipe(workdir, case_id):
         assert re.search(needle, result.stderr), result.stderr
         assert "process(es)" not in result.stderr and "Traceback" not in result.stderr, result.stderr
         assert time.monotonic() - start < 60
+
+
+def test_every_alias_points_at_a_real_key():
+    """A mistyped target in the alias table would silently fall back to difflib."""
+    import dataclasses
+    import typing
+
+    from models.llm.config import LLMConfig
+    from veomni.config.hints import ALIASES
+    from veomni.config.schema import RunConfig
+
+    sections = typing.get_type_hints(RunConfig)
+    llm_fields = {f.name for f in dataclasses.fields(LLMConfig)}
+    for alias, target in ALIASES.items():
+        section, _, field = target.partition(".")
+        fields = llm_fields if section == "model" else set(typing.get_type_hints(sections[section]))
+        assert field in fields, f"{alias} -> {target}"
