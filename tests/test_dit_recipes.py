@@ -4,12 +4,15 @@ heads do not divide before any worker starts."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from tests.test_launch import REPO, train_sh
 from veomni.config.loader import load_config
+from veomni.data.builders import MANIFEST
 
 
 def wan_parameters(o: dict) -> int:
@@ -25,11 +28,23 @@ def wan_parameters(o: dict) -> int:
     return o["num_layers"] * block + embed + time + caption + head
 
 
+def user_latents(folder: Path, text_dim: int) -> Path:
+    """What the launcher reads of a user's 720p latents (data/build_video_latents.py's manifest): 16
+    channels, 21 x 90 x 160 per clip (75,600 patches of 1x2x2), text states ``text_dim`` wide."""
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text(json.dumps({"latent_channels": 16, "text_dim": text_dim,
+                                               "shapes": ["16x21x90x160"], "example_keys": {}}))
+    return folder
+
+
 @pytest.mark.parametrize("recipe, world, sp", [
     ("goku/goku_2b.yaml", 64, 4), ("goku/goku_8b.yaml", 128, 8), ("seaweed/seaweed_7b.yaml", 224, 7)])
-def test_full_size_recipes_plan(recipe, world, sp):
+def test_full_size_recipes_plan(recipe, world, sp, tmp_path):
     path = REPO / "recipes" / recipe
-    result = train_sh(str(path), "--dry-run", "--world-size", str(world), "--gpus")
+    missing = train_sh(str(path), "--dry-run", "--world-size", str(world), "--gpus")
+    assert missing.returncode == 2 and "data.train_path: path does not exist" in missing.stderr, missing.stderr
+    latents = user_latents(tmp_path / "latents", load_config(path).model.options["text_dim"])
+    result = train_sh(str(path), "--dry-run", "--world-size", str(world), "--gpus", "--data.train_path", str(latents))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"sp={sp} (Ulysses)" in out

@@ -32,27 +32,35 @@ def _needs_prepare(paths: dict[str, str | None]) -> bool:
     return any(p and (not Path(p).exists() or (Path(p) / MANIFEST).is_file()) for p in paths.values())
 
 
-def _check_data(cfg: RunConfig, prepare: bool) -> list[str]:
-    """Missing inputs as messages; runs ``data.prepare`` first when allowed."""
+def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
+    """``(missing inputs as messages, whether the data is there to read)``; runs ``data.prepare``
+    first where needed, except in a dry run, which only says what it would build."""
     paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
     if not cfg.data.train_path:
-        return ["data.train_path is not set"]
-    if cfg.data.prepare and prepare and _needs_prepare(paths):
+        return ["data.train_path is not set"], False
+    if cfg.data.prepare and _needs_prepare(paths):
         script = Path(cfg.data.prepare)
         if not script.is_file():
-            return [f"data.prepare: script not found: {script}"]
+            return [f"data.prepare: script not found: {script}"], False
         cmd = [sys.executable, str(script), "--train-out", cfg.data.train_path]
         if cfg.data.eval_path:
             cmd += ["--eval-out", cfg.data.eval_path]
         cmd += [str(arg) for arg in cfg.data.prepare_args]
+        if dry_run:
+            missing = [key for key, p in paths.items() if p and not Path(p).exists()]
+            if missing:
+                print(f"[launch] dry run: the run builds {', '.join(missing)} first with {script.name}; the "
+                      "dataset kind's checks of them run then", file=sys.stderr)
+            return [], not missing
         print(f"[launch] preparing data: {' '.join(cmd)}", file=sys.stderr, flush=True)
         if subprocess.run(cmd).returncode != 0:
-            return [f"data.prepare: {script} failed (its output is above)"]
+            return [f"data.prepare: {script} failed (its output is above)"], False
     missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
-    return [
+    problems = [
         f"{k}: path does not exist: {p}" + ("" if cfg.data.prepare else " (and no data.prepare builder is set)")
         for k, p in missing.items()
     ]
+    return problems, not problems
 
 
 def _check_dataset(cfg: RunConfig, model_config: Any) -> list[str]:
@@ -103,21 +111,20 @@ def _sample_problems(cfg: RunConfig, spec: Any) -> list[str]:
     return []
 
 
-def _check_pretrained(cfg: RunConfig, model: Any) -> tuple[list[str], list[str]]:
-    """``(problems, missing folders)`` of ``checkpoint.init`` / ``init_from_hf`` for a fresh run, from
-    the folders' config.json against the meta model's sub-modules (no weights are read); and a
-    frozen part nothing loads. A resumed run loads none of them: nothing to check."""
+def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
+    """What is wrong with ``checkpoint.init`` / ``init_from_hf`` for a fresh run, from the folders'
+    config.json against the meta model's sub-modules (no weights are read); and a frozen part nothing
+    loads. A resumed run loads none of them: nothing to check."""
     from veomni.checkpoint.component_init import check_init, frozen_problems, init_entries
     from veomni.checkpoint.manager import resolve_resume
 
     try:
         entries = init_entries(cfg.checkpoint)
         if resolve_resume(cfg.checkpoint.resume, Path(cfg.train.output_dir) / "checkpoints") is not None:
-            return [], []
+            return []
     except (ValueError, FileNotFoundError) as exc:
-        return [str(exc)], []
-    problems, missing = check_init(model, entries)
-    return problems + frozen_problems(model, entries), missing
+        return [str(exc)]
+    return check_init(model, entries) + frozen_problems(model, entries)
 
 
 def _fail(problems: list[str]) -> int:
@@ -151,32 +158,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     model_cfg, model, problems = _validate_model(cfg)
-    missing_folders: list[str] = []
     if model is not None:
-        pretrained_problems, missing_folders = _check_pretrained(cfg, model)
-        problems += pretrained_problems
+        problems += _check_pretrained(cfg, model)
+    if problems:  # no data is built for a run that cannot start
+        return _fail(problems)
+    # the same checks, in the same order, with the same messages in a dry run: only no data is built
+    problems, data_ready = _check_data(cfg, args.dry_run)
+    if data_ready:
+        problems = _check_dataset(cfg, model_cfg)
+    if problems:
+        return _fail(problems)
     if args.dry_run:
         from veomni.train.estimate import estimate, format_report
 
-        print("# resolved config\n" + dump_config(cfg))
-        # a plan may be for a machine that has the data, the tokenizer and the pretrained folders:
-        # what is missing here only warns
-        dataset_problems = _check_dataset(cfg, model_cfg) if model_cfg is not None else []
-        for problem in _check_data(cfg, prepare=False) + dataset_problems + missing_folders:
-            print(f"warning: {problem}")
-        if problems:
-            return _fail(problems)
         device = f"{world_size} x {'GPU (bf16 compute)' if args.gpus else 'CPU (fp32)'}"
+        print("# resolved config\n" + dump_config(cfg))
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device))
         return 0
-    problems += missing_folders
-    if problems:  # no data is built for a run that cannot start
-        return _fail(problems)
-    problems += _check_data(cfg, prepare=True)
-    if not problems:
-        problems += _check_dataset(cfg, model_cfg)
-    if problems:
-        return _fail(problems)
     if args.launch_settings:
         _write_launch_settings(Path(args.launch_settings), cfg)
     return 0

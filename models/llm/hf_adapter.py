@@ -89,7 +89,9 @@ def _get(hf_config: Any, key: str, default: Any = None) -> Any:
 
 
 def _rope_from_hf(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """``(theta, scaling)`` from transformers 5 ``rope_parameters`` or the older two fields."""
+    """``(theta, scaling)`` from transformers 5 ``rope_parameters`` or the older two fields. A
+    default rope with more parameters (``partial_rotary_factor``) is one we do not compute: refused,
+    not dropped."""
     params = _get(hf_config, "rope_parameters")
     if params is None:
         params = dict(_get(hf_config, "rope_scaling") or {})
@@ -97,7 +99,26 @@ def _rope_from_hf(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     params = dict(params)
     theta = float(params.pop("rope_theta"))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    return theta, (None if rope_type == "default" else params)
+    if rope_type != "default":
+        return theta, params
+    extra = sorted(set(params) - {"rope_type", "type"})
+    if extra:
+        raise ValueError(f"rope parameters {extra} of a default rope are not supported "
+                         f"(got {dict((k, params[k]) for k in extra)})")
+    return theta, None
+
+
+def _refuse_unmodelled(hf_config: Any) -> None:
+    """Options that change the outputs but have no field in ``LLMConfig``: a folder that sets them
+    would load without error and compute something else, so it is refused."""
+    if _get(hf_config, "attention_dropout", 0.0):
+        raise ValueError(f"attention_dropout={_get(hf_config, 'attention_dropout')} is not supported "
+                         "(our attention has no dropout)")
+    other = sorted(set(_get(hf_config, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if other:
+        raise ValueError(f"layer_types {other} are not supported: every layer must be full_attention")
+    if _get(hf_config, "pretraining_tp", 1) not in (1, None):
+        raise ValueError(f"pretraining_tp={_get(hf_config, 'pretraining_tp')} is not supported (needs 1)")
 
 
 def config_from_hf(hf_config: Any) -> LLMConfig:
@@ -117,6 +138,7 @@ def config_from_hf(hf_config: Any) -> LLMConfig:
         raise ValueError(f"{family} attention_bias=True (bias on o_proj) is not supported")
     if _get(hf_config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")
+    _refuse_unmodelled(hf_config)
     theta, scaling = _rope_from_hf(hf_config)
     num_heads = _get(hf_config, "num_attention_heads")
     cfg = LLMConfig(

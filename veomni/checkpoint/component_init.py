@@ -131,11 +131,10 @@ def config_problems(path: str, module: nn.Module, folder: PretrainedFolder) -> l
             "point at a folder that matches"]
 
 
-def check_init(model: nn.Module, entries: Mapping[str, str]) -> tuple[list[str], list[str]]:
-    """``(problems, missing)`` of ``entries`` for ``model`` (a meta copy will do: only configs are read):
-    what is wrong with a path or a folder, and the folders that do not exist (a dry run may plan
-    for a machine that has them)."""
-    problems, missing = [], []
+def check_init(model: nn.Module, entries: Mapping[str, str]) -> list[str]:
+    """What is wrong with each of ``entries`` for ``model`` (a meta copy will do: only configs are
+    read): a path the model lacks, a folder that is missing or unreadable, or whose config differs."""
+    problems = []
     for path, folder_path in entries.items():
         try:
             module = find_component(model, path)
@@ -143,7 +142,7 @@ def check_init(model: nn.Module, entries: Mapping[str, str]) -> tuple[list[str],
             problems.append(str(exc))
             continue
         if not Path(folder_path).exists():
-            missing.append(f"{_key(path)}: folder does not exist: {folder_path}")
+            problems.append(f"{_key(path)}: folder does not exist: {folder_path}")
             continue
         try:
             folder = read_folder(folder_path)
@@ -151,7 +150,7 @@ def check_init(model: nn.Module, entries: Mapping[str, str]) -> tuple[list[str],
             problems.append(f"{_key(path)}: {exc}")
             continue
         problems += config_problems(path, module, folder)
-    return problems, missing
+    return problems
 
 
 def unloaded_frozen(model: nn.Module, loaded: list[str]) -> list[str]:

@@ -25,7 +25,6 @@ one key of the recipe's ``model.llm`` and keeps the others, exactly like
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import typing
@@ -34,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from veomni.config.hints import suggest
 from veomni.config.schema import ModelConfig, RunConfig
 from veomni.config.types import ConfigError, coerce, dict_entry_type
 
@@ -68,13 +68,6 @@ class _Value:
         return isinstance(self.value, dict)
 
 
-def _closest(key: str, valid: list[str], prefix: str = "") -> str:
-    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if match:
-        return f"; did you mean '{prefix}{match[0]}'?"
-    return f"; valid keys: {', '.join(prefix + v for v in sorted(valid))}"
-
-
 def _read_yaml(path: Path) -> _Value:
     """The recipe as a tree: every mapping is walked, so each leaf knows its own line."""
     text = path.read_text()
@@ -84,9 +77,11 @@ def _read_yaml(path: Path) -> _Value:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     base_dir = path.parent.resolve()
     if root is None:
-        return _Value({}, str(path), base_dir)
+        raise ConfigError(f"{path}: the recipe is empty; it needs at least a model section (model: arch: ...) "
+                          "and the data to train on (see docs/configuration.md)")
     if not isinstance(root, yaml.MappingNode):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    _refuse_duplicate_keys(root, path)
 
     def convert(node: yaml.Node) -> Any:
         if not isinstance(node, yaml.MappingNode):
@@ -95,6 +90,24 @@ def _read_yaml(path: Path) -> _Value:
                 for key, value in node.value}
 
     return _Value(convert(root), str(path), base_dir)
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: Path) -> None:
+    """YAML resolves a key given twice in one mapping to its last value, silently: refuse it, in
+    every mapping of the file (inside lists too), naming both lines."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            line = key.start_mark.line + 1
+            name = str(key.value)
+            if name in seen:
+                raise ConfigError(f"{path}:{line}: key '{name}' is given twice in one mapping (lines {seen[name]} "
+                                  f"and {line}); YAML would silently keep the last one: delete one of them")
+            seen[name] = line
+            _refuse_duplicate_keys(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, path)
 
 
 def _tree(value: Any, origin: str, base_dir: Path) -> _Value:
@@ -210,7 +223,7 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
     section_types = typing.get_type_hints(RunConfig)
     for section, node in tree.value.items():
         if section not in section_types:
-            hint = _closest(section, list(section_types))
+            hint = suggest(section, list(section_types))
             raise ConfigError(f"{node.origin}: unknown section '{section}'{hint}")
         if not node.is_mapping:
             raise ConfigError(f"{node.origin}: section '{section}' must be a mapping of keys")
@@ -240,7 +253,7 @@ def _fill_model(model: ModelConfig, node: _Value) -> None:
         if name in ("arch", "plugins"):
             continue
         if name not in fields:
-            hint = f"for model arch '{model.arch}'{_closest(name, ['arch', 'plugins', *fields], 'model.')}"
+            hint = f"for model arch '{model.arch}'{suggest(name, ['arch', 'plugins', *fields], 'model')}"
             raise ConfigError(f"{child.origin}: unknown key 'model.{name}' {hint}")
         model.options[name] = _build_value(child, fields[name], f"model.{name}")
 
@@ -250,7 +263,7 @@ def _fill_section(section_obj: Any, section: str, node: _Value) -> None:
     hints = typing.get_type_hints(type(section_obj))
     for name, child in node.value.items():
         if name not in hints:
-            hint = _closest(name, list(hints), section + ".")
+            hint = suggest(name, list(hints), section)
             raise ConfigError(f"{child.origin}: unknown key '{section}.{name}'{hint}")
         value = _build_value(child, hints[name], f"{section}.{name}", (section, name) in PATH_KEYS)
         setattr(section_obj, name, value)
@@ -284,19 +297,30 @@ def _absolute(value: Any) -> Any:
 
 
 def locate_model_error(cfg: RunConfig, error: Exception) -> str:
-    """An error from the model config's own validation, prefixed with where the key it names was set.
+    """An error from the model config's own validation, prefixed with where the keys it names were set.
 
     The loader cannot check what a model's ``dict`` fields hold (``model.encoders.image`` takes the
     modality's config fields), so a mistake there surfaces when the model is built. Its message names
     the key as a dotted path (``model.encoders.image.out_hidden_size (96) must equal ...``) or as
-    ``'num_layer' in model.encoders.image``; the most specific recipe key it names gives the file:line
-    or flag. Without one (``num_heads (8) must be ...``) the message is only prefixed with ``model``."""
+    ``'num_layer' in model.encoders.image``: the most specific recipe key it names gives the file:line
+    or flag. A model config's own fields are named bare (``num_heads (8) must be a multiple of
+    num_kv_heads (3)``): every one the recipe set is located, in the order the message names them.
+    A message naming no key the recipe set is only prefixed with ``model``."""
     message = str(error)
     for key in sorted(cfg.model.origins, key=len, reverse=True):
         parent, _, name = key.rpartition(".")
         if re.search(rf"({re.escape(key)}|'{re.escape(name)}' in {re.escape(parent)})(?!\.?\w)", message):
             return f"{cfg.model.origins[key]}: {message}"
-    return f"model: {message}"
+    named = {}
+    for key, origin in cfg.model.origins.items():
+        name = key.removeprefix("model.")
+        found = re.search(rf"(?<![\w.]){re.escape(name)}(?![\w.])", message) if "." not in name else None
+        if found:
+            named[found.start()] = origin
+    if not named:
+        return f"model: {message}"
+    where = ", ".join(dict.fromkeys(named[position] for position in sorted(named)))
+    return f"{where}: model.{message}" if 0 in named else f"{where}: model: {message}"
 
 
 def _check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
