@@ -43,15 +43,17 @@ def choose_resume(resume: str, root: Path, problems: Callable[[Path], list[str]]
         raise RunStopped(str(exc)) from None
 
 
-def last_logged_step(metrics_file: Path) -> int:
-    """The step of the last record in ``metrics.jsonl`` (0 when there is none): how far the attempt
-    before a restart got."""
+def last_logged_step(metrics_file: Path, tail_bytes: int = 1 << 20) -> int:
+    """The step of the last whole record in ``metrics.jsonl`` (0 when there is none): how far the
+    attempt before a restart got. Only the file's tail is read (a long run's file is large)."""
     if not metrics_file.is_file():
         return 0
-    last = 0
-    for line in metrics_file.read_text().splitlines():
+    with metrics_file.open("rb") as f:
+        f.seek(max(0, f.seek(0, 2) - tail_bytes))
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
         try:
-            last = int(json.loads(line).get("step", last))
-        except (ValueError, AttributeError):  # a line cut short by the crash
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):  # a line cut short by the crash, or the tail's first
             continue
-    return last
+    return 0
