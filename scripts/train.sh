@@ -9,7 +9,7 @@
 # rank, then exits; add --world-size N (and --gpus) to plan for a cluster you are not on.
 set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
