@@ -41,6 +41,18 @@ def test_a_rank_with_another_folder_stops_every_rank_with_the_same_message(tmp_p
     assert all(seconds < 10 for _, seconds in results), results
 
 
+def test_a_folder_that_cannot_be_made_is_named_with_the_reason(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    unmakeable = tmp_path / "a_file" / "run"
+    on_rank0 = run_distributed(_check, 2, [unmakeable, tmp_path / "run"], 1.0)
+    assert on_rank0[0][0] == on_rank0[1][0]
+    assert on_rank0[0][0].startswith("rank 0 on ") and \
+        f"could not write to train.output_dir {unmakeable}: cannot create it (Not a directory)" in on_rank0[0][0]
+    on_rank1 = run_distributed(_check, 2, [tmp_path / "run", unmakeable], 1.0)
+    assert on_rank1[0][0] == on_rank1[1][0]
+    assert f"(its train.output_dir is {unmakeable}) (cannot create it (Not a directory))" in on_rank1[0][0]
+
+
 def test_two_nodes_with_their_own_output_dir_stop_before_the_first_step(tmp_path):
     env = {**os.environ, "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "RDZV_ID": f"test-{os.getpid()}"}

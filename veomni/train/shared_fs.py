@@ -50,11 +50,11 @@ def check_shared_output_dir(output_dir: Path, timeout_s: float, poll_s: float = 
     token = secrets.token_hex(8) if rank == 0 else ""
     if rank == 0 and not problem:
         problem = _write_marker(folder, token)
-    shared = [token, problem]
+    shared = [token, problem, folder, socket.gethostname()]  # rank 0's, after the broadcast
     dist.broadcast_object_list(shared, src=0)
-    token, writer_problem = shared
+    token, writer_problem, writer_folder, writer_host = shared
     if writer_problem:
-        raise RunStopped(f"rank 0 on {socket.gethostname()} could not write to train.output_dir {folder}: "
+        raise RunStopped(f"rank 0 on {writer_host} could not write to train.output_dir {writer_folder}: "
                          f"{writer_problem}. Set train.output_dir to a folder every node can write to.")
     marker = os.path.join(folder, MARKER_PREFIX + token)
     seen, problem = (False, problem) if problem else _wait_for_marker(marker, token, timeout_s, poll_s)
