@@ -108,15 +108,19 @@ def _not_shared_message(writer: Sighting, blind: list[Sighting], timeout_s: floa
     groups: dict[tuple[str, str, str], list[int]] = {}
     for s in blind:
         groups.setdefault((s.host, s.output_dir, s.problem), []).append(s.rank)
-    who = "; ".join(
-        f"{_ranks(ranks)} on {host}"
-        + (f" (its train.output_dir is {folder})" if folder != writer.output_dir else "")
-        + (f" ({problem})" if problem else "")
-        for (host, folder, problem), ranks in groups.items())
+    who = "; ".join(f"{_ranks(ranks)} on {host}{_details(folder, problem, writer.output_dir)}"
+                    for (host, folder, problem), ranks in groups.items())
     return (f"train.output_dir is not one folder shared by all nodes: {who} did not see the marker that "
             f"rank 0 on {writer.host} wrote in {writer.output_dir} within {timeout_s:g} s "
             f"(train.shared_fs_timeout_s). Checkpoints need a filesystem shared by all nodes: set "
             f"train.output_dir to a path every node mounts (NFS, Lustre, ...), the same on every node.")
+
+
+def _details(folder: str, problem: str, writer_folder: str) -> str:
+    """`` (its train.output_dir is /b, cannot create it (...))``, or "" when there is nothing to add."""
+    details = [f"its train.output_dir is {folder}"] if folder != writer_folder else []
+    details += [problem] if problem else []
+    return f" ({', '.join(details)})" if details else ""
 
 
 def _ranks(ranks: list[int]) -> str:
