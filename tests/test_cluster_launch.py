@@ -22,7 +22,7 @@ def _clean_env(**variables: str) -> dict[str, str]:
 
 
 def _detect(**variables: str) -> subprocess.CompletedProcess:
-    script = (f"source {REPO / 'scripts' / '_cluster.sh'}; "
+    script = (f"set -euo pipefail; source {REPO / 'scripts' / '_cluster.sh'}; "
               'echo "$NNODES|$NODE_RANK|$MASTER_ADDR|$MASTER_PORT|$RDZV_ID|${NPROC_PER_NODE:-}|$LAYOUT_FROM"')
     return subprocess.run(["bash", "-c", script], env=_clean_env(**variables), capture_output=True, text=True,
                           timeout=30)
@@ -43,6 +43,7 @@ SRUN = dict(SLURM_JOB_ID="4321987", SLURM_NNODES="4", SLURM_NODEID="2", SLURM_ST
     ({**SRUN, "SLURM_JOB_NODELIST": "a1,a2,a3,a4"}, "4|2|a1|16987|slurm-4321987|8|Slurm"),
     ({**SRUN, "MASTER_PORT": "1234", "NPROC_PER_NODE": "2", "RDZV_ID": "mine"}, "4|2|gpu-a07|1234|mine|2|Slurm"),
     ({**SRUN, "NNODES": "1"}, "1|0|127.0.0.1|29500|veomni-29500||NNODES/NODE_RANK"),
+    (dict(SLURM_JOB_ID="12", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="n1"), "1|0|n1|15012|slurm-12||Slurm"),
     # Kubeflow training-operator PyTorchJob, 2 replicas x nprocPerNode 8: WORLD_SIZE counts processes.
     (dict(MASTER_ADDR="job-master-0", MASTER_PORT="23456", WORLD_SIZE="16", RANK="1", PET_NNODES="2",
           PET_NODE_RANK="1", PET_NPROC_PER_NODE="8"), "2|1|job-master-0|23456|veomni-job-master-0|8|Kubeflow (PET_*)"),
@@ -50,7 +51,7 @@ SRUN = dict(SLURM_JOB_ID="4321987", SLURM_NNODES="4", SLURM_NODEID="2", SLURM_ST
     (dict(PET_NNODES="3", PET_NODE_RANK="2", PET_MASTER_ADDR="tj-node-0-0.tj", PET_MASTER_PORT="29400",
           PET_NPROC_PER_NODE="auto"), "3|2|tj-node-0-0.tj|29400|veomni-tj-node-0-0.tj||Kubeflow (PET_*)"),
 ], ids=["none", "user", "srun", "nodelist-list", "nodelist-two-brackets", "nodelist-plain", "user-wins-slurm",
-        "user-nnodes-wins", "pytorchjob", "trainjob"])
+        "user-nnodes-wins", "one-node-job", "pytorchjob", "trainjob"])
 def test_layout_detection(variables, layout):
     result = _detect(**variables)
     assert result.returncode == 0, result.stderr
