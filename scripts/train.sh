@@ -36,12 +36,13 @@ python -m veomni.launch "$RECIPE" --launcher-world-size "$WORLD" --launch-settin
 [ "$DRY_RUN" = 1 ] && exit 0
 source "$SETTINGS"  # MAX_RESTARTS (train.max_restarts)
 
-[ -n "$LAYOUT_FROM" ] && echo "[train.sh] layout from $LAYOUT_FROM: $NNODES node(s), this is node $NODE_RANK," \
-    "master $MASTER_ADDR:$MASTER_PORT, run id $RDZV_ID" >&2
 echo "[train.sh] $NNODES node(s) x $NPROC_PER_NODE process(es), $([ "$GPUS" -gt 0 ] && echo "GPU/NCCL" || echo "CPU/gloo")" >&2
 if [ "$NNODES" = 1 ]; then
+    [ -n "$LAYOUT_FROM" ] && echo "[train.sh] layout from $LAYOUT_FROM: 1 node" >&2
     RDZV=(--standalone)
 else
+    [ -n "$LAYOUT_FROM" ] && echo "[train.sh] layout from $LAYOUT_FROM: $NNODES nodes, this is node $NODE_RANK," \
+        "master $MASTER_ADDR:$MASTER_PORT, run id $RDZV_ID" >&2
     RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID"
           --node-rank="$NODE_RANK")
 fi

@@ -103,7 +103,7 @@ def test_two_nodes_under_srun_train_together(tmp_path):
         SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2", SLURM_JOB_NODELIST="127.0.0.[1-2]",
         SLURM_GPUS_ON_NODE="1"))
     for rank, log in enumerate(logs):
-        assert (f"[train.sh] layout from Slurm: 2 node(s), this is node {rank}, master 127.0.0.1:{port}, "
+        assert (f"[train.sh] layout from Slurm: 2 nodes, this is node {rank}, master 127.0.0.1:{port}, "
                 f"run id slurm-{job_id}") in log, log[-3000:]
         assert "2 node(s) x 1 process(es)" in log
     meta = _checkpoint_layout(tmp_path / "run")
@@ -116,7 +116,7 @@ def test_two_nodes_of_a_kubeflow_job_train_together(tmp_path):
         PET_NNODES="2", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port,
         PET_NPROC_PER_NODE="1"))
     for rank, log in enumerate(logs):
-        assert (f"[train.sh] layout from Kubeflow (PET_*): 2 node(s), this is node {rank}, "
+        assert (f"[train.sh] layout from Kubeflow (PET_*): 2 nodes, this is node {rank}, "
                 f"master 127.0.0.1:{port}") in log, log[-3000:]
     meta = _checkpoint_layout(tmp_path / "run")
     assert (meta["world_size"], meta["run_id"]) == (2, "veomni-127.0.0.1")
