@@ -1,6 +1,6 @@
 """``scripts/train.sh`` reads the node layout from Slurm and Kubeflow by itself (scripts/_cluster.sh):
-the detection on its own (quick), and two nodes on loopback launched as srun / the training operator
-would launch them, training together to the end."""
+the detection on its own (quick), and two nodes on loopback, started by scripts/sbatch_example.sh or
+as the Kubeflow training operator starts them, training together to the end."""
 
 import json
 import os
@@ -94,19 +94,47 @@ def _checkpoint_layout(out) -> dict:
     return json.loads((out / "checkpoints" / "step_00000002" / "complete.json").read_text())
 
 
-def test_two_nodes_under_srun_train_together(tmp_path):
-    """The port comes from the job id (15000 + its last 4 digits), the master from the node list."""
+FAKE_SRUN = """#!/usr/bin/env bash
+# Stands in for srun on a machine without Slurm: runs the command once per node of the job, as a
+# step with one task per node would, each node's output in $SRUN_LOGS/nodeN.log.
+echo "$@" > "$SRUN_LOGS/args"
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_NNODES - 1))); do
+    SLURM_NODEID=$node SLURM_STEP_ID=0 SLURM_STEP_NUM_NODES=$SLURM_NNODES SLURM_STEP_NUM_TASKS=$SLURM_NNODES \
+        SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST "$@" > "$SRUN_LOGS/node$node.log" 2>&1 &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def test_the_sbatch_example_trains_two_nodes(tmp_path):
+    """scripts/sbatch_example.sh in a 2-node job (srun stood in for): the port comes from the job
+    id (15000 + its last 4 digits), the master from the node list, processes from the GPU count."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
     port = _free_port_in(15000, 25000)
     job_id = str(7_000_000 + port - 15000)
-    logs = _two_nodes(tmp_path / "run", lambda rank: dict(
-        SLURM_JOB_ID=job_id, SLURM_NNODES="2", SLURM_NODEID=str(rank), SLURM_STEP_ID="0",
-        SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2", SLURM_JOB_NODELIST="127.0.0.[1-2]",
-        SLURM_GPUS_ON_NODE="1"))
+    out = tmp_path / "run"
+    env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_LOGS=str(tmp_path), SLURM_JOB_ID=job_id,
+                     SLURM_NNODES="2", SLURM_JOB_NODELIST="127.0.0.[1-2]", SLURM_GPUS_ON_NODE="1",
+                     SLURM_SUBMIT_DIR=str(REPO))
+    result = subprocess.run(["bash", str(REPO / "scripts" / "sbatch_example.sh"), str(QUICKSTART), *SMALL,
+                             "--train.max_steps", "2", "--train.output_dir", str(out), "--checkpoint.interval", "0"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    logs = [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+    assert result.returncode == 0, result.stderr + "\n".join(logs)[-4000:]
+    assert (tmp_path / "args").read_text().startswith("--ntasks-per-node=1 ")
     for rank, log in enumerate(logs):
         assert (f"[train.sh] layout from Slurm: 2 nodes, this is node {rank}, master 127.0.0.1:{port}, "
                 f"run id slurm-{job_id}") in log, log[-3000:]
         assert "2 node(s) x 1 process(es)" in log
-    meta = _checkpoint_layout(tmp_path / "run")
+    meta = _checkpoint_layout(out)
     assert (meta["world_size"], meta["run_id"]) == (2, f"slurm-{job_id}")
 
 
