@@ -3,7 +3,8 @@
 #
 # Creates/reuses .venv, validates the recipe (and prepares bundled data) before any worker
 # starts, then launches one process per GPU (NCCL), or NPROC_PER_NODE processes (default 2)
-# on CPU (gloo). Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node.
+# on CPU (gloo). Multi-node: under Slurm (srun, one task per node) or Kubeflow the layout is
+# read from the cluster; elsewhere set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node.
 # --dry-run prints the resolved config, layout, parameter count, FLOPs/token and memory per
 # rank, then exits; add --world-size N (and --gpus) to plan for a cluster you are not on.
 set -euo pipefail
@@ -19,11 +20,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
 if [ "$GPUS" -gt 0 ]; then DEFAULT_NPROC=$GPUS; else DEFAULT_NPROC=2; fi
+source "$(dirname "${BASH_SOURCE[0]}")/_cluster.sh"  # NNODES, NODE_RANK, MASTER_*, RDZV_ID: user, Slurm, Kubeflow
 NPROC_PER_NODE="${NPROC_PER_NODE:-$DEFAULT_NPROC}"
-NNODES="${NNODES:-1}"
-NODE_RANK="${NODE_RANK:-0}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-MASTER_PORT="${MASTER_PORT:-29500}"
 WORLD=$((NNODES * NPROC_PER_NODE))
 GPU_FLAG=()
 [ "$GPUS" -gt 0 ] && GPU_FLAG=(--gpus)
@@ -40,9 +38,12 @@ source "$SETTINGS"  # MAX_RESTARTS (train.max_restarts)
 
 echo "[train.sh] $NNODES node(s) x $NPROC_PER_NODE process(es), $([ "$GPUS" -gt 0 ] && echo "GPU/NCCL" || echo "CPU/gloo")" >&2
 if [ "$NNODES" = 1 ]; then
+    [ -n "$LAYOUT_FROM" ] && echo "[train.sh] layout from $LAYOUT_FROM: 1 node" >&2
     RDZV=(--standalone)
 else
-    RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="${RDZV_ID:-veomni}"
+    [ -n "$LAYOUT_FROM" ] && echo "[train.sh] layout from $LAYOUT_FROM: $NNODES nodes, this is node $NODE_RANK," \
+        "master $MASTER_ADDR:$MASTER_PORT, run id $RDZV_ID" >&2
+    RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID"
           --node-rank="$NODE_RANK")
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}"

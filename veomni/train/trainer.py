@@ -49,6 +49,7 @@ from veomni.train.recovery import BadStepHandling
 from veomni.train.reporting import MetricsReporter
 from veomni.train.restart import choose_resume, last_logged_step, restart_attempt, run_id
 from veomni.train.runner import build_runner
+from veomni.train.shared_fs import check_shared_output_dir
 from veomni.train.stop import RunStopped
 from veomni.train.summary import RunSummary, format_summary, next_commands, summary_record, training_stats
 
@@ -78,8 +79,8 @@ class Trainer(BadStepHandling):
         self.meshes = build_mesh(self.dims, self.device.type)
         self.output_dir = Path(cfg.train.output_dir)
         self.launch = list(launch) if launch else [str(self.output_dir / "config.yaml")]
+        check_shared_output_dir(self.output_dir, cfg.train.shared_fs_timeout_s)  # makes it on every node
         if self.rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         logger.info("layout: %s", self.dims.describe())
 
