@@ -20,7 +20,9 @@ SMALL = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--mod
 
 
 def train_sh(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "NPROC_PER_NODE": "2", **(env or {})}
+    # a test's own layout: a Slurm / Kubeflow allocation the tests run inside must not set it
+    outside = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
+    full_env = {**outside, "NPROC_PER_NODE": "2", **(env or {})}
     return subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
