@@ -2,6 +2,7 @@
 naming the collective it waits in (veomni/train/watchdog.py, hang_report.py)."""
 
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -57,3 +58,27 @@ def test_stalled_rank_makes_the_run_fail_fast_with_hang_reports(tmp_path):
     assert re.search(r"waiting in collective (all_reduce|all_gather\w*|barrier|reduce_scatter\w*) \(", waiting), waiting
     assert "not in a collective" in stalled and "veomni/train/faults.py" in stalled, stalled
     assert waiting.splitlines()[0] in result.stderr  # the report is in the log too
+
+
+WARMUP_THEN_STUCK = """
+import sys, time
+from pathlib import Path
+from veomni.train.watchdog import Watchdog
+watchdog = Watchdog(0.5, Path(sys.argv[1]), 3, "gloo", armed=True)
+watchdog.beat("step 1")
+time.sleep(1.0)  # over the timeout, within the first step's warm-up allowance
+watchdog.beat("step 2")
+time.sleep(30)
+"""
+
+
+def test_first_phase_of_a_kind_gets_the_warm_up_allowance_then_the_timeout_applies(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(WARMUP_THEN_STUCK)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == HANG_EXIT_CODE, result.stderr
+    assert time.monotonic() - start < 15
+    report = (tmp_path / "rank_00003.txt").read_text()
+    assert "phase 'step 2', limit 0.5 s (train.collective_timeout_s)" in report, report
+    assert "not in a collective" in report and "time.sleep(30)" in report

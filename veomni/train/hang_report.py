@@ -87,11 +87,12 @@ def locate(frame: FrameType | None) -> Whereabouts:
     return Whereabouts(collective, callers, innermost, stack)
 
 
-def format_report(rank: int, phase: str, idle_s: float, limit_s: float, where: Whereabouts,
-                  backend: str) -> str:
-    """The text a stuck rank writes to stderr and to ``hang_reports/rank_XXXXX.txt``."""
+def format_report(rank: int, phase: str, idle_s: float, limit: str, where: Whereabouts, backend: str) -> str:
+    """The text a stuck rank writes to stderr and to ``hang_reports/rank_XXXXX.txt``; ``limit``
+    says what the rank was allowed (``5 s (train.collective_timeout_s)``)."""
     head = (f"[watchdog] rank {rank} (host {socket.gethostname()}, pid {os.getpid()}) made no progress "
-            f"for {idle_s:.0f} s in phase '{phase}' (limit {limit_s:g} s, train.collective_timeout_s)")
+            f"for {idle_s:.1f} s in phase '{phase}', limit {limit}; if this phase is just slow, "
+            "raise train.collective_timeout_s")
     if where.collective is not None:
         chain = " <- ".join(where.called_from) or "torch internals"
         what = f"waiting in collective {where.collective}, called from {chain}"

@@ -378,6 +378,7 @@ class Trainer(BadStepHandling):
     def write_samples(self) -> None:
         """The family's validation samples from the current (EMA, when kept) weights, on every rank
         (sharded weights need all of them); rank 0 writes and logs them."""
+        self.watchdog.beat(f"samples at step {self.step}")
         averaged = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
         was_training = self.model.training
         self.model.eval()

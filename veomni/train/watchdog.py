@@ -120,7 +120,9 @@ class Watchdog:
 
     def _expire(self, phase: str, idle: float, limit: float, frame) -> None:
         where = locate(frame)
-        report = format_report(self.rank, phase, idle, limit, where, self.backend)
+        allowed = f"{limit:g} s (train.collective_timeout_s" + (
+            f" x {WARMUP_FACTOR}, the first phase of its kind)" if limit > self.timeout_s else ")")
+        report = format_report(self.rank, phase, idle, allowed, where, self.backend)
         print(report, file=sys.stderr, flush=True)
         try:
             self.report_dir.mkdir(parents=True, exist_ok=True)
