@@ -15,6 +15,7 @@ from __future__ import annotations
 import linecache
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,8 @@ def locate(frame: FrameType | None) -> Whereabouts:
 def format_report(rank: int, phase: str, idle_s: float, limit: str, where: Whereabouts, backend: str) -> str:
     """The text a stuck rank writes to stderr and to ``hang_reports/rank_XXXXX.txt``; ``limit``
     says what the rank was allowed (``5 s (train.collective_timeout_s)``)."""
-    head = (f"[watchdog] rank {rank} (host {socket.gethostname()}, pid {os.getpid()}) made no progress "
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    head = (f"[watchdog] {when}: rank {rank} (host {socket.gethostname()}, pid {os.getpid()}) made no progress "
             f"for {idle_s:.1f} s in phase '{phase}', limit {limit}; if this phase is just slow, "
             "raise train.collective_timeout_s")
     if where.collective is not None:

@@ -6,8 +6,9 @@ heartbeat at phase boundaries (``beat("step 15")``, ``beat("eval at step 20")``,
 save and load). With no beat for ``train.collective_timeout_s`` the thread writes a report
 (``hang_report.py``: the phase, the collective the main thread waits in and who called it, or
 "not in a collective", and the full main-thread stack) to stderr and to
-``<output_dir>/hang_reports/rank_XXXXX.txt``, then ends the process with ``os._exit(124)`` so
-torchrun restarts the group (``train.max_restarts``) instead of waiting.
+``<output_dir>/hang_reports/rank_XXXXX.txt`` (``rank_XXXXX.restart_N.txt`` after the Nth
+restart), then ends the process with ``os._exit(124)`` so torchrun restarts the group
+(``train.max_restarts``) instead of waiting.
 
 - Warm-up: the first phase of each kind after a (re)start (start-up, the first step, the first
   eval, the first checkpoint save) may compile, fill caches or create folders: it gets
@@ -25,14 +26,13 @@ torchrun restarts the group (``train.max_restarts``) instead of waiting.
 
 The thread also samples, every ``SAMPLE_S``, whether the main thread is inside a
 ``torch.distributed`` call: ``waited_s`` gives the time spent there since the last beat, which
-the straggler check (``stragglers.py``) subtracts from the step time. Only armed with more than one rank: a
-single process has no peer to wait for.
+the straggler check (``stragglers.py``) subtracts from the step time. Only armed with more than
+one rank: a single process has no peer to wait for.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import logging
 import os
 import sys
 import threading
@@ -42,8 +42,6 @@ from pathlib import Path
 import torch
 
 from veomni.train.hang_report import collective_frame, format_report, locate
-
-logger = logging.getLogger(__name__)
 
 WARMUP_FACTOR = 3
 PG_TIMEOUT_MARGIN_S = 60.0
@@ -70,6 +68,8 @@ class Watchdog:
         self.backend = backend
         self.armed = armed
         self._watched = threading.get_ident()
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # a restart keeps earlier reports
+        self._name = f"rank_{rank:05d}" + (f".restart_{restart}" if restart else "")
         self._lock = threading.Lock()
         self._kinds_seen: set[str] = set()
         self._phase, self._since, self._limit = "start-up", time.monotonic(), 0.0
@@ -112,7 +112,7 @@ class Watchdog:
             frame = sys._current_frames().get(self._watched)
             with self._lock:
                 if collective_frame(frame) is not None:
-                    self._waited_s += now - last
+                    self._waited_s += now - max(last, self._since)  # none of it before the last beat
                 phase, idle, limit = self._phase, now - self._since, self._limit
             last = now
             if idle > limit:
@@ -126,10 +126,10 @@ class Watchdog:
         print(report, file=sys.stderr, flush=True)
         try:
             self.report_dir.mkdir(parents=True, exist_ok=True)
-            (self.report_dir / f"rank_{self.rank:05d}.txt").write_text(report)
+            (self.report_dir / f"{self._name}.txt").write_text(report)
             if self.backend == "nccl":
                 trace = torch._C._distributed_c10d._dump_fr_trace()
-                (self.report_dir / f"rank_{self.rank:05d}.flight_recorder.pkl").write_bytes(trace)
+                (self.report_dir / f"{self._name}.flight_recorder.pkl").write_bytes(trace)
         except Exception as exc:  # noqa: BLE001 - the exit below matters more than the files
             print(f"[watchdog] rank {self.rank}: could not write the hang report under {self.report_dir}: {exc}",
                   file=sys.stderr, flush=True)
