@@ -38,6 +38,14 @@ def test_one_slow_step_or_a_small_gap_is_not_a_straggler():
     assert tiny_steps[-1]["stragglers"] == [] and tiny_steps[-1]["slowest_rank"] == 3  # 4x, but only 30 ms
 
 
+def test_ranks_are_compared_within_their_pipeline_stage():
+    stages = [0, 0, 1, 1]
+    balanced = _feed(StragglerDetector(1.5, 1, HOSTS, stages), [[1.0, 1.0, 2.0, 2.0]])[0]
+    assert balanced["stragglers"] == []  # the second stage is slower by design, not a straggler
+    slow = _feed(StragglerDetector(1.5, 1, HOSTS, stages), [[1.0, 1.0, 2.0, 4.0]])[0]
+    assert slow["stragglers"] == [3] and slow["slowest_rank"] == 3 and slow["slowest_ratio"] == 2.0
+
+
 def test_off_and_single_rank_report_nothing():
     assert _feed(StragglerDetector(0, 1, HOSTS), [[1.0, 1.0, 1.0, 9.0]]) == [{}]
     assert _feed(StragglerDetector(1.5, 1, ["solo"]), [[9.0]]) == [{}]

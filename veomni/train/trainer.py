@@ -79,9 +79,10 @@ class Trainer(BadStepHandling):
         self.rank = dist.get_rank()
         self.watchdog = Watchdog.for_run(cfg.train.collective_timeout_s, Path(cfg.train.output_dir), self.rank,
                                          dist.get_world_size(), dist.get_backend())
-        self.stragglers = StragglerDetector.for_run(cfg.train.straggler_factor, cfg.train.straggler_window)
         self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
         self.meshes = build_mesh(self.dims, self.device.type)
+        self.stragglers = StragglerDetector.for_run(cfg.train.straggler_factor, cfg.train.straggler_window,
+                                                    self.meshes.pp.get_local_rank())
         self.output_dir = Path(cfg.train.output_dir)
         self.launch = list(launch) if launch else [str(self.output_dir / "config.yaml")]
         check_shared_output_dir(self.output_dir, cfg.train.shared_fs_timeout_s)  # makes it on every node
