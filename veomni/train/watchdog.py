@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -124,16 +125,20 @@ class Watchdog:
             f" x {WARMUP_FACTOR}, the first phase of its kind)" if limit > self.timeout_s else ")")
         report = format_report(self.rank, phase, idle, allowed, where, self.backend)
         print(report, file=sys.stderr, flush=True)
-        try:
-            self.report_dir.mkdir(parents=True, exist_ok=True)
-            (self.report_dir / f"{self._name}.txt").write_text(report)
-            if self.backend == "nccl":
-                trace = torch._C._distributed_c10d._dump_fr_trace()
-                (self.report_dir / f"{self._name}.flight_recorder.pkl").write_bytes(trace)
-        except Exception as exc:  # noqa: BLE001 - the exit below matters more than the files
-            print(f"[watchdog] rank {self.rank}: could not write the hang report under {self.report_dir}: {exc}",
-                  file=sys.stderr, flush=True)
+        self._save(f"{self._name}.txt", report.encode())
+        if self.backend == "nccl":
+            self._save(f"{self._name}.flight_recorder.pkl", torch._C._distributed_c10d._dump_fr_trace)
         if where.collective is None:
             time.sleep(culprit_grace_s(self.timeout_s))
         sys.stderr.flush()
         os._exit(HANG_EXIT_CODE)
+
+    def _save(self, name: str, content: bytes | Callable[[], bytes]) -> None:
+        """Write one file of the report; a failure is said, never raised: the exit matters more."""
+        try:
+            data = content() if callable(content) else content
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            (self.report_dir / name).write_bytes(data)
+        except Exception as exc:  # noqa: BLE001
+            print(f"[watchdog] rank {self.rank}: could not write {self.report_dir / name}: {exc}",
+                  file=sys.stderr, flush=True)
