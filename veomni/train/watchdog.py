@@ -94,7 +94,7 @@ class Watchdog:
             self._phase, self._since, self._limit = phase, time.monotonic(), limit
             self._waited_s = 0.0
         if self.armed:
-            faulthandler.dump_traceback_later(limit + FALLBACK_MARGIN_S, exit=True, file=sys.stderr)
+            faulthandler.dump_traceback_later(limit + FALLBACK_MARGIN_S, exit=True, file=sys.__stderr__)
 
     def waited_s(self) -> float:
         """Seconds the watched thread has spent in ``torch.distributed`` calls since the last beat."""
