@@ -18,7 +18,7 @@ def pick_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(preference: str = "auto", timeout_s: int = 600) -> torch.device:
+def init_distributed(preference: str = "auto", timeout_s: float = 600) -> torch.device:
     """Join (or, for a plain ``python`` run, create a 1-rank) process group; return the device."""
     device = pick_device(preference)
     os.environ.setdefault("RANK", "0")
@@ -32,6 +32,8 @@ def init_distributed(preference: str = "auto", timeout_s: int = 600) -> torch.de
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "nccl"
+        # NCCL's flight recorder: the watchdog dumps it when a rank hangs (veomni.train.watchdog)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     else:
         backend = "gloo"
         # Several ranks share the CPU: split its cores so they do not oversubscribe it, unless
@@ -68,3 +70,11 @@ def all_reduce_values(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=op, group=group)
     return tensor.tolist()
+
+
+def all_gather_values(values: list[float], device: torch.device | None = None) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on each), one row per rank, in one collective."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, tensor)
+    return [row.tolist() for row in rows]

@@ -40,7 +40,7 @@ from veomni.spec import build_config, get_model_spec, load_plugins
 from veomni.tasks.base import Baseline, Task, task_generator
 from veomni.tasks.lm import LanguageModelingTask
 from veomni.train.baseline import BaselineCollector
-from veomni.train.distributed import all_reduce_values, init_distributed
+from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
 from veomni.train.faults import FaultInjector
 from veomni.train.generate import sample_tokens
@@ -51,7 +51,9 @@ from veomni.train.restart import choose_resume, last_logged_step, restart_attemp
 from veomni.train.runner import build_runner
 from veomni.train.shared_fs import check_shared_output_dir
 from veomni.train.stop import RunStopped
+from veomni.train.stragglers import StragglerDetector
 from veomni.train.summary import RunSummary, format_summary, next_commands, summary_record, training_stats
+from veomni.train.watchdog import Watchdog, process_group_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +75,14 @@ class Trainer(BadStepHandling):
         folder's resolved ``config.yaml`` stands in for them."""
         self._started = time.perf_counter()
         self.cfg = cfg
-        self.device = init_distributed(cfg.train.device)
+        self.device = init_distributed(cfg.train.device, process_group_timeout_s(cfg.train.collective_timeout_s))
         self.rank = dist.get_rank()
+        self.watchdog = Watchdog.for_run(cfg.train.collective_timeout_s, Path(cfg.train.output_dir), self.rank,
+                                         dist.get_world_size(), dist.get_backend())
         self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
         self.meshes = build_mesh(self.dims, self.device.type)
+        self.stragglers = StragglerDetector.for_run(cfg.train.straggler_factor, cfg.train.straggler_window,
+                                                    self.meshes.pp.get_local_rank())
         self.output_dir = Path(cfg.train.output_dir)
         self.launch = list(launch) if launch else [str(self.output_dir / "config.yaml")]
         check_shared_output_dir(self.output_dir, cfg.train.shared_fs_timeout_s)  # makes it on every node
@@ -174,11 +180,13 @@ class Trainer(BadStepHandling):
         }
 
     def save_checkpoint(self) -> None:
+        self.watchdog.beat(f"checkpoint save at step {self.step}")
         self.checkpoints.save(self.step, self.parts, self.optimizer, self._app_state(), self._rank_state())
         self._last_saved_step = self.step
 
     def _load(self, path: Path) -> tuple[dict, list[dict]]:
         """Weights, optimizer, schedule and counters from checkpoint ``path``; its layout and rank states."""
+        self.watchdog.beat(f"checkpoint load from {path}")
         try:
             app_state = self._app_state()
             meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state)
@@ -241,6 +249,7 @@ class Trainer(BadStepHandling):
         eval data. Also sets ``last_eval`` and ``baseline`` (the task's, on the same eval batches)."""
         if not self.cfg.data.eval_path:
             return {}
+        self.watchdog.beat(f"eval at step {self.step}")
         for part in self.parts:
             part.eval()
         baseline = BaselineCollector(self.task)
@@ -272,6 +281,7 @@ class Trainer(BadStepHandling):
     def run_step(self) -> dict[str, float]:
         """One optimizer step plus what follows it: metrics, eval and checkpoint when due."""
         cfg = self.cfg
+        self.watchdog.beat(f"step {self.step + 1}")
         metrics = self._named(self.train_step(self._next_micro_batches()))
         if "skipped" in metrics:
             self._skipped(metrics)
@@ -282,11 +292,13 @@ class Trainer(BadStepHandling):
         self.step += 1
         self.units_seen += units
         elapsed = self._timer.lap()
-        # The stop flag rides on this all-reduce so every rank learns of a signal at the same step
-        # (over the world: with pipelines the loss group leaves out the other stages).
-        peak_mem, slowest, stop = all_reduce_values(
-            [peak_memory_gb(self.device), elapsed, float(self._signal_received is not None)],
-            op=dist.ReduceOp.MAX)
+        # One all-gather over the world (with pipelines the loss group leaves out the other stages):
+        # maxima for the metrics, the stop flag so every rank learns of a signal at the same step, and
+        # each rank's own time (outside collectives) for the straggler check.
+        ranks = all_gather_values([peak_memory_gb(self.device), elapsed, float(self._signal_received is not None),
+                                   elapsed - self.watchdog.waited_s()])
+        peak_mem, slowest, stop, _ = (max(column) for column in zip(*ranks))
+        metrics.update(self.stragglers.observe(self.step, [row[3] for row in ranks]))
         world = self.dims.world_size
         metrics.update({
             self._key("s_per_s"): units / slowest,
@@ -326,6 +338,7 @@ class Trainer(BadStepHandling):
             self.reporter.close()
         else:
             self.finish(history)
+        self.watchdog.stop()
         return history
 
     def finish(self, history: list[dict[str, float]]) -> None:
@@ -366,6 +379,7 @@ class Trainer(BadStepHandling):
     def write_samples(self) -> None:
         """The family's validation samples from the current (EMA, when kept) weights, on every rank
         (sharded weights need all of them); rank 0 writes and logs them."""
+        self.watchdog.beat(f"samples at step {self.step}")
         averaged = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
         was_training = self.model.training
         self.model.eval()
