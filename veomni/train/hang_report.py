@@ -40,7 +40,8 @@ def _frames_outward(frame: FrameType | None) -> list[FrameType]:
 
 def short_path(path: str) -> str:
     """``veomni/train/step.py``, ``torch/distributed/distributed_c10d.py``: where to look, briefly."""
-    for root in (_PROJECT_ROOT, os.path.dirname(_TORCH_DIR.rstrip(os.sep)) + os.sep):
+    # torch's own folder first: a virtual environment may live inside the project
+    for root in (os.path.dirname(_TORCH_DIR.rstrip(os.sep)) + os.sep, _PROJECT_ROOT):
         if path.startswith(root):
             return path[len(root):]
     return path
