@@ -50,8 +50,8 @@ def test_sigkill_at_step_15_restarts_and_matches_the_uninterrupted_run(tmp_path,
 
 
 def test_a_dead_node_restarts_both_nodes(tmp_path, uninterrupted):
-    """Two nodes (one process each, on loopback): rank 1, alone on node 1, is killed; both nodes'
-    agents restart their workers, which meet again and finish the run with the same losses."""
+    """Two nodes (one process each, on loopback): rank 1 is killed; both nodes' agents restart their
+    workers, which meet again and finish the run with the same losses."""
     out = tmp_path / "run"
     env = {**os.environ, "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "RDZV_ID": f"restart-{os.getpid()}", **faults_env(kill(rank=1, step=15))}
@@ -60,7 +60,9 @@ def test_a_dead_node_restarts_both_nodes(tmp_path, uninterrupted):
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     logs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)[-4000:]
-    assert "exitcode: -9" in logs[1] and "restart 1 (of at most 3): resumed at step 10" in logs[0]
+    # the rendezvous numbers ranks in the order the nodes join: rank 1 may be on either node
+    assert "exitcode: -9" in "".join(logs) and all("restart 1 (of at most 3): resumed at step 10" in log
+                                                   for log in logs)
     losses = _losses(_records(out))
     for step in range(11, 31):
         assert losses[step] == pytest.approx(uninterrupted[step], abs=1e-6), step

@@ -14,6 +14,7 @@ files).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ from pathlib import Path
 from veomni.checkpoint.manager import resume_candidates
 from veomni.checkpoint.verify import choose_checkpoint
 from veomni.train.stop import RunStopped
+
+logger = logging.getLogger(__name__)
 
 
 def restart_attempt() -> int:
@@ -57,3 +60,16 @@ def last_logged_step(metrics_file: Path, tail_bytes: int = 1 << 20) -> int:
         except (ValueError, KeyError, TypeError):  # a line cut short by the crash, or the tail's first
             continue
     return 0
+
+
+def restart_record(output_dir: Path, step: int, max_restarts: int) -> dict[str, int]:
+    """After a restart: ``{"steps_lost": n}`` for the first step record (the steps the dead attempt
+    logged beyond the checkpoint resumed at ``step``, which are run again), and a log line; {} at
+    the first start."""
+    attempt = restart_attempt()
+    if not attempt:
+        return {}
+    lost = max(0, last_logged_step(output_dir / "metrics.jsonl") - step)
+    logger.warning("restart %d (of at most %d): resumed at step %d; the %d step(s) run since that checkpoint "
+                   "are run again", attempt, max_restarts, step, lost)
+    return {"steps_lost": lost}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import torch.distributed as dist
 
@@ -33,7 +34,14 @@ if __name__ == "__main__":
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    code = main(sys.argv[1:])
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:  # a crash: say where, then leave at once (below)
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: gloo occasionally aborts there after success
+    # Skip interpreter teardown, after success and after a crash alike: gloo occasionally aborts
+    # there, and a process group whose peer died can hang in it, so torchrun would never see this
+    # worker fail and never restart the group.
+    os._exit(code)

@@ -47,7 +47,7 @@ from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.recovery import BadStepHandling
 from veomni.train.reporting import MetricsReporter
-from veomni.train.restart import choose_resume, last_logged_step, restart_attempt, run_id
+from veomni.train.restart import choose_resume, restart_attempt, restart_record, run_id
 from veomni.train.runner import build_runner
 from veomni.train.shared_fs import check_shared_output_dir
 from veomni.train.stop import RunStopped
@@ -121,12 +121,8 @@ class Trainer(BadStepHandling):
         if self.resume_path is not None:
             self._resume(self.resume_path)
         self.restarts, self.rollbacks, self._rolled_back_to = restart_attempt(), 0, None
-        self._once: dict[str, Any] = {}  # goes into the next step's metrics only
-        if self.restarts:
-            lost = max(0, last_logged_step(self.output_dir / "metrics.jsonl") - self.step)
-            self._once = {"steps_lost": lost}
-            logger.warning("restart %d (of at most %d): resumed at step %d; the %d step(s) run since that "
-                           "checkpoint are run again", self.restarts, cfg.train.max_restarts, self.step, lost)
+        # goes into the next step's metrics only
+        self._once: dict[str, Any] = restart_record(self.output_dir, self.step, cfg.train.max_restarts)
         self._train_iter: Iterator[dict] = iter(self.train_loader)
         self._timer = StepTimer()
         self._last_saved_step = self.step if self.resume_path is not None else -1
