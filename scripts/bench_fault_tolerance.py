@@ -95,7 +95,7 @@ def bench_checksums(work: Path, hidden: int) -> None:
           f"{hash_s:.2f} s ({hash_s / save_s:.0%}; {total / hash_s / 2**20:.0f} MiB/s on one rank)")
 
 
-def bench_watchdog(repeats: int) -> None:
+def bench_watchdog(repeats: int, rounds: int = 5) -> None:
     from veomni.train.watchdog import Watchdog
 
     model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(6)))
@@ -110,13 +110,17 @@ def bench_watchdog(repeats: int) -> None:
         return statistics.median(times)
 
     steps()  # warm-up
-    plain = steps()
-    with tempfile.TemporaryDirectory() as reports:
-        watchdog = Watchdog(600.0, Path(reports), 0, "gloo", armed=True)
-        watched = steps()
-        watchdog.stop()
-    print(f"watchdog: median step {plain * 1e3:.2f} ms unwatched, {watched * 1e3:.2f} ms watched "
-          f"(x{watched / plain:.3f})")
+    plain, watched = [], []
+    for _ in range(rounds):  # alternated, so drift in the machine's speed hits both alike
+        plain.append(steps())
+        with tempfile.TemporaryDirectory() as reports:
+            watchdog = Watchdog(600.0, Path(reports), 0, "gloo", armed=True)
+            watched.append(steps())
+            watchdog.stop()
+    ratios = sorted(w / p for w, p in zip(watched, plain))
+    print(f"watchdog: median step {statistics.median(plain) * 1e3:.2f} ms unwatched, "
+          f"{statistics.median(watched) * 1e3:.2f} ms watched (x{statistics.median(ratios):.3f}; "
+          f"rounds x{ratios[0]:.3f} to x{ratios[-1]:.3f})")
 
 
 def main() -> None:
