@@ -30,6 +30,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,12 +125,13 @@ def resume_candidates(resume: str, root: Path, run_id: str | None = None) -> tup
     """The checkpoints ``resume`` allows, newest first, and whether the recipe named one folder.
     ``run_id``: a restarted worker group's run (torchrun's ``TORCHELASTIC_RUN_ID``), whose own
     checkpoints come first whatever ``resume`` says: a restart continues the run it restarts."""
-    own = [path for _, path in reversed(list_checkpoints(root))
+    newest_first = [path for _, path in reversed(list_checkpoints(root))]
+    own = [path for path in newest_first
            if run_id and json.loads((path / COMPLETE_MARKER).read_text()).get("run_id") == run_id]
     if resume == "none":
         return own, False
     if resume == "auto":
-        return own + [path for _, path in reversed(list_checkpoints(root)) if path not in own], False
+        return own + [path for path in newest_first if path not in own], False
     path = Path(resume)
     if not (path / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(
@@ -139,11 +141,13 @@ def resume_candidates(resume: str, root: Path, run_id: str | None = None) -> tup
     return own + [path], not own
 
 
-def resolve_resume(resume: str, root: Path, run_id: str | None = None) -> Path | None:
-    """The checkpoint to resume from by the launcher's cheap check (recorded sizes; see
-    ``choose_checkpoint``), or None for a fresh run."""
+def resolve_resume(resume: str, root: Path, run_id: str | None = None,
+                   problems: Callable[[Path], list[str]] = size_problems) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run: the first of ``resume_candidates``
+    without ``problems`` (by default the launcher's cheap check of recorded sizes; the workers pass
+    their agreed hash check). See ``choose_checkpoint``."""
     candidates, explicit = resume_candidates(resume, root, run_id)
-    return choose_checkpoint(candidates, size_problems, explicit, root)
+    return choose_checkpoint(candidates, problems, explicit, root)
 
 
 @dataclass

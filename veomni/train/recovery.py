@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from veomni.checkpoint.manager import list_checkpoints
-from veomni.checkpoint.verify import choose_checkpoint
+from veomni.checkpoint.manager import resolve_resume
 from veomni.train.stop import RunStopped
 
 logger = logging.getLogger(__name__)
@@ -53,8 +52,7 @@ class BadStepHandling:
         root = self.checkpoints.root
         self.checkpoints.wait()
         try:
-            path = choose_checkpoint([p for _, p in reversed(list_checkpoints(root))], self.checkpoints.problems,
-                                     False, root)
+            path = resolve_resume("auto", root, problems=self.checkpoints.problems)
         except ValueError as exc:
             raise RunStopped(f"{what}; cannot roll back: {exc}") from None
         if path is None:

@@ -19,8 +19,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from veomni.checkpoint.manager import resume_candidates
-from veomni.checkpoint.verify import choose_checkpoint
+from veomni.checkpoint.manager import resolve_resume
 from veomni.train.stop import RunStopped
 
 logger = logging.getLogger(__name__)
@@ -40,8 +39,7 @@ def choose_resume(resume: str, root: Path, problems: Callable[[Path], list[str]]
     """The checkpoint to resume from (None: a fresh run), by ``problems`` (the ranks' agreed
     verification); RunStopped, on every rank, when the only candidates are damaged."""
     try:
-        candidates, explicit = resume_candidates(resume, root, run_id() if restart_attempt() else None)
-        return choose_checkpoint(candidates, problems, explicit, root)
+        return resolve_resume(resume, root, run_id() if restart_attempt() else None, problems)
     except (ValueError, FileNotFoundError) as exc:
         raise RunStopped(str(exc)) from None
 
