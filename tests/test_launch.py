@@ -179,9 +179,12 @@ def test_launcher_rebuilds_a_cache_of_an_older_format_version(tmp_path, capfd):
 
 
 def test_launcher_leaves_user_shards_without_a_manifest_alone(tmp_path, capfd):
+    import webdataset
+
     shards = tmp_path / "mine"
     shards.mkdir()
-    (shards / "shard-000000.tar").write_bytes(b"")
+    with webdataset.TarWriter(str(shards / "shard-000000.tar")) as writer:
+        writer.write({"__key__": "d0", "txt": "def f():\n    return 1\n"})
     status, output = _launch(capfd, "--data.train_path", str(shards), "--data.eval_path", str(shards))
     assert status == 0, output
     assert "preparing data" not in output

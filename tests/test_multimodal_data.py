@@ -48,7 +48,7 @@ def test_corrupt_image_is_skipped_and_counted(tmp_path, caplog):
         batches = list(loader)
     assert sum(b["num_samples"] for b in batches) == 5
     assert sum(int(b["media"]["image"]["inputs"]["grid_thw"].shape[0]) for b in batches) == 5
-    assert loader.dataset.state_dict()["bad_prior_epochs"] == 1  # the pass's counter of skipped records
+    assert loader.dataset.state_dict()["sources"]["eval"]["bad_prior_epochs"] == 1  # skipped records of the pass
     assert "broken" in caplog.text and "does not decode" in caplog.text
 
 

@@ -36,8 +36,9 @@ def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
     """``(missing inputs as messages, whether the data is there to read)``; runs ``data.prepare``
     first where needed, except in a dry run, which only says what it would build."""
     paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
-    if not cfg.data.train_path:
-        return ["data.train_path is not set"], False
+    paths.update({f"data.sources[{i}]": source.path for i, source in enumerate(cfg.data.sources)})
+    if not cfg.data.train_path and not cfg.data.sources:
+        return ["data.train_path is not set (or list weighted data.sources)"], False
     if cfg.data.prepare and _needs_prepare(paths):
         script = Path(cfg.data.prepare)
         if not script.is_file():
@@ -63,13 +64,24 @@ def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
     return problems, not problems
 
 
-def _check_dataset(cfg: RunConfig, model_config: Any) -> list[str]:
-    """The dataset kind's own pre-flight checks (a text kind: the tokenizer exists and fits)."""
+def _check_dataset(cfg: RunConfig, model_config: Any, dims: ParallelDims) -> list[str]:
+    """The dataset kind's own pre-flight checks (a text kind: the sources hold records, the tokenizer
+    exists and fits), and whether it can balance ranks when asked to."""
     try:
         kind = get_dataset_kind(dataset_kind_name(cfg.data, get_model_spec(cfg.model.arch).dataset))
     except ValueError as exc:
         return [f"data.kind: {exc}"]
-    return kind.check(cfg.data, model_config)
+    problems = []
+    if cfg.data.balance and not kind.balances:
+        problems.append(f"data.balance: the dataset kind {kind.name!r} cannot balance ranks (packed_text and "
+                        "chat_media can); set data.balance: false")
+    if cfg.data.sources and not kind.balances:
+        problems.append(f"data.sources: the dataset kind {kind.name!r} reads one data.train_path; mixtures are "
+                        "read by packed_text and chat_media")
+    if cfg.data.balance_group and dims.dp_size % cfg.data.balance_group:
+        problems.append(f"data.balance_group={cfg.data.balance_group} must divide the data-parallel size "
+                        f"{dims.dp_size}; pick a divisor, or 0 for the ranks of one node")
+    return problems + kind.check(cfg.data, model_config)
 
 
 def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
@@ -165,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     # the same checks, in the same order, with the same messages in a dry run: only no data is built
     problems, data_ready = _check_data(cfg, args.dry_run)
     if data_ready:
-        problems = _check_dataset(cfg, model_cfg)
+        problems = _check_dataset(cfg, model_cfg, dims)
     if problems:
         return _fail(problems)
     if args.dry_run:

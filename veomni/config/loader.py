@@ -35,7 +35,7 @@ import yaml
 
 from veomni.config.hints import suggest
 from veomni.config.schema import ModelConfig, RunConfig
-from veomni.config.types import ConfigError, coerce, dict_entry_type
+from veomni.config.types import ConfigError, coerce, dict_entry_type, list_entry_dataclass
 
 PATH_KEYS = {
     ("data", "train_path"),
@@ -281,10 +281,36 @@ def _build_value(node: _Value, annotation: Any, dotted: str, is_path: bool = Fal
         key, child = next(iter(node.value.items()))
         raise ConfigError(f"{child.origin}: '{dotted}.{key}' is nested too deep: '{dotted}' takes one value, "
                           "not a mapping of keys")
+    entry_cls = list_entry_dataclass(annotation)
+    if entry_cls is not None:
+        return [_build_entry(entry, entry_cls, f"{dotted}[{index}]", node)
+                for index, entry in enumerate(coerce(_plain(node), list[Any], f"{node.origin}: {dotted}"))]
     value = coerce(_plain(node), annotation, f"{node.origin}: {dotted}")
     if is_path and isinstance(value, str) and value:  # empty: unset (as _absolute keeps it), not the file's folder
         value = str((node.base_dir / os.path.expanduser(value)).resolve())
     return value
+
+
+def _build_entry(entry: Any, cls: type, dotted: str, node: _Value) -> Any:
+    """One mapping of a list of dataclass entries (``data.sources``): closed keys, typed values, and a
+    relative ``path`` resolved against where the list was written."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{node.origin}: {dotted} must be a mapping of {', '.join(_field_names(cls))}, "
+                          f"got {entry!r}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in entry.items():
+        if key not in hints:
+            raise ConfigError(f"{node.origin}: unknown key '{dotted}.{key}'{suggest(str(key), list(hints), dotted)}")
+        values[key] = coerce(value, hints[key], f"{node.origin}: {dotted}.{key}")
+    path = values.get("path")
+    if isinstance(path, str) and path:
+        values["path"] = str((node.base_dir / os.path.expanduser(path)).resolve())
+    return cls(**values)
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _absolute(value: Any) -> Any:
@@ -353,6 +379,9 @@ def _check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),
         (0 <= cfg.data.max_bad_fraction <= 1, ("data", "max_bad_fraction"), "must be in [0, 1]"),
         (cfg.data.tokens_per_micro_batch >= 1, ("data", "tokens_per_micro_batch"), "must be >= 1"),
+        (cfg.data.shuffle_window >= 1, ("data", "shuffle_window"), "must be >= 1 (1 keeps the read order)"),
+        (cfg.data.balance_group >= 0, ("data", "balance_group"), "must be >= 0 (0: the ranks of one node)"),
+        (cfg.data.balance_max_wait >= 1, ("data", "balance_max_wait"), "must be >= 1 step"),
     ]
     max_positions = cfg.model.options.get("max_position_embeddings")
     if max_positions is not None:

@@ -12,12 +12,32 @@ from typing import Any, Literal
 
 
 @dataclass
+class SourceConfig:
+    """One weighted training source of ``data.sources``."""
+
+    path: str = ""
+    """Folder of webdataset ``.tar`` shards, a ``.jsonl`` file, or a folder of ``.jsonl`` files."""
+    weight: float = 1.0
+    """Share of the samples drawn from this source (weights are normalised; 0 pauses the source)."""
+    name: str = ""
+    """Name in metrics and checkpoints (``mix_<name>``); empty takes the folder or file name."""
+    format: Literal["", "auto", "webdataset", "jsonl"] = ""
+    """Empty takes ``data.format``."""
+    text_key: str = ""
+    """Empty takes ``data.text_key``."""
+
+
+@dataclass
 class DataConfig:
     kind: str = ""
     """Registered dataset kind to read (``packed_text``, ``chat_media``, or a plugin's); empty
     takes the one the model family's spec names."""
     train_path: str = ""
     """Folder of webdataset ``.tar`` shards, a ``.jsonl`` file, or a folder of ``.jsonl`` files."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """Several training sources mixed per sample by weight (instead of ``train_path``), e.g.
+    ``[{path: data/text, weight: 0.7}, {path: data/vqa, weight: 0.3}]``; each keeps its own position
+    in checkpoints, and weights may change at a resume. See docs/data.md, "Mixtures"."""
     eval_path: str | None = None
     """Held-out split in the same formats; eval is skipped when unset."""
     prepare: str | None = None
@@ -46,6 +66,19 @@ class DataConfig:
     rows for a kind whose unit is a sample."""
     num_workers: int = 0
     shuffle: bool = True
+    """Shuffle the shard order every epoch, and samples within a window of ``shuffle_window`` records."""
+    shuffle_window: int = 256
+    """Records read ahead and passed on in a seeded random order (held in memory: lower it for large
+    media records); a resume re-reads at most one window. 1 keeps the read order."""
+    balance: bool = False
+    """Give every data-parallel rank an equal share of estimated compute each micro-batch (attention
+    is quadratic in length, encoders cost by patches; the family's cost model says how much), by
+    reordering samples within groups of ranks. See docs/data.md, "Balancing ranks"."""
+    balance_group: int = 0
+    """Data-parallel ranks that reorder samples among themselves; 0 takes the ranks of one node.
+    Must divide the data-parallel size."""
+    balance_max_wait: int = 4
+    """Steps a sample may wait in its rank's window before it is placed whatever the balance."""
     max_bad_fraction: float = 0.01
     """Bad records are skipped and counted; above this fraction the run stops."""
     graph_partitioner: Literal["auto", "metis", "bfs", "index"] = "auto"

@@ -7,6 +7,7 @@ from; kept apart from the loader, which decides *where* values go.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from typing import Any, Literal
@@ -80,4 +81,13 @@ def dict_entry_type(annotation: Any) -> Any:
         return next((t for t in map(dict_entry_type, typing.get_args(annotation)) if t is not None), None)
     if typing.get_origin(annotation) is dict:
         return typing.get_args(annotation)[1]
+    return None
+
+
+def list_entry_dataclass(annotation: Any) -> type | None:
+    """``C`` of a ``list[C]`` annotation whose entries are a dataclass (``data.sources``); None otherwise."""
+    if typing.get_origin(annotation) is list:
+        (entry,) = typing.get_args(annotation)
+        if dataclasses.is_dataclass(entry):
+            return entry
     return None

@@ -56,6 +56,8 @@ def build_dataloader(
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     path = cfg.train_path if split == "train" else cfg.eval_path
+    if split == "train" and cfg.sources:
+        path = ", ".join(source.path for source in cfg.sources)
     if not path:
         raise ValueError(f"data.{split}_path is not set")
     if not 0 <= dp_rank < dp_size:

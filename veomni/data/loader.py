@@ -1,32 +1,36 @@
 """Packed, resumable text loader: documents -> tokens -> padding-free micro-batches.
 
 Every data-parallel rank and loader worker is one *consumer* ``c`` of ``C = dp_size * workers``
-(``c = dp_rank * workers + worker_id``). All consumers read the same deterministic per-epoch
-document stream and consumer ``c`` keeps documents ``i`` with ``i % C == c``: a record-level
-split that needs no shard metadata and no communication. Each kept document is tokenized, gets
+(``c = dp_rank * workers + worker_id``). Each source is read as :mod:`veomni.data.stream` says:
+consumer ``c`` reads only its own shards or byte ranges of them (one pass over the data per epoch
+whatever ``C``), through a seeded shuffle window. Several sources (``data.sources``) are mixed
+per sample by weight (:mod:`veomni.data.mixture`). Each document is tokenized, gets
 ``eos_token_id`` appended, is cut into chunks of ``max_seq_len`` and packed greedily into
-micro-batches of at most ``tokens_per_micro_batch`` tokens (see :mod:`veomni.data.packing`).
+micro-batches of at most ``tokens_per_micro_batch`` tokens (see :mod:`veomni.data.packing`);
+each training micro-batch also says how many of its samples came from each source
+(``SOURCE_COUNTS``).
 
-Resume is exact: the dataset state is the position of the first sample not yet yielded
-(epoch, document index, token offset inside that document) plus record counters. The state
-travels through torchdata's ``StatefulDataLoader`` protocol, so ``loader.state_dict()`` after k
-batches, loaded into a freshly built loader with the same layout, yields batch k+1 onwards.
-Skipped documents are read but never tokenized. For a different layout see
-:func:`merge_loader_states`. Registered as the ``packed_text`` dataset kind.
+Resume is exact and costs one window per source, not a re-read of the epoch: the state is, per
+source, the position of the first sample not yet yielded, plus the mixture's counts. It travels
+through torchdata's ``StatefulDataLoader`` protocol, so ``loader.state_dict()`` after k batches,
+loaded into a freshly built loader with the same layout, yields batch k+1 onwards. At another
+layout :meth:`PackedTextDataset.merge_states` hands every new consumer an exact share of what the
+old consumers had not read. Registered as the ``packed_text`` dataset kind.
 """
 
 from __future__ import annotations
 
-import random
+import logging
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from veomni.config.schema import DataConfig
+from veomni.data.mixture import SourceSpec, check_sources, next_source, run_sources, source_files
 from veomni.data.packing import chunk_document, greedy_pack, pack_samples
 from veomni.data.registry import (
     MERGED_KEY,
@@ -36,7 +40,9 @@ from veomni.data.registry import (
     find_dataset_states,
     register_dataset,
 )
-from veomni.data.sources import ReadStats, iter_texts, resolve_files
+from veomni.data.shards import Piece, ShardFiles
+from veomni.data.sources import ReadStats, count_bad, record_text
+from veomni.data.stream import Part, Ref, SourceStream, StreamPosition, share_parts
 
 if TYPE_CHECKING:  # transformers loads in a second: imported where a tokenizer is loaded, not by every run
     from transformers import PreTrainedTokenizerBase
@@ -44,24 +50,30 @@ if TYPE_CHECKING:  # transformers loads in a second: imported where a tokenizer 
 # torchdata 0.11 calls a torch API that torch 2.13 deprecates, once per iterator; not ours to fix.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
-STATE_FORMAT = "veomni.packed_text.v1"
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "veomni.packed_text.v2"
+SOURCE_COUNTS = "source_counts"
+"""Batch key: ``{source name: samples of this micro-batch drawn from it}`` (the trainer reports the
+realised mixture from it and removes it before the task sees the batch)."""
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where a consumer's stream resumes: the first sample not yet yielded, plus counters.
+    """Where a consumer resumes: every source's stream position and the mixture's counts since its
+    weights were set."""
 
-    ``records_in_epoch`` / ``bad_in_epoch`` count the records read in this epoch before
-    ``next_doc`` (for reporting: a resumed reader recounts them while re-reading).
-    """
+    sources: tuple[StreamPosition, ...]
+    counts: tuple[int, ...]
 
-    epoch: int = 0
-    next_doc: int = 0
-    token_offset: int = 0
-    records_prior_epochs: int = 0
-    bad_prior_epochs: int = 0
-    records_in_epoch: int = 0
-    bad_in_epoch: int = 0
+
+@dataclass(frozen=True)
+class Drawn:
+    """One sample as the mixture passed it on: the kind's item, where it lives, its source's index."""
+
+    item: Any
+    ref: Ref
+    source: int
 
 
 class PackedTextDataset(ResumableDataset):
@@ -70,7 +82,6 @@ class PackedTextDataset(ResumableDataset):
     def __init__(
         self,
         cfg: DataConfig,
-        path: str,
         split: str,
         tokenizer: PreTrainedTokenizerBase,
         dp_rank: int,
@@ -81,35 +92,40 @@ class PackedTextDataset(ResumableDataset):
         problems = check_sample_length(cfg)
         if problems:
             raise ValueError("; ".join(problems))
-        self.fmt, self.files = resolve_files(path, cfg.format)
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id; documents need an end-of-text token")
         self.cfg = cfg
         self.split = split
         self.tokenizer = tokenizer
         self.seed = seed
-        self._start = Position()
-        self._pos = Position()
-        self._end = Position(epoch=1)  # eval's position after its pass; _samples adds the counters
+        self.specs: list[SourceSpec] = run_sources(cfg, split)
+        self.files: list[ShardFiles] = [source_files(spec, split) for spec in self.specs]
+        self.weights = [spec.weight for spec in self.specs]
+        fresh = Position(tuple(StreamPosition() for _ in self.specs), tuple(0 for _ in self.specs))
+        self._fresh = fresh
+        self._start = self._pos = fresh
+        self.unpacked = False
+        """Yield single drawn samples instead of packed micro-batches (set by a balancing feed)."""
+        self._merged: list[dict[str, Any]] | None = None
+        """Every old consumer's state after a layout change, resolved into a start when iterated."""
+        self._end = replace(fresh, sources=tuple(StreamPosition(epoch=1) for _ in self.specs))
+        self._plans: dict[str, dict[int, list[Part]]] = {}
 
-    def _epoch_files(self, epoch: int) -> list[Path]:
-        """Shard order of one epoch: shuffled with seed and epoch for training, sorted otherwise."""
-        files = list(self.files)
-        if self.split == "train" and self.cfg.shuffle:
-            random.Random(f"{self.seed}:{epoch}").shuffle(files)
-        return files
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this consumer has read from its sources' files (data, headers, index scans)."""
+        return sum(files.bytes_read for files in self.files)
 
     # ----- what a subclass with another record type overrides (see veomni/data/multimodal.py) -----
-    UNIT = ("document", "documents")
-    """How the "no usable record in a whole epoch" error names one record and several."""
-
-    def _records(self, files: list[Path], stats: ReadStats, warn: bool) -> Iterator[Any]:
-        """One epoch's record stream (every consumer reads the same one)."""
-        return iter_texts(files, self.fmt, self.cfg.text_key, self.cfg.max_bad_fraction, stats, warn=warn)
-
-    def _items(self, text: str, first_offset: int, stats: ReadStats) -> Iterator[tuple[int, Any]]:
-        """``(token offset, item)`` for the items of one kept record, from ``first_offset`` on:
-        the document tokenized, ``eos`` appended, cut into ``max_seq_len`` chunks."""
+    def _items(self, record: Any, spec: SourceSpec, first_offset: int, stats: ReadStats) -> Iterator[tuple[int, Any]]:
+        """``(token offset, item)`` for the items of one record, from ``first_offset`` on: the document
+        tokenized, ``eos`` appended, cut into ``max_seq_len`` chunks; nothing (counted) for a bad record."""
+        text = record_text(record, self.files[self.specs.index(spec)].fmt, spec.text_key)
+        if text is None:
+            count_bad(stats, _record_origin(record, spec), self.cfg.max_bad_fraction)
+            return iter(())
+        if not text:
+            return iter(())
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         return chunk_document(ids, self.cfg.max_seq_len, first_offset)
 
@@ -121,67 +137,168 @@ class PackedTextDataset(ResumableDataset):
         """One micro-batch dict from the items packed into it."""
         return pack_samples(items)
 
-    # ----- the shared reader: consumer split, epochs, positions, packing -----------------------
-    def _samples(self, start: Position) -> Iterator[tuple[Any, Position]]:
-        """This consumer's items from ``start`` on, each tagged with its own position."""
-        consumer, consumers = self.consumer()
-        prior_records, prior_bad = start.records_prior_epochs, start.bad_prior_epochs
-        begin = start
-        epoch = start.epoch
-        while self.split == "train" or epoch == 0:
-            stats = ReadStats()
-            produced = False
-            records = self._records(self._epoch_files(epoch), stats, warn=consumer == 0)
-            for index, record in enumerate(records):
-                if index < begin.next_doc or index % consumers != consumer:
-                    continue
-                first_offset = begin.token_offset if index == begin.next_doc else 0
-                for offset, item in self._items(record, first_offset, stats):
-                    produced = True
-                    counters = (prior_records, prior_bad, stats.records - 1, stats.bad)  # as of this record
-                    yield item, Position(epoch, index, offset, *counters)
-            if self.split == "train" and begin.next_doc == 0 and not produced:
-                one, several = self.UNIT
-                raise ValueError(
-                    f"consumer {consumer} of {consumers} got no {one} in a whole epoch of "
-                    f"{self.files[0].parent}: fewer {several} than dp ranks x workers"
-                )
-            prior_records += stats.records
-            prior_bad += stats.bad
-            epoch += 1
-            begin = Position(epoch)
-        self._end = Position(epoch, 0, 0, prior_records, prior_bad)
+    # ----- the shared reader: streams, mixture, positions, packing ---------------------------
+    def _streams(self, consumer: int, consumers: int) -> list[SourceStream]:
+        train = self.split == "train"
+        return [
+            SourceStream(spec.name, files, lambda record, offset, stats, spec=spec: self._items(record, spec, offset,
+                                                                                                 stats),
+                         consumer, consumers, self.seed, train, self.cfg.shuffle,
+                         self.cfg.shuffle_window if train else 1, self.cfg.max_bad_fraction,
+                         dict(self._plans.get(spec.name, {})))
+            for spec, files in zip(self.specs, self.files)
+        ]
 
-    def __iter__(self) -> Iterator[dict]:
-        """Start at the loaded position (once), else at the beginning; eval is one pass, train loops."""
-        start, self._start = self._start, Position()
+    def _samples(self, start: Position) -> Iterator[tuple[Drawn, Position, Position]]:
+        """This consumer's samples from ``start`` on, mixed by weight, each with the positions before
+        and after it."""
+        streams = self._streams(*self.consumer())
+        iters = [stream.items(pos) for stream, pos in zip(streams, start.sources)]
+        positions, counts = list(start.sources), list(start.counts)
+        peeked: list[tuple[Any, StreamPosition, Ref] | None] = [None] * len(streams)
+
+        def pull(index: int) -> None:
+            peeked[index] = next(iters[index], None)
+            positions[index] = peeked[index][1] if peeked[index] is not None else streams[index].end
+
+        live = [weight > 0 for weight in self.weights]
+        for index in range(len(streams)):
+            if live[index]:
+                pull(index)
+        while True:
+            index = next_source([w if live[i] and peeked[i] is not None else 0.0 for i, w in enumerate(self.weights)],
+                                counts)
+            if index < 0:
+                break
+            item, _, ref = peeked[index]
+            before = Position(tuple(positions), tuple(counts))
+            counts[index] += 1
+            pull(index)
+            yield Drawn(item, ref, index), before, Position(tuple(positions), tuple(counts))
+        self._end = Position(tuple(positions), tuple(counts))
+
+    def __iter__(self) -> Iterator[Any]:
+        """Start at the loaded position (once), else at the beginning; eval is one pass, train loops.
+        Yields packed micro-batches, or single ``Drawn`` samples when ``unpacked`` (a balancing feed
+        packs them after reordering, see ``veomni/data/group_reorder.py``)."""
+        start, self._start = self._start, self._fresh
+        if self._merged is not None:
+            start, self._merged = self._merged_start(self._merged), None
         self._pos = start
-        return self._batches(start)
+        return self._drawn(start) if self.unpacked else self._batches(start)
+
+    def _drawn(self, start: Position) -> Iterator[Drawn]:
+        for drawn, _, after in self._samples(start):
+            self._pos = after
+            yield drawn
 
     def _batches(self, start: Position) -> Iterator[dict]:
-        packed = greedy_pack(self._samples(start), self.cfg.tokens_per_micro_batch, cost=self._cost)
-        for items, next_position in packed:
+        tagged = ((drawn, before) for drawn, before, _ in self._samples(start))
+        for drawn, next_position in greedy_pack(tagged, self.cfg.tokens_per_micro_batch,
+                                                cost=lambda d: self._cost(d.item)):
             self._pos = next_position if next_position is not None else self._end
-            yield self._pack(items)
+            yield self.pack_drawn(drawn)
+
+    def pack_drawn(self, drawn: list[Drawn]) -> dict:
+        """One micro-batch of drawn samples; a training one says how many came from each source."""
+        batch = self._pack([d.item for d in drawn])
+        if self.split == "train":
+            batch[SOURCE_COUNTS] = {spec.name: sum(d.source == i for d in drawn) for i, spec in enumerate(self.specs)}
+        return batch
+
+    def units(self, drawn: Drawn) -> int:
+        """What a drawn sample counts against ``tokens_per_micro_batch``."""
+        return self._cost(drawn.item)
+
+    def drawn_at(self, ref: Ref) -> Drawn:
+        """A sample read again on its own from its ref (a balancing window restored at a resume)."""
+        index = [spec.name for spec in self.specs].index(ref.source)
+        stream = self._streams(*self.consumer())[index]
+        return Drawn(stream.item_at(ref), ref, index)
+
+    # ----- state -------------------------------------------------------------------------------
+    def _files_signature(self) -> dict[str, list[int]]:
+        return {spec.name: [len(files.files), sum(files.sizes)] for spec, files in zip(self.specs, self.files)}
 
     def state_dict(self) -> dict[str, Any]:
         consumer, consumers = self.consumer()
-        return {"format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers, **asdict(self._pos)}
+        return {
+            "format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers,
+            "sources": {spec.name: asdict(pos) for spec, pos in zip(self.specs, self._pos.sources)},
+            "counts": {spec.name: n for spec, n in zip(self.specs, self._pos.counts)},
+            "weights": {spec.name: w for spec, w in zip(self.specs, self.weights)},
+            "files": self._files_signature(),
+            "plans": {name: {epoch: [[p.file, p.start, p.end, p.aligned, at] for p, at in parts]
+                             for epoch, parts in plans.items()} for name, plans in self._plans.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
+        self._check_state(state)
         consumer, consumers = self.consumer()
         if (state["consumer"], state["num_consumers"]) != (consumer, consumers):
             raise ValueError(
                 f"loader state of consumer {state['consumer']}/{state['num_consumers']} loaded into consumer "
                 f"{consumer}/{consumers}: the dp size or num_workers changed; use merge_loader_states"
             )
-        self._start = self._pos = Position(**{f.name: state[f.name] for f in fields(Position)})
+        self._plans = {name: {int(e): _parts(parts) for e, parts in plans.items()}
+                       for name, plans in state["plans"].items()}
+        positions = tuple(StreamPosition(**state["sources"][spec.name]) if spec.name in state["sources"]
+                          else StreamPosition() for spec in self.specs)
+        self._start = self._pos = Position(positions, self._resumed_counts(state))
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
+        for name, signature in self._files_signature().items():
+            saved = state["files"].get(name)
+            if saved is not None and list(saved) != signature:
+                raise ValueError(
+                    f"data source {name!r} changed since the checkpoint ({saved[0]} files, {saved[1]} bytes then; "
+                    f"{signature[0]} files, {signature[1]} bytes now): its saved position would point at other "
+                    "records. Restore the files, or give the changed data a new source name"
+                )
+        dropped = sorted(set(state["sources"]) - {spec.name for spec in self.specs})
+        if dropped:
+            logger.warning("data sources %s of the checkpoint are not in this run; their positions are dropped",
+                           dropped)
+
+    def _resumed_counts(self, state: dict[str, Any]) -> tuple[int, ...]:
+        """The mixture's counts, or zeros when the weights changed (new weights act from the next sample)."""
+        saved = state.get("weights", {})
+        if saved != {spec.name: w for spec, w in zip(self.specs, self.weights)}:
+            if self.split == "train" and len(self.specs) > 1:
+                logger.info("data source weights changed at resume (%s -> %s): the mixture follows the new "
+                            "weights from the next sample", saved, dict(zip([s.name for s in self.specs],
+                                                                            self.weights)))
+            return tuple(0 for _ in self.specs)
+        return tuple(state["counts"].get(spec.name, 0) for spec in self.specs)
 
     def start_from(self, merged: dict[str, Any]) -> None:
-        """Begin the next iteration at a layout-independent position from :func:`merge_loader_states`."""
-        self._start = self._pos = Position(**{f.name: merged[f.name] for f in fields(Position)})
+        """Begin the next iteration with this consumer's share of what an old layout left (resolved in
+        the consumer itself: a loader worker knows its index only there)."""
+        for state in merged["states"]:
+            self._check_state(state)
+        self._merged = list(merged["states"])
+
+    def _merged_start(self, old_states: list[dict[str, Any]]) -> Position:
+        consumer, consumers = self.consumer()
+        positions = []
+        for spec, stream in zip(self.specs, self._streams(consumer, consumers)):
+            mine = [s for s in old_states if spec.name in s["sources"]]
+            if not mine:
+                positions.append(StreamPosition())
+                continue
+            olds = [StreamPosition(**s["sources"][spec.name]) for s in mine]
+            epochs = range(min(p.epoch for p in olds), max(p.epoch for p in olds) + 1)
+            leftover: dict[int, list[Part]] = {e: [] for e in epochs}
+            for state, pos in zip(mine, olds):
+                plans = {int(e): _parts(parts) for e, parts in state["plans"].get(spec.name, {}).items()}
+                for epoch, parts in stream.unconsumed(pos, plans, state["consumer"], state["num_consumers"],
+                                                      epochs).items():
+                    leftover[epoch] += parts
+            self._plans[spec.name] = {e: share_parts(parts, consumer, consumers) for e, parts in leftover.items()}
+            positions.append(StreamPosition(epoch=epochs.start))
+        return Position(tuple(positions), tuple(0 for _ in self.specs))
 
     def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
         for state in find_dataset_states(loader_state, STATE_FORMAT):
@@ -194,6 +311,14 @@ class PackedTextDataset(ResumableDataset):
     @classmethod
     def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
         return merge_loader_states(loader_states)
+
+
+def _parts(rows: list[list[Any]]) -> list[Part]:
+    return [(Piece(int(f), int(a), int(b), bool(aligned)), int(at)) for f, a, b, aligned, at in rows]
+
+
+def _record_origin(record: Any, spec: SourceSpec) -> str:
+    return record.get("__url__", spec.path) if isinstance(record, dict) else spec.path
 
 
 class PackedDataLoader(StatefulDataLoader):
@@ -210,16 +335,13 @@ class PackedDataLoader(StatefulDataLoader):
 
 
 def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """Turn the per-rank loader states of an old run (any dp size / workers) into one start position.
+    """Turn the per-rank loader states of an old run (any dp size / workers) into one state any new
+    layout loads with ``loader.load_state_dict(merged)``.
 
-    Rule: every consumer has yielded all its documents before its own ``next_doc``, so every
-    document before the smallest ``(epoch, next_doc)`` over all old consumers was consumed by
-    someone. The merged state starts all new consumers there (token offset 0), so no document
-    is skipped; the documents between that position and each old consumer's own position are
-    seen again (a few per old consumer when their documents were of similar length; the spread
-    grows when document lengths fell unevenly). Counters come from the earliest consumer.
-    Pass the states of *all* old ranks; any new layout loads the result with
-    ``loader.load_state_dict(merged)``.
+    Exact: each new consumer takes an equal share of what the old consumers had not passed on (per
+    source and epoch: their windows' remaining records one by one, then the bytes after them, then
+    their later epochs), so within those epochs no sample is seen twice or skipped. Pass the states
+    of *all* old ranks. The mixture's counts restart.
     """
     found = [s for state in states for s in find_dataset_states(state, STATE_FORMAT)]
     if not found:
@@ -231,9 +353,9 @@ def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             f"incomplete or mixed loader states: consumers {sorted(seen)} of {sorted(consumers)}; "
             "pass the states of every rank of the old run"
         )
-    earliest = min(found, key=lambda s: (s["epoch"], s["next_doc"]))
-    position = replace(Position(**{f.name: earliest[f.name] for f in fields(Position)}), token_offset=0)
-    return {MERGED_KEY: asdict(position)}
+    # ranks sharing a data-parallel rank (sequence, context, pipeline) saved the same state: once each
+    unique = {s["consumer"]: s for s in found}
+    return {MERGED_KEY: {"format": STATE_FORMAT, "states": [unique[c] for c in sorted(unique)]}}
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -265,8 +387,9 @@ def check_sample_length(cfg: DataConfig) -> list[str]:
 
 
 def check_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """A text dataset's samples fit its micro-batches, and its tokenizer fits the model's vocabulary."""
-    return check_sample_length(cfg) + _check_tokenizer(cfg, model_config)
+    """A text dataset's sources are readable and hold records, its samples fit its micro-batches, and
+    its tokenizer fits the model's vocabulary."""
+    return check_sources(cfg) + check_sample_length(cfg) + _check_tokenizer(cfg, model_config)
 
 
 def _check_tokenizer(cfg: DataConfig, model_config: Any) -> list[str]:
@@ -287,7 +410,8 @@ def _check_tokenizer(cfg: DataConfig, model_config: Any) -> list[str]:
 
 def _build_packed_text(request: DatasetRequest) -> PackedTextDataset:
     r = request
-    return PackedTextDataset(r.cfg, r.path, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed)
+    return PackedTextDataset(r.cfg, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed)
 
 
-register_dataset(DatasetKind("packed_text", _build_packed_text, needs_tokenizer=True, check=check_text_data))
+register_dataset(DatasetKind("packed_text", _build_packed_text, needs_tokenizer=True, check=check_text_data,
+                             balances=True))

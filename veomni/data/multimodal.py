@@ -25,7 +25,6 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +32,10 @@ import torch
 from veomni.config.schema import DataConfig
 from veomni.data.chat import ChatEncoder, EncodedChat
 from veomni.data.loader import PackedTextDataset, check_text_data
+from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_samples
 from veomni.data.registry import DatasetKind, DatasetRequest, register_dataset
-from veomni.data.sources import InvalidSampleError, ReadStats, count_bad, iter_tar_samples
+from veomni.data.sources import InvalidSampleError, ReadStats, count_bad
 from veomni.spec.media import MediaItem, MediaModelConfig, collate_items
 from veomni.tasks.base import IGNORE_INDEX
 
@@ -141,7 +141,6 @@ class MultimodalChatDataset(PackedTextDataset):
     def __init__(
         self,
         cfg: DataConfig,
-        path: str,
         split: str,
         tokenizer: PreTrainedTokenizerBase,
         dp_rank: int,
@@ -149,21 +148,17 @@ class MultimodalChatDataset(PackedTextDataset):
         seed: int,
         model_config: Any,
     ) -> None:
-        super().__init__(cfg, path, split, tokenizer, dp_rank, dp_size, seed)
-        if self.fmt != "webdataset":
-            raise ValueError(
-                f"data path {path!r}: samples with media must be webdataset .tar shards, got {self.fmt}"
-            )
-        self.process = SampleProcessor(tokenizer, model_config, cfg.text_key)
+        super().__init__(cfg, split, tokenizer, dp_rank, dp_size, seed)
+        for spec, files in zip(self.specs, self.files):
+            if files.fmt != "webdataset":
+                raise ValueError(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
+                                 f".tar shards, got {files.fmt}")
+        self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key) for spec in self.specs}
 
-    UNIT = ("usable sample", "samples")
-
-    def _records(self, files: list[Path], stats: ReadStats, warn: bool) -> Iterator[dict]:
-        return iter_tar_samples(files, self.cfg.max_bad_fraction, stats, warn=warn)
-
-    def _items(self, record: dict, first_offset: int, stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
+    def _items(self, record: dict, spec: SourceSpec, first_offset: int,
+               stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
         """The record's one sample (offset 0), or nothing when it is skipped and counted."""
-        sample = self._process(record, stats)
+        sample = self._process(record, spec, stats)
         return iter(() if sample is None else ((0, sample),))
 
     def _cost(self, item: ChatSample) -> int:
@@ -172,12 +167,12 @@ class MultimodalChatDataset(PackedTextDataset):
     def _pack(self, items: list[ChatSample]) -> dict:
         return pack_chat_samples(items)
 
-    def _process(self, record: dict, stats: ReadStats) -> ChatSample | None:
+    def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> ChatSample | None:
         """The processed sample, or None (counted as bad) when a media item does not decode or
         the sample cannot fit a row."""
         key, url = record.get("__key__"), record.get("__url__", "?")
         try:
-            sample = self.process(record)
+            sample = self.process[spec.name](record)
         except InvalidSampleError:
             raise
         except Exception as error:  # noqa: BLE001 - a corrupt media file must not stop the run
@@ -208,7 +203,8 @@ class MultimodalChatDataset(PackedTextDataset):
 
 def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
     r = request
-    return MultimodalChatDataset(r.cfg, r.path, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed, r.model_config)
+    return MultimodalChatDataset(r.cfg, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed, r.model_config)
 
 
-register_dataset(DatasetKind("chat_media", _build_chat_media, needs_tokenizer=True, check=check_text_data))
+register_dataset(DatasetKind("chat_media", _build_chat_media, needs_tokenizer=True, check=check_text_data,
+                             balances=True))

@@ -108,6 +108,9 @@ class DatasetKind:
     """Whether ``data.tokenizer`` must name a tokenizer folder (loaded by the engine)."""
     check: Callable[[DataConfig, Any], list[str]] = _no_problems
     """(data config, model config) -> problems found before any worker starts (cheap checks)."""
+    balances: bool = False
+    """Whether the kind reads ``data.sources`` mixtures and yields single samples for ``data.balance``
+    (a ``PackedTextDataset``)."""
 
 
 _KINDS: dict[str, DatasetKind] = {}

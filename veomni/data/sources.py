@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
 
@@ -78,37 +78,42 @@ def tar_samples(file: Path) -> Iterator[dict]:
         yield from group_by_keys(members, keys=base_plus_ext)
 
 
+def record_text(record: Any, fmt: str, text_key: str) -> str | None:
+    """The text of one record (a webdataset sample dict, or a jsonl line's bytes); ``None`` for a bad
+    record: the key missing, bytes that are not utf-8, a line that is not a JSON object of a string."""
+    if fmt == "webdataset":
+        raw = record.get(text_key)
+        if raw is None:
+            logger.debug("%s: sample %s has no %r member", record.get("__url__"), record.get("__key__"), text_key)
+            return None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            logger.debug("%s: sample %s is not utf-8", record.get("__url__"), record.get("__key__"))
+            return None
+    try:
+        text = json.loads(record.decode("utf-8"))[text_key]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        logger.debug("bad jsonl record %r", record[:80])
+        return None
+    return text if isinstance(text, str) else None
+
+
 def _tar_texts(file: Path, text_key: str) -> Iterator[str | None]:
     """Text of each sample; ``None`` for a bad record."""
     for sample in tar_samples(file):
-        raw = sample.get(text_key)
-        if raw is None:
-            logger.debug("%s: sample %s has no %r member", file, sample.get("__key__"), text_key)
-            yield None
-            continue
-        try:
-            yield raw.decode("utf-8")
-        except UnicodeDecodeError:
-            logger.debug("%s: sample %s is not utf-8", file, sample.get("__key__"))
-            yield None
+        yield record_text(sample, "webdataset", text_key)
 
 
 def _jsonl_texts(file: Path, text_key: str) -> Iterator[str | None]:
     """Text of each non-blank line; ``None`` for a bad record."""
     with open(file, "rb") as stream:
-        for line_no, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line.decode("utf-8"))[text_key]
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-                logger.debug("%s:%d: bad jsonl record", file, line_no)
-                yield None
-                continue
-            yield text if isinstance(text, str) else None
+        for line in stream:
+            if line.strip():
+                yield record_text(line, "jsonl", text_key)
 
 
-def _check_bad_fraction(stats: ReadStats, max_bad_fraction: float, file: Path, end_of_pass: bool) -> None:
+def check_bad_fraction(stats: ReadStats, max_bad_fraction: float, file: Path, end_of_pass: bool) -> None:
     if not stats.records or (not end_of_pass and stats.records < MIN_RECORDS_FOR_EARLY_CHECK):
         return
     if stats.bad / stats.records > max_bad_fraction:
@@ -151,7 +156,7 @@ def count_bad(stats: ReadStats, file: str | Path, max_bad_fraction: float) -> No
     decode), and stop once the pass's bad fraction is over ``max_bad_fraction``."""
     stats.bad += 1
     stats.bad_by_file[str(file)] += 1
-    _check_bad_fraction(stats, max_bad_fraction, Path(file), end_of_pass=False)
+    check_bad_fraction(stats, max_bad_fraction, Path(file), end_of_pass=False)
 
 
 def iter_records(
@@ -193,4 +198,4 @@ def iter_records(
                 stats.bad,
                 stats.records,
             )
-        _check_bad_fraction(stats, max_bad_fraction, file, end_of_pass=file == files[-1])
+        check_bad_fraction(stats, max_bad_fraction, file, end_of_pass=file == files[-1])

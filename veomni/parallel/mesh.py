@@ -220,6 +220,11 @@ class ParallelMeshes:
     def dp_rank(self) -> int:
         return self.dp.get_local_rank()
 
+    def dp_rank_lists(self) -> list[list[int]]:
+        """Every data-parallel group as its global ranks in data-parallel order (one group per pipeline
+        stage and cp x sp position): for groups every rank must create alike."""
+        return self.root.mesh.permute(0, 3, 4, 1, 2).reshape(-1, self.dims.dp_size).tolist()
+
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMeshes:
     root = init_device_mesh(

@@ -40,6 +40,7 @@ from veomni.spec import build_config, get_model_spec, load_plugins
 from veomni.tasks.base import Baseline, Task, task_generator
 from veomni.tasks.lm import LanguageModelingTask
 from veomni.train.baseline import BaselineCollector
+from veomni.train.data_feed import build_feed
 from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
 from veomni.train.faults import FaultInjector
@@ -116,6 +117,8 @@ class Trainer(BadStepHandling):
         self.data_kind = dataset_kind_name(cfg.data, self.spec.dataset)
         self.tokenizer = load_run_tokenizer(cfg.data, self.data_kind)
         self.train_loader = self._loader("train")
+        self.train_loader.dataset.unpacked = cfg.data.balance  # the feed packs after balancing
+        self._pending: list[list[Any]] = []  # a balancing window to restore
         self.step = 0
         self.units_seen = 0
         if self.resume_path is not None:
@@ -123,7 +126,7 @@ class Trainer(BadStepHandling):
         self.restarts, self.rollbacks, self._rolled_back_to = restart_attempt(), 0, None
         # goes into the next step's metrics only
         self._once: dict[str, Any] = restart_record(self.output_dir, self.step, cfg.train.max_restarts)
-        self._train_iter: Iterator[dict] = iter(self.train_loader)
+        self.feed = build_feed(cfg, self.train_loader, self.meshes, self.spec, self.device, self._pending)
         self._timer = StepTimer()
         self._last_saved_step = self.step if self.resume_path is not None else -1
         self._last_eval_step = -1
@@ -171,6 +174,7 @@ class Trainer(BadStepHandling):
         return {
             "dp_rank": self.meshes.dp_rank,
             "loader": self.train_loader.state_dict(),
+            "pending": self.feed.pending_state(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
@@ -202,6 +206,7 @@ class Trainer(BadStepHandling):
         if same_layout:
             mine = next(s for s in rank_states if s["dp_rank"] == self.meshes.dp_rank)
             self.train_loader.load_state_dict(mine["loader"])
+            self._pending = mine.get("pending", [])
             rng = mine["rng"]
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
@@ -212,6 +217,10 @@ class Trainer(BadStepHandling):
                            meta["dp_size"], self.dims.dp_size)
             merged = type(self.train_loader.dataset).merge_states([s["loader"] for s in rank_states])
             self.train_loader.load_state_dict(merged)
+            # a balancing window's samples were drawn, not trained: dealt round-robin to the new ranks
+            old = {s["dp_rank"]: s.get("pending", []) for s in rank_states}
+            pending = [p for rank in sorted(old) for p in old[rank]]
+            self._pending = pending[self.meshes.dp_rank::self.dims.dp_size]
 
     # ----- steps ------------------------------------------------------------------------
     def _local(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
@@ -226,8 +235,8 @@ class Trainer(BadStepHandling):
     def _next_micro_batches(self) -> list[dict[str, Any]]:
         self.faults.before_step(self.step + 1)
         seed, dp_rank = self.cfg.train.seed, self.meshes.dp_rank
-        return [self._local(next(self._train_iter), task_generator(seed, self.step, i, dp_rank))
-                for i in range(self.cfg.train.grad_accum)]
+        return [self._local(batch, task_generator(seed, self.step, i, dp_rank))
+                for i, batch in enumerate(self.feed.next_step())]
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches; returns global metrics (generic names)
@@ -302,7 +311,7 @@ class Trainer(BadStepHandling):
             "mfu": metrics["flops"] / slowest / world / self.peak_flops,
             "peak_mem_gb": peak_mem, "step_time_s": slowest, self._key("s_seen"): self.units_seen,
         })
-        metrics.update(self._fault_counts(), **self._once)
+        metrics.update(self._fault_counts(), **self.feed.step_metrics(), **self._once)
         self._once = {}
         if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
             metrics.update(self.evaluate())

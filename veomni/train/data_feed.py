@@ -1,0 +1,117 @@
+"""The step's micro-batches from the train loader, and what the step's data was.
+
+The trainer asks for ``grad_accum`` micro-batches per step: as the loader packed them, or, with
+``data.balance``, balanced across the rank's group by ``veomni.data.group_reorder`` (the loader
+then yields single samples, and this module gives the reordering the family's cost model). A
+micro-batch says how many of its samples each source gave (``SOURCE_COUNTS``); that is removed
+here before the task sees the batch and summed over the data-parallel ranks into the realised
+mixture ``mix_<source>`` (the share of the step's samples), reported when a run mixes sources.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from veomni.config.schema import RunConfig
+from veomni.data.group_reorder import GroupReorder, balance_group_size, balance_groups
+from veomni.data.loader import SOURCE_COUNTS, Drawn, PackedTextDataset
+from veomni.data.mixture import run_sources
+from veomni.parallel.mesh import ParallelMeshes
+from veomni.spec import build_model
+from veomni.train.distributed import all_reduce_values
+
+logger = logging.getLogger(__name__)
+
+
+class DataFeed:
+    def __init__(self, next_step: Callable[[], list[dict]], sources: list[str], dp_group: Any,
+                 device: torch.device, reorder: GroupReorder | None = None) -> None:
+        self._next_step = next_step
+        self.sources = sources
+        self.dp_group = dp_group
+        self.device = device
+        self.reorder = reorder
+        self._counts: Counter = Counter()
+
+    def next_step(self) -> list[dict[str, Any]]:
+        """This rank's micro-batches of the next step."""
+        batches = self._next_step()
+        for batch in batches:
+            self._counts.update(batch.pop(SOURCE_COUNTS, {}))
+        return batches
+
+    def step_metrics(self) -> dict[str, float]:
+        """``mix_<source>``: each source's share of the samples of the steps since the last call, over
+        every data-parallel rank (one all-reduce; none when the run reads one source); the balancing
+        estimates of this rank's group."""
+        counts, self._counts = self._counts, Counter()
+        metrics = dict(self.reorder.last) if self.reorder is not None else {}
+        if len(self.sources) < 2:
+            return metrics
+        totals = all_reduce_values([float(counts[name]) for name in self.sources], group=self.dp_group,
+                                   device=self.device)
+        drawn = sum(totals) or 1.0
+        return metrics | {f"mix_{name}": total / drawn for name, total in zip(self.sources, totals)}
+
+    def pending_state(self) -> list[list[Any]]:
+        """Samples drawn from the loader but not trained yet (the balancing window); [] without balancing."""
+        return self.reorder.state_dict() if self.reorder is not None else []
+
+
+def build_feed(cfg: RunConfig, loader: Any, meshes: ParallelMeshes, spec: Any, device: torch.device,
+               pending: list[list[Any]]) -> DataFeed:
+    """The run's feed: plain, or balanced (``data.balance``) with the restored window ``pending``."""
+    sources = [source.name for source in run_sources(cfg.data, "train")]
+    if not cfg.data.balance:
+        it = iter(loader)
+        return DataFeed(lambda: [next(it) for _ in range(cfg.train.grad_accum)], sources, meshes.dp.get_group(),
+                        device)
+    with torch.device("meta"):
+        _, meta_model = build_model(cfg.model.arch, cfg.model.options)
+    reorder = balanced_feed(loader, cfg.train.grad_accum, meshes, spec, meta_model, cfg.data.balance_group,
+                            cfg.data.balance_max_wait, pending)
+    return DataFeed(reorder.next_step, sources, meshes.dp.get_group(), device, reorder)
+
+
+def balanced_feed(loader: Any, grad_accum: int, meshes: ParallelMeshes, spec: Any, meta_model: nn.Module,
+                  group_size: int, max_wait: int, pending: list[list[Any]]) -> GroupReorder:
+    """The group reordering of this rank: its group (gloo), the family's cost per sample and the
+    micro-batch target, the restored window."""
+    dataset: PackedTextDataset = loader.dataset
+    dims = meshes.dims
+    size = balance_group_size(group_size, dims.dp_size, dims.world_size // dims.pp // dims.dp_size)
+    group = None
+    if size > 1:
+        group, _ = dist.new_subgroups_by_enumeration(balance_groups(meshes.dp_rank_lists(), size), backend="gloo")
+    target, cost_of = sample_costs(spec, meta_model, dataset)
+    reorder = GroupReorder(dataset, iter(loader), grad_accum, cost_of, target, max_wait, group)
+    reorder.load_state_dict(pending)
+    logger.info("data balancing: groups of %d data-parallel rank(s), target %.3g FLOPs per micro-batch", size, target)
+    return reorder
+
+
+def sample_costs(spec: Any, model: nn.Module, dataset: PackedTextDataset) -> tuple[float, Callable[[Drawn], float]]:
+    """(the micro-batch target, a sample's estimated FLOPs) from the family's cost model. The target is
+    the dense (linear) work of ``tokens_per_micro_batch`` units: ``3 f(1) - f(2)`` per unit for a cost
+    ``f(n) = a n + b n (n + 1) / 2``."""
+    per_unit = 3 * spec.cost.sample_flops(model, 1) - spec.cost.sample_flops(model, 2)
+    budget, longest = dataset.cfg.tokens_per_micro_batch, dataset.cfg.max_seq_len
+    target = per_unit * budget
+    heaviest = spec.cost.sample_flops(model, longest)
+    if heaviest > target:
+        logger.warning("data balancing: a sample of data.max_seq_len=%d tokens costs %.2fx the micro-batch target; "
+                       "such samples sit alone in a micro-batch and set the pace. Raise data.tokens_per_micro_batch "
+                       "to >= %d (or lower max_seq_len)", longest, heaviest / target, int(heaviest / per_unit) + 1)
+
+    def cost_of(drawn: Drawn) -> float:
+        batch = dataset.pack_drawn([drawn])
+        return float(spec.cost.batch_flops(model, batch))
+
+    return target, cost_of
