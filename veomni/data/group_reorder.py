@@ -92,6 +92,10 @@ class GroupReorder:
 
     def next_step(self) -> list[dict[str, Any]]:
         """This rank's ``grad_accum`` packed micro-batches of the next step."""
+        return [self.dataset.pack_drawn(drawn) for drawn in self.assign_step()]
+
+    def assign_step(self) -> list[list[Drawn]]:
+        """This rank's samples of the next step, one list per micro-batch."""
         self._top_up()
         mine = [(p.units, p.cost, p.age) for p in self.window]
         windows = [mine] * self.size
@@ -107,7 +111,7 @@ class GroupReorder:
         used = {index for members in bins for owner, index in members if owner == self.me}
         self.window = [replace(p, age=p.age + 1) for i, p in enumerate(self.window) if i not in used]
         self._record(bins, windows)
-        return [self.dataset.pack_drawn(drawn) for drawn in micro_batches]
+        return micro_batches
 
     def _exchange(self, bins: list[list[tuple[int, int]]]) -> dict[tuple[int, int], Drawn]:
         """Every sample of this rank's bins, keyed by (owner, index): its own directly, the others'
@@ -150,8 +154,7 @@ def _all_to_all_objects(outgoing: list[list[Any]], group: Any) -> list[list[Any]
     send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
     recv_sizes = torch.empty_like(send_sizes)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if sum(map(len, payloads)) \
-        else torch.empty(0, dtype=torch.uint8)
+    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)  # a pickle is never empty
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
     dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=group)
     out, start = [], 0
