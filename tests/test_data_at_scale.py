@@ -195,3 +195,43 @@ def test_bad_sources_fail_at_launch_naming_the_source(tokenizer, tmp_path):
     assert len(no_record) == 1 and "'blank'" in no_record[0] and "no record" in no_record[0]
     twice = problems(SourceConfig(path=str(good), name="x"), SourceConfig(path=str(good), name="x"))
     assert "used twice" in twice[0]
+
+
+def test_sources_in_a_recipe_resolve_paths_and_refuse_unknown_keys(tmp_path):
+    from veomni.config.loader import load_config
+    from veomni.config.types import ConfigError
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {arch: llm}\ndata:\n  sources:\n    - {path: corpus/a, weight: 0.7}\n"
+                      "    - {path: corpus/b, weight: 0.3, name: bee, prepare: build.py}\n")
+    cfg = load_config(recipe)
+    assert [s.path for s in cfg.data.sources] == [str(tmp_path / "corpus" / "a"), str(tmp_path / "corpus" / "b")]
+    assert cfg.data.sources[1].prepare == str(tmp_path / "build.py") and cfg.data.sources[1].name == "bee"
+    assert load_config(recipe, ["--data.sources", "[{path: /x, weight: 2}]"]).data.sources[0].weight == 2.0
+    recipe.write_text("model: {arch: llm}\ndata:\n  sources:\n    - {path: a, wieght: 0.7}\n")
+    with pytest.raises(ConfigError, match=r"r.yaml:3: unknown key 'data.sources\[0\].wieght'.*weight"):
+        load_config(recipe)
+
+
+def test_each_source_is_built_by_its_own_prepare_at_launch(tmp_path, capfd):
+    """Through the launcher: a missing source is built by its builder (held-out split beside it),
+    a source that does not exist and has none is named, before any worker starts."""
+    from veomni.launch import main
+
+    builder = tmp_path / "build.py"
+    builder.write_text(
+        "import argparse, json, pathlib\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--train-out'); p.add_argument('--eval-out')\n"
+        "a = p.parse_args()\n"
+        "for out in (a.train_out, a.eval_out):\n"
+        "    pathlib.Path(out).mkdir(parents=True)\n"
+        "    (pathlib.Path(out) / 'd.jsonl').write_text(json.dumps({'txt': 'def f(): pass'}) + '\\n')\n")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "tiny_llm.yaml"
+    sources = f"[{{path: {tmp_path}/built/train, prepare: {builder}}}, {{path: {tmp_path}/missing, name: gone}}]"
+    common = ["--data.train_path", "''", "--data.prepare", "null", "--data.eval_path", "null"]
+    status = main([str(recipe), *common, "--data.sources", sources])
+    output = capfd.readouterr().err
+    assert status == 2 and "data.sources[1] ('gone'): path does not exist" in output
+    assert (tmp_path / "built" / "train" / "d.jsonl").is_file() and (tmp_path / "built" / "eval").is_dir()
+    status = main([str(recipe), *common, "--data.sources", f"[{{path: {tmp_path}/built/train}}]"])
+    assert status == 0, capfd.readouterr().err

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from veomni.config.loader import ConfigError, dump_config, load_config, locate_model_error
-from veomni.config.schema import RunConfig
+from veomni.config.schema import RunConfig, SourceConfig
 from veomni.data.builders import MANIFEST
 from veomni.data.datasets import dataset_kind_name
 from veomni.data.registry import get_dataset_kind
@@ -32,36 +32,60 @@ def _needs_prepare(paths: dict[str, str | None]) -> bool:
     return any(p and (not Path(p).exists() or (Path(p) / MANIFEST).is_file()) for p in paths.values())
 
 
+def _builds(cfg: RunConfig) -> list[tuple[str, list[str], dict[str, str | None]]]:
+    """Every builder the data names: ``(key, command, the paths it writes)``: ``data.prepare`` for
+    ``train_path`` / ``eval_path``, and each source's own ``prepare`` for its path (its held-out split
+    beside it: ``eval`` next to a folder named ``train``, else ``<path>-eval``)."""
+    builds = []
+    if cfg.data.prepare:
+        cmd = ["--train-out", cfg.data.train_path] + (["--eval-out", cfg.data.eval_path] if cfg.data.eval_path else [])
+        builds.append(("data.prepare", [cfg.data.prepare, *cmd, *map(str, cfg.data.prepare_args)],
+                       {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}))
+    for index, source in enumerate(cfg.data.sources):
+        if source.prepare:
+            path = Path(source.path)
+            held_out = str(path.with_name("eval") if path.name == "train" else path.with_name(path.name + "-eval"))
+            builds.append((f"data.sources[{index}].prepare",
+                           [source.prepare, "--train-out", source.path, "--eval-out", held_out,
+                            *map(str, source.prepare_args)], {_source_key(index, source): source.path}))
+    return builds
+
+
+def _source_key(index: int, source: SourceConfig) -> str:
+    return f"data.sources[{index}]" + (f" ({source.name!r})" if source.name else "")
+
+
 def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
-    """``(missing inputs as messages, whether the data is there to read)``; runs ``data.prepare``
-    first where needed, except in a dry run, which only says what it would build."""
+    """``(missing inputs as messages, whether the data is there to read)``; runs the data's builders
+    first where needed, except in a dry run, which only says what they would build."""
     paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
-    paths.update({f"data.sources[{i}]": source.path for i, source in enumerate(cfg.data.sources)})
+    paths.update({_source_key(i, source): source.path for i, source in enumerate(cfg.data.sources)})
     if not cfg.data.train_path and not cfg.data.sources:
         return ["data.train_path is not set (or list weighted data.sources)"], False
-    if cfg.data.prepare and _needs_prepare(paths):
-        script = Path(cfg.data.prepare)
-        if not script.is_file():
-            return [f"data.prepare: script not found: {script}"], False
-        cmd = [sys.executable, str(script), "--train-out", cfg.data.train_path]
-        if cfg.data.eval_path:
-            cmd += ["--eval-out", cfg.data.eval_path]
-        cmd += [str(arg) for arg in cfg.data.prepare_args]
+    if cfg.data.prepare and cfg.data.sources:
+        return ["data.prepare builds data.train_path, which data.sources replaces: give each source that needs "
+                "building its own prepare (data.sources[i].prepare)"], False
+    builds = _builds(cfg)
+    for key, (script, *args), written in builds:
+        if not _needs_prepare(written):
+            continue
+        if not Path(script).is_file():
+            return [f"{key}: script not found: {script}"], False
         if dry_run:
-            missing = [key for key, p in paths.items() if p and not Path(p).exists()]
+            missing = [k for k, p in written.items() if p and not Path(p).exists()]
             if missing:
-                print(f"[launch] dry run: the run builds {', '.join(missing)} first with {script.name}; the "
+                print(f"[launch] dry run: the run builds {', '.join(missing)} first with {Path(script).name}; the "
                       "dataset kind's checks of them run then", file=sys.stderr)
-            return [], not missing
+            continue
+        cmd = [sys.executable, script, *args]
         print(f"[launch] preparing data: {' '.join(cmd)}", file=sys.stderr, flush=True)
         if subprocess.run(cmd).returncode != 0:
-            return [f"data.prepare: {script} failed (its output is above)"], False
+            return [f"{key}: {script} failed (its output is above)"], False
     missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
-    problems = [
-        f"{k}: path does not exist: {p}" + ("" if cfg.data.prepare else " (and no data.prepare builder is set)")
-        for k, p in missing.items()
-    ]
-    return problems, not problems
+    built = {k for _, _, written in builds for k in written} if dry_run else set()  # a dry run builds nothing
+    problems = [f"{k}: path does not exist: {p}" + ("" if builds else " (and no data.prepare builder is set)")
+                for k, p in missing.items() if k not in built]
+    return problems, not missing
 
 
 def _check_dataset(cfg: RunConfig, model_config: Any, dims: ParallelDims) -> list[str]:

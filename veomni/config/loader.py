@@ -303,9 +303,9 @@ def _build_entry(entry: Any, cls: type, dotted: str, node: _Value) -> Any:
         if key not in hints:
             raise ConfigError(f"{node.origin}: unknown key '{dotted}.{key}'{suggest(str(key), list(hints), dotted)}")
         values[key] = coerce(value, hints[key], f"{node.origin}: {dotted}.{key}")
-    path = values.get("path")
-    if isinstance(path, str) and path:
-        values["path"] = str((node.base_dir / os.path.expanduser(path)).resolve())
+    for key in ("path", "prepare"):  # paths relative to where the list was written
+        if isinstance(values.get(key), str) and values[key]:
+            values[key] = str((node.base_dir / os.path.expanduser(values[key])).resolve())
     return cls(**values)
 
 

@@ -25,6 +25,10 @@ class SourceConfig:
     """Empty takes ``data.format``."""
     text_key: str = ""
     """Empty takes ``data.text_key``."""
+    prepare: str | None = None
+    """Builder run once before training when ``path`` is missing (as ``data.prepare``, writing its
+    held-out split beside it: ``eval`` next to a folder named ``train``)."""
+    prepare_args: list[str] = field(default_factory=list)
 
 
 @dataclass

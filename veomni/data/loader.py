@@ -40,9 +40,10 @@ from veomni.data.registry import (
     find_dataset_states,
     register_dataset,
 )
-from veomni.data.shards import Piece, ShardFiles
+from veomni.data.relayout import merge_states, new_plans, plans_from_rows, plans_to_rows
+from veomni.data.shards import ShardFiles
 from veomni.data.sources import ReadStats, count_bad, record_text
-from veomni.data.stream import Part, Ref, SourceStream, StreamPosition, share_parts
+from veomni.data.stream import Part, Ref, SourceStream, StreamPosition
 
 if TYPE_CHECKING:  # transformers loads in a second: imported where a tokenizer is loaded, not by every run
     from transformers import PreTrainedTokenizerBase
@@ -100,6 +101,7 @@ class PackedTextDataset(ResumableDataset):
         self.seed = seed
         self.specs: list[SourceSpec] = run_sources(cfg, split)
         self.files: list[ShardFiles] = [source_files(spec, split) for spec in self.specs]
+        self.formats = {spec.name: files.fmt for spec, files in zip(self.specs, self.files)}
         self.weights = [spec.weight for spec in self.specs]
         fresh = Position(tuple(StreamPosition() for _ in self.specs), tuple(0 for _ in self.specs))
         self._fresh = fresh
@@ -120,7 +122,7 @@ class PackedTextDataset(ResumableDataset):
     def _items(self, record: Any, spec: SourceSpec, first_offset: int, stats: ReadStats) -> Iterator[tuple[int, Any]]:
         """``(token offset, item)`` for the items of one record, from ``first_offset`` on: the document
         tokenized, ``eos`` appended, cut into ``max_seq_len`` chunks; nothing (counted) for a bad record."""
-        text = record_text(record, self.files[self.specs.index(spec)].fmt, spec.text_key)
+        text = record_text(record, self.formats[spec.name], spec.text_key)
         if text is None:
             count_bad(stats, _record_origin(record, spec), self.cfg.max_bad_fraction)
             return iter(())
@@ -228,8 +230,7 @@ class PackedTextDataset(ResumableDataset):
             "counts": {spec.name: n for spec, n in zip(self.specs, self._pos.counts)},
             "weights": {spec.name: w for spec, w in zip(self.specs, self.weights)},
             "files": self._files_signature(),
-            "plans": {name: {epoch: [[p.file, p.start, p.end, p.aligned, at] for p, at in parts]
-                             for epoch, parts in plans.items()} for name, plans in self._plans.items()},
+            "plans": {name: plans_to_rows(plans) for name, plans in self._plans.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -240,8 +241,7 @@ class PackedTextDataset(ResumableDataset):
                 f"loader state of consumer {state['consumer']}/{state['num_consumers']} loaded into consumer "
                 f"{consumer}/{consumers}: the dp size or num_workers changed; use merge_loader_states"
             )
-        self._plans = {name: {int(e): _parts(parts) for e, parts in plans.items()}
-                       for name, plans in state["plans"].items()}
+        self._plans = {name: plans_from_rows(rows) for name, rows in state["plans"].items()}
         positions = tuple(StreamPosition(**state["sources"][spec.name]) if spec.name in state["sources"]
                           else StreamPosition() for spec in self.specs)
         self._start = self._pos = Position(positions, self._resumed_counts(state))
@@ -283,21 +283,9 @@ class PackedTextDataset(ResumableDataset):
     def _merged_start(self, old_states: list[dict[str, Any]]) -> Position:
         consumer, consumers = self.consumer()
         positions = []
-        for spec, stream in zip(self.specs, self._streams(consumer, consumers)):
-            mine = [s for s in old_states if spec.name in s["sources"]]
-            if not mine:
-                positions.append(StreamPosition())
-                continue
-            olds = [StreamPosition(**s["sources"][spec.name]) for s in mine]
-            epochs = range(min(p.epoch for p in olds), max(p.epoch for p in olds) + 1)
-            leftover: dict[int, list[Part]] = {e: [] for e in epochs}
-            for state, pos in zip(mine, olds):
-                plans = {int(e): _parts(parts) for e, parts in state["plans"].get(spec.name, {}).items()}
-                for epoch, parts in stream.unconsumed(pos, plans, state["consumer"], state["num_consumers"],
-                                                      epochs).items():
-                    leftover[epoch] += parts
-            self._plans[spec.name] = {e: share_parts(parts, consumer, consumers) for e, parts in leftover.items()}
-            positions.append(StreamPosition(epoch=epochs.start))
+        for stream in self._streams(consumer, consumers):
+            position, self._plans[stream.name] = new_plans(stream, old_states, consumer, consumers)
+            positions.append(position)
         return Position(tuple(positions), tuple(0 for _ in self.specs))
 
     def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
@@ -311,10 +299,6 @@ class PackedTextDataset(ResumableDataset):
     @classmethod
     def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
         return merge_loader_states(loader_states)
-
-
-def _parts(rows: list[list[Any]]) -> list[Part]:
-    return [(Piece(int(f), int(a), int(b), bool(aligned)), int(at)) for f, a, b, aligned, at in rows]
 
 
 def _record_origin(record: Any, spec: SourceSpec) -> str:
@@ -336,26 +320,9 @@ class PackedDataLoader(StatefulDataLoader):
 
 def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """Turn the per-rank loader states of an old run (any dp size / workers) into one state any new
-    layout loads with ``loader.load_state_dict(merged)``.
-
-    Exact: each new consumer takes an equal share of what the old consumers had not passed on (per
-    source and epoch: their windows' remaining records one by one, then the bytes after them, then
-    their later epochs), so within those epochs no sample is seen twice or skipped. Pass the states
-    of *all* old ranks. The mixture's counts restart.
-    """
-    found = [s for state in states for s in find_dataset_states(state, STATE_FORMAT)]
-    if not found:
-        raise ValueError("no packed-text dataset state found in the given loader states")
-    consumers = {s["num_consumers"] for s in found}
-    seen = {s["consumer"] for s in found}
-    if len(consumers) != 1 or seen != set(range(consumers.pop())):
-        raise ValueError(
-            f"incomplete or mixed loader states: consumers {sorted(seen)} of {sorted(consumers)}; "
-            "pass the states of every rank of the old run"
-        )
-    # ranks sharing a data-parallel rank (sequence, context, pipeline) saved the same state: once each
-    unique = {s["consumer"]: s for s in found}
-    return {MERGED_KEY: {"format": STATE_FORMAT, "states": [unique[c] for c in sorted(unique)]}}
+    layout loads with ``loader.load_state_dict(merged)``: exact, see ``veomni/data/relayout.py``. Pass
+    the states of *all* old ranks. The mixture's counts restart."""
+    return merge_states(states, STATE_FORMAT)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

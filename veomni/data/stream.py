@@ -10,9 +10,9 @@ window's first record by its byte offset and how many of the window's records (a
 next one) were passed on: a resumed reader seeks there and re-reads one window, whatever the
 position in the epoch.
 
-A position is layout-bound. :func:`leftover_parts` turns the positions of every consumer of an old
-layout into what they had not consumed, so a new layout continues exactly: every record of the
-epoch is read once, none twice (see docs/data.md, "Resume at another layout").
+A position is layout-bound. :meth:`SourceStream.unconsumed` turns the position of a consumer of an
+old layout into what it had not passed on, which ``relayout.py`` shares out among the consumers of
+a new layout (docs/data.md, "Resume at another layout").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from veomni.data.shards import Piece, ShardFiles, epoch_pieces, split_pieces
+from veomni.data.shards import Piece, ShardFiles, epoch_pieces
 from veomni.data.sources import ReadStats, check_bad_fraction
 
 logger = logging.getLogger(__name__)
@@ -214,12 +214,3 @@ class SourceStream:
         if last_at + 1 < last.end:
             rest.append((Piece(last.file, last_at + 1, last.end, aligned=False), 0))
         return rest + plan[last_index + 1:]
-
-
-def share_parts(parts: list[Part], consumer: int, consumers: int) -> list[Part]:
-    """Consumer ``consumer``'s share of leftover parts: single records dealt round-robin, byte ranges
-    cut into equal contiguous runs (``split_pieces``)."""
-    records = [p for p in parts if p[0].end - p[0].start == 1]
-    ranges = [p[0] for p in parts if p[0].end - p[0].start != 1]
-    mine = records[consumer::consumers]
-    return mine + [(piece, 0) for piece in split_pieces(ranges, consumers)[consumer]]
