@@ -1,7 +1,8 @@
 """Data at scale, measured: read I/O per epoch, resume cost, and rank imbalance with and without
 grouped reordering, each against a baseline taken in the same job.
 
-    python scripts/bench_data.py [--steps 30] [--skip-runs] [--sim-ranks 8 64 1024]
+    python scripts/bench_data.py [--steps 30] [--skip-runs | --only-runs] [--sim-ranks 8 64 1024]
+                                 [--section.key value ...]   (recipe overrides for the real runs)
 
 1. I/O: total bytes read from the shards in one epoch of the bundled stdlib corpus (tar shards of
    ~8 MB) by 1, 2 and 4 data-parallel ranks, counted by the loader, against the corpus size (the
@@ -16,6 +17,7 @@ grouped reordering, each against a baseline taken in the same job.
    packages cut at max_seq_len) through ``scripts/train.sh`` on 2 processes of one thread each,
    with ``data.balance`` off (packing by tokens) and on: median step time (the slowest rank's),
    tokens/s, and the measured imbalance of the ranks' own compute time (outside collectives).
+   Other arguments are recipe overrides for these runs (``--data.max_seq_len 2048``).
 
 Take figures with nothing else running: a busy machine hides or invents imbalance.
 """
@@ -118,27 +120,28 @@ def bench_simulation(ranks: list[int]) -> None:
         print(f"| {count} | {cells} |", flush=True)
 
 
-def _run(work: Path, balance: bool, steps: int) -> list[dict]:
+def _run(work: Path, balance: bool, steps: int, overrides: list[str]) -> list[dict]:
     out = work / ("balanced" if balance else "tokens")
     env = {**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
     cmd = ["bash", str(REPO / "scripts" / "train.sh"), str(RECIPE), "--data.balance", str(balance).lower(),
            "--train.max_steps", str(steps), "--train.output_dir", str(out), "--train.eval_interval", "0",
            "--train.eval_batches", "1", "--checkpoint.save_final", "false", "--checkpoint.interval", "0",
-           "--log.interval", "1", "--train.straggler_window", "5"]
+           "--log.interval", "1", "--train.straggler_window", "5", *overrides]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"train.sh failed:\n{result.stderr[-3000:]}")
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step_time_s" in r]
 
 
-def bench_runs(steps: int) -> None:
-    print(f"\n## 4. Real runs: {RECIPE.name}, 2 processes x 1 thread, {steps} steps (medians of steps 6 on)\n")
+def bench_runs(steps: int, overrides: list[str]) -> None:
+    print(f"\n## 4. Real runs: {RECIPE.name} {' '.join(overrides)}, 2 processes x 1 thread, {steps} steps "
+          "(medians of steps 6 on)\n")
     print("| data.balance | step time s (slowest rank) | tokens/s | tokens/step | own-time max/min (5-step windows) |")
     print("|---|---|---|---|---|")
     figures = {}
     with tempfile.TemporaryDirectory() as tmp:
         for balance in (False, True):
-            records = _run(Path(tmp), balance, steps)[5:]
+            records = _run(Path(tmp), balance, steps, overrides)[5:]
             figures[balance] = (statistics.median(r["step_time_s"] for r in records),
                                 statistics.median(r["tokens_per_s"] for r in records),
                                 statistics.median(r["tokens"] for r in records),
@@ -153,13 +156,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sim-ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--skip-runs", action="store_true", help="no real training runs (sections 1-3 only)")
-    args = parser.parse_args()
-    tokenizer = load_tokenizer(str(REPO / "data" / "tokenizers" / "stdlib-bpe-8k"))
-    bench_io(tokenizer)
-    bench_resume(tokenizer)
-    bench_simulation(args.sim_ranks)
+    parser.add_argument("--only-runs", action="store_true", help="section 4 only")
+    args, overrides = parser.parse_known_args()
+    if not args.only_runs:
+        tokenizer = load_tokenizer(str(REPO / "data" / "tokenizers" / "stdlib-bpe-8k"))
+        bench_io(tokenizer)
+        bench_resume(tokenizer)
+        bench_simulation(args.sim_ranks)
     if not args.skip_runs:
-        bench_runs(args.steps)
+        bench_runs(args.steps, overrides)
 
 
 if __name__ == "__main__":
