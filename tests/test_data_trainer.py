@@ -70,3 +70,45 @@ def test_balanced_run_resumes_at_another_world_size(tmp_path):
     step, pending, losses = run_distributed(_finish, 1, str(tmp_path))[0]
     assert step == 3 and pending > 0  # both old ranks' waiting samples came to the one new rank
     assert len(losses) == 3 and all(loss == loss for loss in losses)
+
+
+def _vlm_config(tmp: str):
+    """The tiny VLM on a 0.6/0.4 mixture of image-text and text-only chat shards, ranks balanced."""
+    from tests.omni_utils import TINY_OMNI, chat_record, png_bytes, write_shard
+
+    cfg = _config(tmp, False, True)
+    folders = {"vqa": Path(tmp) / "vqa", "chat": Path(tmp) / "chat"}
+    if not folders["vqa"].exists():
+        for shard in range(2):
+            write_shard(folders["vqa"] / f"s{shard}.tar",
+                        [chat_record(f"v{shard}_{i}", "What color is it?", ["red", "blue"][i % 2],
+                                     png_bytes(40 * shard + i)) for i in range(40)])
+            write_shard(folders["chat"] / f"s{shard}.tar",
+                        [chat_record(f"c{shard}_{i}", "Say yes or no. " * (1 + i % 9), ["yes", "no"][i % 2])
+                         for i in range(40)])
+    cfg.model.arch, cfg.model.options = "omni", TINY_OMNI
+    cfg.data.train_path, cfg.data.eval_path, cfg.data.text_key, cfg.data.format = "", None, "json", "auto"
+    cfg.data.sources = [SourceConfig(path=str(folders["vqa"]), weight=0.6, name="vqa"),
+                        SourceConfig(path=str(folders["chat"]), weight=0.4, name="chat")]
+    cfg.data.max_seq_len, cfg.data.tokens_per_micro_batch = 192, 384
+    return cfg
+
+
+def _vlm_uninterrupted(rank, world, tmp):
+    return [m["loss"] for m in Trainer(_vlm_config(tmp)).train()]
+
+
+def _vlm_crash_and_resume(rank, world, tmp):
+    first = Trainer(_vlm_config(tmp))
+    before = [first.run_step()["loss"] for _ in range(3)]
+    del first
+    return before, [m["loss"] for m in Trainer(_vlm_config(tmp)).train()]
+
+
+def test_vlm_mixture_of_image_and_text_sources_balanced_resumes_exactly(tmp_path):
+    full = run_distributed(_vlm_uninterrupted, 2, str(tmp_path / "a"))[0]
+    before, after = run_distributed(_vlm_crash_and_resume, 2, str(tmp_path / "b"))[0]
+    assert len(full) == 6 and before == full[:3] and after == full[3:]
+    records = [json.loads(line) for line in (tmp_path / "a" / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "balance_fill" in r]
+    assert len(steps) == 6 and all(0 < r["mix_vqa"] < 1 for r in steps)
