@@ -19,6 +19,7 @@ from veomni.config.loader import ConfigError, dump_config, load_config, locate_m
 from veomni.config.schema import RunConfig, SourceConfig
 from veomni.data.builders import MANIFEST
 from veomni.data.datasets import dataset_kind_name
+from veomni.data.mixture import run_sources
 from veomni.data.registry import get_dataset_kind
 from veomni.parallel.mesh import LayoutError, ParallelDims
 from veomni.spec import get_model_spec
@@ -88,11 +89,16 @@ def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
     return problems, not missing
 
 
-def _check_dataset(cfg: RunConfig, model_config: Any, dims: ParallelDims) -> list[str]:
-    """The dataset kind's own pre-flight checks (a text kind: the sources hold records, the tokenizer
-    exists and fits), and whether it can balance ranks when asked to."""
+def _data_kind(cfg: RunConfig) -> Any:
+    return get_dataset_kind(dataset_kind_name(cfg.data, get_model_spec(cfg.model.arch).dataset))
+
+
+def _check_data_plan(cfg: RunConfig, dims: ParallelDims) -> list[str]:
+    """What the data section asks of the dataset kind and the layout, before any data is built: a
+    mixture or balancing the kind cannot do, a balancing group that does not divide the data-parallel
+    size, a source list whose weights or names are wrong."""
     try:
-        kind = get_dataset_kind(dataset_kind_name(cfg.data, get_model_spec(cfg.model.arch).dataset))
+        kind = _data_kind(cfg)
     except ValueError as exc:
         return [f"data.kind: {exc}"]
     problems = []
@@ -105,7 +111,21 @@ def _check_dataset(cfg: RunConfig, model_config: Any, dims: ParallelDims) -> lis
     if cfg.data.balance_group and dims.dp_size % cfg.data.balance_group:
         problems.append(f"data.balance_group={cfg.data.balance_group} must divide the data-parallel size "
                         f"{dims.dp_size}; pick a divisor, or 0 for the ranks of one node")
-    return problems + kind.check(cfg.data, model_config)
+    try:
+        run_sources(cfg.data, "train")
+    except ValueError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def _check_dataset(cfg: RunConfig, model_config: Any) -> list[str]:
+    """The dataset kind's own pre-flight checks (a text kind: the sources hold records, the tokenizer
+    exists and fits)."""
+    try:
+        kind = _data_kind(cfg)
+    except ValueError as exc:
+        return [f"data.kind: {exc}"]
+    return kind.check(cfg.data, model_config)
 
 
 def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
@@ -196,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg, model, problems = _validate_model(cfg)
     if model is not None:
         problems += _check_pretrained(cfg, model)
+    problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start
         return _fail(problems)
     # the same checks, in the same order, with the same messages in a dry run: only no data is built
     problems, data_ready = _check_data(cfg, args.dry_run)
     if data_ready:
-        problems = _check_dataset(cfg, model_cfg, dims)
+        problems = _check_dataset(cfg, model_cfg)
     if problems:
         return _fail(problems)
     if args.dry_run:
