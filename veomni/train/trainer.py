@@ -117,7 +117,8 @@ class Trainer(BadStepHandling):
         self.data_kind = dataset_kind_name(cfg.data, self.spec.dataset)
         self.tokenizer = load_run_tokenizer(cfg.data, self.data_kind)
         self.train_loader = self._loader("train")
-        self.train_loader.dataset.unpacked = cfg.data.balance  # the feed packs after balancing
+        if cfg.data.balance:
+            self.train_loader.dataset.unpacked = True  # single samples: the feed packs them after balancing
         self._pending: list[list[Any]] = []  # a balancing window to restore
         self.step = 0
         self.units_seen = 0
