@@ -50,6 +50,15 @@ def image_flops(encoder: NativeResolutionViT, inputs: Mapping[str, torch.Tensor]
     return encoder.training_flops(inputs["grid_thw"])
 
 
+def split_images(inputs: Mapping[str, torch.Tensor], cfg: ViTConfig) -> list[MediaItem]:
+    """Collated ``patches`` / ``grid_thw`` -> one item per ``grid_thw`` row (its ``t*h*w`` patch rows)."""
+    grid = inputs["grid_thw"]
+    sizes = grid.prod(dim=1).tolist()
+    return [MediaItem(inputs={"patches": patches, "grid_thw": grid[i:i + 1]},
+                      num_tokens=patches.shape[0] // cfg.merge_size**2, cost=patches.shape[0])
+            for i, patches in enumerate(inputs["patches"].split(sizes))]
+
+
 register_modality(Modality(
     name="image",
     config_cls=ViTConfig,
@@ -57,6 +66,7 @@ register_modality(Modality(
     processor=process_image,
     dummy_inputs=image_dummy_inputs,
     flops=image_flops,
+    split=split_images,
     placeholder="<image>",
     fields=("png", "jpg", "jpeg", "webp"),
     adapter="merger",
@@ -83,6 +93,17 @@ def audio_flops(encoder: AudioEncoder, inputs: Mapping[str, torch.Tensor]) -> fl
     return encoder.training_flops(inputs["lengths"])
 
 
+def split_audio(inputs: Mapping[str, torch.Tensor], cfg: AudioEncoderConfig) -> list[MediaItem]:
+    """Collated ``features`` / ``lengths`` -> one item per clip (its ``lengths[i]`` frame rows)."""
+    lengths = inputs["lengths"]
+    items = []
+    for i, features in enumerate(inputs["features"].split(lengths.tolist())):
+        tokens = cfg.conv_output_length(features.shape[0])
+        items.append(MediaItem(inputs={"features": features, "lengths": lengths[i:i + 1]},
+                               num_tokens=tokens, cost=tokens))
+    return items
+
+
 register_modality(Modality(
     name="audio",
     config_cls=AudioEncoderConfig,
@@ -90,6 +111,7 @@ register_modality(Modality(
     processor=process_audio,
     dummy_inputs=audio_dummy_inputs,
     flops=audio_flops,
+    split=split_audio,
     placeholder="<audio>",
     fields=("wav",),
     adapter="proj",

@@ -9,6 +9,11 @@ A micro-batch without any item of a modality still runs that encoder, on its tin
 and adds ``0 * features.sum()``: the encoder's FSDP all-gathers and gradient reduce-scatters
 then run on every rank (otherwise a rank without images would leave the others waiting), and
 its gradient contribution is exactly zero.
+
+Encoders run through the ``media_fn`` injection point (``veomni.spec.media.MediaFn``): by
+default this rank's items on this rank; ``parallel.encoder_balance`` swaps in a version that
+spreads the items of all data-parallel ranks evenly by encoder cost and brings the features
+back. The splice into the embeddings stays here either way.
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ from torch import nn
 from models.llm.model import DecoderLM
 from models.llm.moe import MoEHost
 from veomni.parallel.plan import ParallelPlan, prefixed
+from veomni.spec.media import MediaFn, MediaHost, run_media_locally
 
 from .config import OmniConfig
 from .registry import get_modality
 
 
-class OmniModel(MoEHost, nn.Module):
+class OmniModel(MoEHost, MediaHost, nn.Module):
     """``llm`` (models/llm DecoderLM, dense or MoE) + ``encoders`` (ModuleDict keyed by modality).
-    ``MoEHost`` finds the LLM's MoE layers for the engine's per-step MoE bookkeeping."""
+    ``MoEHost`` finds the LLM's MoE layers for the engine's per-step MoE bookkeeping; ``MediaHost``
+    declares the ``media_fn`` injection point the encoders run through."""
 
     def __init__(self, cfg: OmniConfig) -> None:
         super().__init__()
@@ -43,6 +50,10 @@ class OmniModel(MoEHost, nn.Module):
         for component in cfg.freeze:
             for param in self._component_params(component):
                 param.requires_grad_(False)
+        self.media_fn: MediaFn = run_media_locally
+
+    def media_config(self) -> OmniConfig:
+        return self.config
 
     def _component_params(self, component: str) -> list[nn.Parameter]:
         """Parameters of ``llm``, ``encoders.<name>`` (minus its adapter) or ``adapters.<name>``."""
@@ -69,12 +80,12 @@ class OmniModel(MoEHost, nn.Module):
         x = self.llm.embed_tokens(input_ids)
         for name, encoder in self.encoders.items():
             item = (media or {}).get(name)
+            dummy = get_modality(name).dummy_inputs(self.config.encoder_configs[name])
+            dummy = {k: v.to(input_ids.device) for k, v in dummy.items()}
+            features = self.media_fn(name, encoder, None if item is None else item["inputs"], dummy)
             if item is None:
-                dummy = get_modality(name).dummy_inputs(self.config.encoder_configs[name])
-                features = encoder(**{k: v.to(input_ids.device) for k, v in dummy.items()})
                 x = x + 0 * features.sum().to(x.dtype)
                 continue
-            features = encoder(**item["inputs"])
             positions = item["positions"]
             if features.shape[0] != positions.numel():
                 raise ValueError(

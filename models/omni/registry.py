@@ -16,7 +16,11 @@ so adding one touches no engine code:
   suffixes holding items (``("png", "jpg")``); ``adapter``: the encoder submodule that maps
   encoder features into the LLM's space (frozen or trained on its own, see ``freeze``).
 - ``flops(encoder, inputs)``: forward+backward FLOPs of the encoder on collated inputs, for MFU
-  and ``--dry-run``.
+  and ``--dry-run``; on one item's inputs, the cost by which balanced encoder work
+  (``parallel.encoder_balance``) spreads items over ranks.
+- ``split(inputs, config)``: collated micro-batch inputs -> the ``MediaItem`` of each item, in
+  order (the inverse of ``veomni.spec.media.collate_items``), so a parallel recipe can move items
+  between ranks and knows how many feature rows each one comes back with.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Modality:
     processor: Callable[[bytes, Any], MediaItem]
     dummy_inputs: Callable[..., dict[str, torch.Tensor]]
     flops: Callable[[nn.Module, Mapping[str, torch.Tensor]], float]
+    split: Callable[[Mapping[str, torch.Tensor], Any], list[MediaItem]]
     placeholder: str
     fields: tuple[str, ...]
     adapter: str = "adapter"

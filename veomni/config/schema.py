@@ -151,6 +151,10 @@ class ParallelConfig:
     """selective keeps matmul/attention outputs and recomputes the cheap element-wise ops."""
     compile: bool = False
     """torch.compile each block (the plan's ``blocks``)."""
+    encoder_balance: bool = False
+    """Models with media encoders: spread each micro-batch's media items over the data-parallel
+    ranks by encoder cost and send the features back (``veomni/parallel/colocate.py``); the loss
+    and gradients are unchanged. Not with parallel.sp, cp or pp > 1."""
 
 
 @dataclass

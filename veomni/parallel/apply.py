@@ -1,7 +1,7 @@
 """The one ordered parallel recipe applied to a plain model.
 
 Order matters: pipeline split (``pipeline.py`` cuts the model before calling this) -> sequence,
-graph and expert injection -> activation checkpointing -> compile -> FSDP. Expert injection swaps
+graph, expert and encoder-balance injection -> activation checkpointing -> compile -> FSDP. Expert injection swaps
 parameters for EP-sharded DTensors and sets the MoE dispatchers, which checkpointing and
 compile must then capture;
 checkpointing and compile wrap the block's forward, and FSDP must see the final module tree
@@ -17,6 +17,7 @@ from torch import nn
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
+from veomni.parallel.colocate import apply_encoder_balance
 from veomni.parallel.context import apply_context_parallel
 from veomni.parallel.cp_cost import auto_cp_mesh
 from veomni.parallel.expert import apply_expert_parallel
@@ -76,6 +77,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         count = apply_graph_parallel(model, plan, group)
         logger.info("graph aggregation on %d message-passing modules (%d partitions)", count, meshes.dims.dp_size)
     experts = apply_expert_parallel(model, plan, meshes.ep, meshes.loss, meshes.dims.loss_size)
+    if cfg.encoder_balance:
+        apply_encoder_balance(model, meshes.dp.get_group() if meshes.dims.dp_size > 1 else None)
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model, plan)

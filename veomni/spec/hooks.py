@@ -11,6 +11,9 @@
 - ``SampleWriter``: what a generative family writes during training (validation clips, images)
   for people to look at; ``train.sample_interval`` says how often.
 - ``ParamRule``: optimizer options for parameters matched by name (a spec's parameter rules).
+
+Media models' hooks (``MediaHost``, its ``media_fn`` injection point, ``MediaKind``) live with
+the rest of the media contract in ``veomni/spec/media.py``.
 """
 
 from __future__ import annotations

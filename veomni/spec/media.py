@@ -5,6 +5,12 @@ A family whose model takes media (the zoo's omni models) describes each modality
 in chat text, and the webdataset member suffixes holding it. The dataset
 (``veomni/data/multimodal.py``) reads these from the model config (``MediaModelConfig``) and
 never imports the family.
+
+A model that runs the encoders derives from ``MediaHost``: its forward hands each modality's
+micro-batch inputs to the ``media_fn`` injection point (single-device default:
+``run_media_locally``). Parallel recipes replace it (``veomni/parallel/colocate.py`` balances
+encoder work across data-parallel ranks); they take items apart and price them with a kind's
+``split`` and ``flops``, so they too never import the family.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,13 @@ class MediaKind(Protocol):
     """The marker in chat text (``"<image>"``)."""
     fields: tuple[str, ...]
     """Webdataset member suffixes holding items (``("png", "jpg")``)."""
+    split: Callable[[Mapping[str, torch.Tensor], Any], list[MediaItem]]
+    """(a micro-batch's collated encoder inputs, the encoder's config) -> its items in order, the
+    inverse of ``collate_items``; each item's ``num_tokens`` is the feature rows the encoder makes
+    for it."""
+    flops: Callable[[nn.Module, Mapping[str, torch.Tensor]], float]
+    """(the encoder, collated inputs) -> forward + backward FLOPs of the encoder on them; on one
+    item's inputs, that item's encoder cost."""
 
 
 class MediaModelConfig(Protocol):
@@ -52,3 +66,29 @@ class MediaModelConfig(Protocol):
 def collate_items(items: list[MediaItem]) -> dict[str, torch.Tensor]:
     """The encoder inputs of a micro-batch: each key's tensors concatenated along dim 0."""
     return {key: torch.cat([item.inputs[key] for item in items]) for key in items[0].inputs}
+
+
+MediaFn = Callable[[str, nn.Module, Mapping[str, torch.Tensor] | None, Mapping[str, torch.Tensor]], torch.Tensor]
+"""(modality name, its encoder, this micro-batch's collated inputs or None when it holds no item,
+the modality's dummy inputs) -> the features of this micro-batch's items, in item order. Every
+rank calls it once per modality and micro-batch whether or not it holds items, so an
+implementation may run collectives; with None the caller adds ``0 * features.sum()`` to its
+output, which ties whatever the call ran into the backward pass."""
+
+
+def run_media_locally(name: str, encoder: nn.Module, inputs: Mapping[str, torch.Tensor] | None,
+                      dummy_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The single-device ``MediaFn``: the encoder on this micro-batch's items, or on the dummy
+    input when it holds none (so the encoder's FSDP collectives still run on this rank)."""
+    return encoder(**(inputs if inputs is not None else dummy_inputs))
+
+
+class MediaHost:
+    """Base of models whose forward runs media encoders through ``self.media_fn`` (a ``MediaFn``,
+    ``run_media_locally`` until a parallel recipe replaces it)."""
+
+    media_fn: MediaFn
+
+    def media_config(self) -> MediaModelConfig:
+        """The modalities (their ``MediaKind``) and encoder configs the forward runs."""
+        raise NotImplementedError
