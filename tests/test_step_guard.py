@@ -44,8 +44,7 @@ def _steps_with_nan_at_3(rank, world, tmp):
 def _steps_without_the_third_batch(rank, world, tmp):
     trainer = Trainer(tiny_run_config(Path(tmp), max_steps=5))
     losses = [trainer.run_step()["loss"] for _ in range(2)]
-    for _ in range(trainer.cfg.train.grad_accum):
-        next(trainer._train_iter)  # the batch the other run's step 3 drew
+    trainer.feed.next_step()  # the micro-batches the other run's step 3 drew
     losses += [trainer.run_step()["loss"] for _ in range(3)]
     return losses, full_params(trainer.model)
 
