@@ -112,3 +112,18 @@ def test_vlm_mixture_of_image_and_text_sources_balanced_resumes_exactly(tmp_path
     records = [json.loads(line) for line in (tmp_path / "a" / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "balance_fill" in r]
     assert len(steps) == 6 and all(0 < r["mix_vqa"] < 1 for r in steps)
+
+
+def test_mixture_quickstart_recipe_trains_through_train_sh(tmp_path):
+    """The quick-start mixture recipe as a user runs it: both corpora built by their own builders,
+    2 processes, balanced ranks; the realised mixture and the balancing estimates in metrics."""
+    from tests.test_launch import REPO, train_sh
+
+    out = tmp_path / "run"
+    result = train_sh(str(REPO / "recipes" / "quickstart" / "tiny_llm_mixture.yaml"), "--train.max_steps", "3",
+                      "--train.output_dir", str(out), "--train.eval_interval", "0", "--train.eval_batches", "1",
+                      "--log.interval", "1", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step_time_s" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["mix_stdlib"] + r["mix_packages"] == pytest.approx(1.0) and r["balance_fill"] > 0 for r in steps)
