@@ -258,15 +258,17 @@ def _fill_model(model: ModelConfig, node: _Value) -> None:
         model.options[name] = _build_value(child, fields[name], f"model.{name}")
 
 
-def _fill_section(section_obj: Any, section: str, node: _Value) -> None:
-    """A closed section: every key must be one of its dataclass fields."""
+def _fill_section(section_obj: Any, section: str, node: _Value, path_fields: frozenset[str] | None = None) -> None:
+    """A closed section (or one entry of a list of dataclasses, ``path_fields`` naming its path
+    fields): every key must be one of its dataclass fields."""
     hints = typing.get_type_hints(type(section_obj))
+    if path_fields is None:
+        path_fields = frozenset(name for key, name in PATH_KEYS if key == section)
     for name, child in node.value.items():
         if name not in hints:
             hint = suggest(name, list(hints), section)
             raise ConfigError(f"{child.origin}: unknown key '{section}.{name}'{hint}")
-        value = _build_value(child, hints[name], f"{section}.{name}", (section, name) in PATH_KEYS)
-        setattr(section_obj, name, value)
+        setattr(section_obj, name, _build_value(child, hints[name], f"{section}.{name}", name in path_fields))
 
 
 def _build_value(node: _Value, annotation: Any, dotted: str, is_path: bool = False) -> Any:
@@ -291,26 +293,18 @@ def _build_value(node: _Value, annotation: Any, dotted: str, is_path: bool = Fal
     return value
 
 
+ENTRY_PATH_FIELDS = frozenset({"path", "prepare"})
+"""Fields of a list entry (``data.sources[i]``) holding paths, resolved against where the list was written."""
+
+
 def _build_entry(entry: Any, cls: type, dotted: str, node: _Value) -> Any:
-    """One mapping of a list of dataclass entries (``data.sources``): closed keys, typed values, and a
-    relative ``path`` resolved against where the list was written."""
+    """One mapping of a list of dataclass entries (``data.sources``), checked like a closed section."""
     if not isinstance(entry, dict):
-        raise ConfigError(f"{node.origin}: {dotted} must be a mapping of {', '.join(_field_names(cls))}, "
-                          f"got {entry!r}")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for key, value in entry.items():
-        if key not in hints:
-            raise ConfigError(f"{node.origin}: unknown key '{dotted}.{key}'{suggest(str(key), list(hints), dotted)}")
-        values[key] = coerce(value, hints[key], f"{node.origin}: {dotted}.{key}")
-    for key in ("path", "prepare"):  # paths relative to where the list was written
-        if isinstance(values.get(key), str) and values[key]:
-            values[key] = str((node.base_dir / os.path.expanduser(values[key])).resolve())
-    return cls(**values)
-
-
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+        names = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise ConfigError(f"{node.origin}: {dotted} must be a mapping of {names}, got {entry!r}")
+    built = cls()
+    _fill_section(built, dotted, _tree(entry, node.origin, node.base_dir), ENTRY_PATH_FIELDS)
+    return built
 
 
 def _absolute(value: Any) -> Any:

@@ -4,9 +4,10 @@ A run reads ``data.train_path`` (one source) or ``data.sources`` (several, each 
 Sources are mixed per sample by a deterministic rule rather than by random draws: the next sample
 comes from the source furthest below its share of the samples drawn so far. The realised mixture
 of any prefix is then within one sample of the weights (random draws of 1,000 samples at 0.7/0.3
-stray by 1.4% on average and more than 2% one time in six), the rule needs no random state, and its
-state is one count per source. Counts restart when the weights change at a resume, so new weights
-take effect from the next sample instead of first paying back the old mixture.
+have a binomial standard deviation of 1.4%, and stray by more than 2% one time in six), the rule
+needs no random state, and its state is one count per source. Counts restart when the weights
+change at a resume, so new weights take effect from the next sample instead of first paying back
+the old mixture.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from veomni.spec import build_config, get_model_spec, load_plugins
 from veomni.tasks.base import Baseline, Task, task_generator
 from veomni.tasks.lm import LanguageModelingTask
 from veomni.train.baseline import BaselineCollector
-from veomni.train.data_feed import build_feed
+from veomni.train.data_feed import build_feed, pending_share
 from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
 from veomni.train.faults import FaultInjector
@@ -218,10 +218,7 @@ class Trainer(BadStepHandling):
                            meta["dp_size"], self.dims.dp_size)
             merged = type(self.train_loader.dataset).merge_states([s["loader"] for s in rank_states])
             self.train_loader.load_state_dict(merged)
-            # a balancing window's samples were drawn, not trained: dealt round-robin to the new ranks
-            old = {s["dp_rank"]: s.get("pending", []) for s in rank_states}
-            pending = [p for rank in sorted(old) for p in old[rank]]
-            self._pending = pending[self.meshes.dp_rank::self.dims.dp_size]
+            self._pending = pending_share(rank_states, self.meshes.dp_rank, self.dims.dp_size)
 
     # ----- steps ------------------------------------------------------------------------
     def _local(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
