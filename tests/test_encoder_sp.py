@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI
@@ -25,6 +27,7 @@ from veomni.parallel.encoder_sp import (
     run_encoder_share,
     split_rows,
 )
+from veomni.parallel.fsdp import apply_fsdp
 from veomni.parallel.plan import flatten_plan
 from veomni.spec import build_model
 
@@ -81,8 +84,11 @@ def _reference(case: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return features.detach(), full_grads(encoder)
 
 
-def _sharded(rank: int, world: int, groups: list[list[int]], cases: list[str], checkpointed: bool) -> dict:
-    """Run ``cases[i]`` on the ranks ``groups[i]``; every group is made on every rank."""
+def _sharded(rank: int, world: int, groups: list[list[int]], cases: list[str], checkpointed: bool = False,
+             fsdp: bool = False) -> dict:
+    """Run ``cases[i]`` on the ranks ``groups[i]``; every group is made on every rank. ``fsdp``:
+    the encoder sharded over all ranks (its gradients come back averaged: summing the ranks'
+    copies gives the sum again)."""
     handles = [dist.new_group(ranks) for ranks in groups]
     mine = next(i for i, ranks in enumerate(groups) if rank in ranks)
     case, group = cases[mine], handles[mine]
@@ -90,6 +96,8 @@ def _sharded(rank: int, world: int, groups: list[list[int]], cases: list[str], c
     apply_encoder_sp(model)
     if checkpointed:
         apply_activation_checkpointing(model, flatten_plan(model.parallel_plan()), "full")
+    if fsdp:
+        apply_fsdp(encoder, encoder.parallel_plan(), init_device_mesh("cpu", (world,)), MixedPrecisionPolicy())
     inputs = CASES[case][2]
     features = run_encoder_share(group, encoder, inputs)
     counts = item_shares(encoder, inputs, len(groups[mine])).feature_rows()
@@ -114,7 +122,7 @@ def _assert_matches_reference(results: list[dict], case: str) -> None:
     ("long_audio", 2), ("long_audio", 4),
 ])
 def test_sharded_encoder_matches_one_process(case, ranks):
-    results = run_distributed(_sharded, ranks, [list(range(ranks))], [case], False)
+    results = run_distributed(_sharded, ranks, [list(range(ranks))], [case])
     shares = item_shares(_encoder(case)[1], CASES[case][2], ranks)
     assert [r["features"].shape[0] for r in results] == shares.feature_rows()
     _assert_matches_reference(results, case)
@@ -135,8 +143,14 @@ def test_sharded_encoder_under_activation_checkpointing():
     _assert_matches_reference(results, "large_image")
 
 
+def test_sharded_encoder_under_fsdp():
+    """The encoder's weights FSDP-sharded over the group, as in training."""
+    results = run_distributed(_sharded, 2, [[0, 1]], ["video"], False, True)
+    _assert_matches_reference(results, "video")
+
+
 def test_two_groups_run_different_items_at_once():
-    results = run_distributed(_sharded, 4, [[0, 2], [1, 3]], ["large_image", "long_audio"], False)
+    results = run_distributed(_sharded, 4, [[0, 2], [1, 3]], ["large_image", "long_audio"])
     _assert_matches_reference([results[0], results[2]], "large_image")
     _assert_matches_reference([results[1], results[3]], "long_audio")
 

@@ -27,7 +27,7 @@ inputs (the item's full encoder inputs, or several long items collated):
 
 Gradients: every all-to-all is its own adjoint (``sequence._Exchange``), so after each member
 backpropagates a loss on its chunk, the members' weight gradients sum to the one-rank gradient
-(FSDP's reduce over the group's ranks adds them). Rows that every member recomputes (the audio
+(FSDP's gradient reduction combines them as it does any ranks' gradients). Rows that every member recomputes (the audio
 stem) get gradient only through each member's own rows, so they are counted once too.
 
 Why the share travels in ``SeqInfo`` and not by swapping ``attn_fn`` around the call: activation
