@@ -8,6 +8,7 @@ import importlib.util
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from models.audio.processing import encode_wav
@@ -85,7 +86,8 @@ def test_every_caption_fits_the_greedy_eval():
     assert len(lengths) == 20 and max(lengths.values()) <= DEFAULT_MAX_ANSWER_TOKENS, lengths
 
 
-def test_audio_caption_recipe_trains_end_to_end(tmp_path):
+@pytest.mark.parametrize("layout", [[], ["--parallel.sp", "2"]], ids=["dp2", "sp2"])
+def test_audio_caption_recipe_trains_end_to_end(tmp_path, layout):
     builder = _builder()
     builder.build(tmp_path / "train", tmp_path / "eval", seed=1, train_samples=48, eval_samples=8)
     result = train_sh(str(REPO / "recipes" / "audio" / "tiny_audio_caption.yaml"),
@@ -93,7 +95,7 @@ def test_audio_caption_recipe_trains_end_to_end(tmp_path):
                       "--data.eval_path", str(tmp_path / "eval"),
                       "--data.prepare", "null", "--train.max_steps", "2", "--train.eval_interval", "2",
                       "--train.eval_batches", "1", "--train.output_dir", str(tmp_path / "out"),
-                      "--checkpoint.interval", "2")
+                      "--checkpoint.interval", "2", *layout)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in m for m in metrics)

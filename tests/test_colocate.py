@@ -9,34 +9,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from models.audio.config import AudioEncoderConfig
 from models.audio.processing import encode_wav
 from models.omni.registry import get_modality
 from models.vit.config import ViTConfig
 from tests.dist_harness import run_distributed
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
-from tests.parity_utils import assert_records_close, full_grads, full_params
+from tests.media_parity import image, run_media_steps, text
+from tests.omni_utils import TINY_OMNI, png_bytes
+from tests.parity_utils import assert_records_close
 from veomni.config.schema import ParallelConfig
-from veomni.data.loader import load_tokenizer
-from veomni.data.multimodal import SampleProcessor, pack_chat_samples
-from veomni.parallel.apply import parallelize
 from veomni.parallel.colocate import assign_items, check_encoder_balance
-from veomni.parallel.mesh import ParallelDims, build_mesh
-from veomni.spec import build_model, get_model_spec
+from veomni.spec import build_model
 from veomni.spec.media import collate_items
-from veomni.train.step import clip_and_step, forward_backward
 
 SKEWED_STEP = 2
-
-
-def image(i: int, width: int | None = None, height: int | None = None) -> dict:
-    return chat_record(f"s{i}", "What color is it?", ["red", "blue"][i % 2], png_bytes(i, width, height or width))
-
-
-def text(i: int) -> dict:
-    return chat_record(f"t{i}", "Say yes or no.", "yes")
 
 
 def global_steps() -> list[list[dict]]:
@@ -53,45 +40,14 @@ def global_steps() -> list[list[dict]]:
     ]
 
 
-def _run(rank: int, world: int, parallel: ParallelConfig) -> dict:
-    meshes = build_mesh(ParallelDims.resolve(parallel, world), "cpu")
-    config, model = tiny_omni()
-    task = get_model_spec("omni").task(config)
-    process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
-    model = parallelize(model, parallel, meshes, "cpu")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    encoder, modality = model.encoders["image"], get_modality("image")
-    encoded: list[float] = []  # encoder FLOPs of the real images this rank ran (dummy runs: 0)
-
-    def record_encoded(module, args, kwargs):
-        real = bool(kwargs["patches"].abs().sum() > 0)
-        encoded.append(modality.flops(module, kwargs) if real else 0.0)
-
-    encoder.register_forward_pre_hook(record_encoded, with_kwargs=True)
-    record = {"loss": [], "metrics": [], "grads": [], "owned": [], "encoded": []}
-    for samples in global_steps():
-        batch = pack_chat_samples([process(r) for r in samples[rank::world]])
-        inputs = batch["media"].get("image", {}).get("inputs")
-        record["owned"].append(modality.flops(encoder, inputs) if inputs is not None else 0.0)
-        metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), meshes.dims.loss_size)
-        record["loss"].append(metrics["loss"])
-        record["metrics"].append({k: v for k, v in metrics.items() if k.startswith("loss_")})
-        record["grads"].append(full_grads(model))
-        record["encoded"].append(encoded.pop())
-        clip_and_step(model, optimizer, None, max_grad_norm=0.0)
-    record["params"] = full_params(model)
-    dist.barrier()
-    return record
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return run_distributed(_run, 1, ParallelConfig())[0]
+    return run_distributed(run_media_steps, 1, ParallelConfig(), global_steps())[0]
 
 
 @pytest.fixture(scope="module")
 def balanced_two_ranks() -> list[dict]:
-    return run_distributed(_run, 2, ParallelConfig(encoder_balance=True))
+    return run_distributed(run_media_steps, 2, ParallelConfig(encoder_balance=True), global_steps())
 
 
 def test_balanced_encoders_match_one_process_at_two_ranks(reference, balanced_two_ranks):
@@ -114,7 +70,7 @@ def test_skewed_step_is_balanced(balanced_two_ranks):
 
 
 def test_balanced_encoders_match_one_process_at_four_ranks(reference):
-    results = run_distributed(_run, 4, ParallelConfig(encoder_balance=True))
+    results = run_distributed(run_media_steps, 4, ParallelConfig(encoder_balance=True), global_steps())
     assert [r["owned"][0] == 0 for r in results] == [False, True, False, True]
     for got in results:
         assert_records_close(reference, got, atol=1e-6)
@@ -142,7 +98,9 @@ def test_encoder_balance_is_refused_where_it_cannot_apply():
     assert check_encoder_balance(omni, ParallelConfig(encoder_balance=True)) == []
     assert check_encoder_balance(llm, ParallelConfig()) == []
     assert "runs no media encoders" in check_encoder_balance(llm, ParallelConfig(encoder_balance=True))[0]
-    assert "parallel.sp=2" in check_encoder_balance(omni, ParallelConfig(encoder_balance=True, sp=2))[0]
+    assert check_encoder_balance(omni, ParallelConfig(encoder_balance=True, sp=2)) == []  # tests/test_media_sp.py
+    for key in ("cp", "pp"):
+        assert f"parallel.{key}=2" in check_encoder_balance(omni, ParallelConfig(encoder_balance=True, **{key: 2}))[0]
 
 
 def _wav(seconds: float) -> bytes:

@@ -10,7 +10,6 @@ from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_
 from veomni.config.schema import TrainConfig
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
-from veomni.parallel.sequence import check_sequence_parallel
 from veomni.spec import build_config, build_model
 from veomni.train.optim import build_optimizer
 
@@ -111,9 +110,3 @@ def test_freeze_components_get_no_gradient_and_no_optimizer_state():
 def test_bad_config_is_named(options, message):
     with pytest.raises(ValueError, match=message):
         build_config("omni", {**TINY_OMNI, **options})
-
-
-def test_sequence_parallel_is_refused_for_omni_models():
-    _, model = tiny_omni()
-    problems = check_sequence_parallel(model, 2)
-    assert problems and "not supported for models with encoders" in problems[0]

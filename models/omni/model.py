@@ -13,7 +13,8 @@ its gradient contribution is exactly zero.
 Encoders run through the ``media_fn`` injection point (``veomni.spec.media.MediaFn``): by
 default this rank's items on this rank; ``parallel.encoder_balance`` swaps in a version that
 spreads the items of all data-parallel ranks evenly by encoder cost and brings the features
-back. The splice into the embeddings stays here either way.
+back, and under sequence parallelism one that splits a row's items between the ranks holding it
+and hands each rank its slice's features. The splice into the embeddings stays here either way.
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ class OmniModel(MoEHost, MediaHost, nn.Module):
         """Packed forward -> logits [T, vocab].
 
         ``media[name]`` = ``{"inputs": encoder kwargs for the micro-batch, "positions": LongTensor of
-        the row positions its features go to, in order}``; a modality may be absent.
+        the row positions its features go to, in order}``; a modality may be absent. Under sequence
+        parallelism the row is this rank's slice and ``positions`` the placeholders in it (local,
+        maybe none); the ``media_fn`` then returns exactly their features.
         """
         x = self.llm.embed_tokens(input_ids)
         for name, encoder in self.encoders.items():
             item = (media or {}).get(name)
             dummy = get_modality(name).dummy_inputs(self.config.encoder_configs[name])
             dummy = {k: v.to(input_ids.device) for k, v in dummy.items()}
-            features = self.media_fn(name, encoder, None if item is None else item["inputs"], dummy)
+            features = self.media_fn(name, encoder, item, dummy)
             if item is None:
                 x = x + 0 * features.sum().to(x.dtype)
                 continue

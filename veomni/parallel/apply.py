@@ -17,7 +17,7 @@ from torch import nn
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
-from veomni.parallel.colocate import apply_encoder_balance
+from veomni.parallel.colocate import apply_media_routing
 from veomni.parallel.context import apply_context_parallel
 from veomni.parallel.cp_cost import auto_cp_mesh
 from veomni.parallel.expert import apply_expert_parallel
@@ -27,6 +27,7 @@ from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
 from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
 from veomni.parallel.sequence import apply_sequence_parallel, check_sequence_parallel, kv_repeat_factor
+from veomni.spec.media import MediaHost
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +62,25 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
     problems = check_sequence_parallel(model, meshes.dims.sp, meshes.dims.cp)  # the launcher's check, for callers
     if problems:
         raise ValueError("; ".join(problems))
-    plan = flatten_plan(model.parallel_plan())  # encoder blocks are treated like the LLM's
+    top = model.parallel_plan()  # the row's attention: encoders attend within their own items
+    plan = flatten_plan(top)  # encoder blocks are treated like the LLM's
     if not match_modules(model, plan.blocks):
         raise ValueError(f"{type(model).__name__}.parallel_plan() blocks {plan.blocks} match no module")
     if meshes.dims.cp > 1:
-        a, b = meshes.dims.cp_mesh or _auto_cp_mesh(model, plan, meshes, device_type, row_tokens)
-        count = apply_context_parallel(model, plan, meshes.cp_groups(a, b))
+        a, b = meshes.dims.cp_mesh or _auto_cp_mesh(model, top, meshes, device_type, row_tokens)
+        count = apply_context_parallel(model, top, meshes.cp_groups(a, b))
         logger.info("context parallelism (cp=%d, %s) on %d attention modules", meshes.dims.cp,
                     "ring" if a == 1 else f"Mesh-Attention {a}x{b}", count)
     if meshes.dims.sp > 1:  # after cp: Ulysses wraps the context-parallel core (the hybrid)
-        count = apply_sequence_parallel(model, plan, meshes.sp.get_group())
+        count = apply_sequence_parallel(model, top, meshes.sp.get_group())
         logger.info("Ulysses sequence parallelism (sp=%d) on %d attention modules", meshes.dims.sp, count)
     if plan.message_passing:
         group = meshes.dp.get_group() if meshes.dims.dp_size > 1 else None
         count = apply_graph_parallel(model, plan, group)
         logger.info("graph aggregation on %d message-passing modules (%d partitions)", count, meshes.dims.dp_size)
     experts = apply_expert_parallel(model, plan, meshes.ep, meshes.loss, meshes.dims.loss_size)
-    if cfg.encoder_balance:
-        apply_encoder_balance(model, meshes.dp.get_group() if meshes.dims.dp_size > 1 else None)
+    if cfg.encoder_balance or (isinstance(model, MediaHost) and meshes.dims.sp > 1):
+        apply_media_routing(model, meshes, cfg.encoder_balance)
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model, plan)

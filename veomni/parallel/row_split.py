@@ -16,7 +16,9 @@ exactly ``padded / cp`` tokens. A rank holds its pieces in row order, so padding
 What is split is the task's batch contract: its ``sequence_fields``, padded with its
 ``pad_values`` (labels: no target) and gathered at the rank's positions; every other field
 (``cu_seqlens``, ``max_seqlen``) stays global, so attention sees the true sample boundaries
-and RoPE the global positions. ``valid_tokens`` counts the slice's real (leading) rows, so MoE
+and RoPE the global positions, except fields that point into the row (an omni batch's
+placeholder positions), which the contract's ``localize`` rewrites from ``RowSplit.placement``
+(which rank holds each position, and where). ``valid_tokens`` counts the slice's real (leading) rows, so MoE
 layers leave the padding unrouted. A row that was already padded (a pipeline micro-batch, whose
 ``valid_tokens`` says where its real rows end) keeps that: its padding is at the end of the row,
 so it is a suffix of every rank's ascending positions too.
@@ -24,6 +26,7 @@ so it is a suffix of every rank's ascending positions too.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -31,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from veomni.tasks.base import BatchContract
+from veomni.tasks.base import BatchContract, RowPlacement
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,18 @@ class RowSplit:
         local = chunk.shape[0] // self.sp
         return chunk[self.sp_rank * local:(self.sp_rank + 1) * local]
 
+    def placement(self, bounds: list[int], total: int) -> RowPlacement:
+        """Which rank of the row holds each position of the padded row, and where in its slice."""
+        padded = self.padded(total)
+        holder = torch.empty(padded, dtype=torch.long)
+        local = torch.empty(padded, dtype=torch.long)
+        for cp_rank in range(self.cp):
+            for sp_rank in range(self.sp):
+                held = dataclasses.replace(self, sp_rank=sp_rank, cp_rank=cp_rank).positions(bounds, total)
+                holder[held] = cp_rank * self.sp + sp_rank
+                local[held] = torch.arange(held.shape[0])
+        return RowPlacement(holder, local, self.cp_rank * self.sp + self.sp_rank)
+
 
 class Piece(NamedTuple):
     """Global positions ``[start, end)`` of piece ``index`` (of ``2 cp``) of sample ``sample``
@@ -98,15 +113,17 @@ def cp_pieces(bounds: list[int], padded: int, cp: int) -> list[list[Piece]]:
 
 
 def shard_batch(batch: dict[str, Any], split: RowSplit, contract: BatchContract) -> dict[str, Any]:
-    """This rank's part of each of the contract's sequence fields of a packed row; every other
-    field stays global. ``valid_tokens`` in ``batch`` (rows from there on are padding) is honoured."""
+    """This rank's part of each of the contract's sequence fields of a packed row; fields that
+    point into the row are rewritten by the contract's ``localize``; every other field stays
+    global. ``valid_tokens`` in ``batch`` (rows from there on are padding) is honoured."""
     total = contract.row_length(batch)
     real = batch.get("valid_tokens")
     real = total if real is None else int(real)
     padded = split.padded(total)
     if split.cp > 1 and "cu_seqlens" not in batch:
         raise ValueError("context parallelism splits rows by their samples, but the batch has no cu_seqlens")
-    positions = split.positions(batch["cu_seqlens"].tolist() if split.cp > 1 else [0, total], total)
+    bounds = batch["cu_seqlens"].tolist() if split.cp > 1 else [0, total]
+    positions = split.positions(bounds, total)
     out = dict(batch)
     for key in contract.sequence_fields:
         value = batch[key]
@@ -118,4 +135,6 @@ def shard_batch(batch: dict[str, Any], split: RowSplit, contract: BatchContract)
                                                      contract.pad_value(key))])
         out[key] = value[positions.to(value.device)]
     out["valid_tokens"] = int((positions < real).sum())
+    if contract.localize is not None:
+        out.update(contract.localize(batch, split.placement(bounds, total)))
     return out

@@ -13,6 +13,9 @@ the token layout. Everything else in the model is per token and runs unchanged.
 - GQA: K/V heads are repeated just enough that their count divides ``sp`` and still divides
   the query heads, keeping each query head with its own K/V head.
 - Positions: ``position_ids`` are sliced from the full row, so RoPE sees global positions.
+- Media (omni models): each rank's slice holds the placeholders of some encoder features; the
+  ranks of a row share the encoding of its items and each receives its slice's features
+  (``colocate.py``, ``RoutedMediaFn``), written at local positions by the model's splice.
 - Loss: each rank counts the loss tokens of its own slice, so the trainer's global-token
   normalisation (reduced over dp x sp) needs no SP-specific term.
 """
@@ -30,6 +33,7 @@ from torch import nn
 from veomni.ops.attention import AttentionFn, SeqInfo
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.spec.media import MediaHost
 
 
 def kv_repeat_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
@@ -48,10 +52,14 @@ def check_sequence_parallel(model: nn.Module, sp_size: int, cp_size: int = 1) ->
         return []
     keys = " x ".join(f"parallel.{k}={v}" for k, v in (("sp", sp_size), ("cp", cp_size)) if v > 1)
     plan: ParallelPlan = model.parallel_plan()
-    if plan.encoders:
-        return [f"{keys}: sequence and context parallelism are not supported for models with encoders "
-                f"({', '.join(plan.encoders)}): the encoder features spliced into a row would have to be "
-                "scattered over the ranks that split it; use parallel.sp: 1 and parallel.cp: 1"]
+    if plan.encoders and cp_size > 1:
+        return [f"{keys}: context parallelism is not supported for models with encoders "
+                f"({', '.join(plan.encoders)}) yet: their features would have to reach each rank's zig-zag "
+                "pieces of the row; use parallel.cp: 1 (parallel.sp > 1 works: features go to each slice)"]
+    if plan.encoders and not isinstance(model, MediaHost):
+        return [f"{keys}: {type(model).__name__} declares encoders ({', '.join(plan.encoders)}) but is no "
+                "MediaHost, so their features cannot be routed to the ranks holding each sequence slice; "
+                "run its encoders through MediaHost.media_fn or use parallel.sp: 1"]
     if plan.message_passing:
         return [f"{keys}: a graph model has no sequence to split; graphs scale by partitions "
                 "(each data-parallel rank trains one partition of the nodes) and by layers (parallel.pp, "

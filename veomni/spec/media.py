@@ -9,8 +9,9 @@ never imports the family.
 A model that runs the encoders derives from ``MediaHost``: its forward hands each modality's
 micro-batch inputs to the ``media_fn`` injection point (single-device default:
 ``run_media_locally``). Parallel recipes replace it (``veomni/parallel/colocate.py`` balances
-encoder work across data-parallel ranks); they take items apart and price them with a kind's
-``split`` and ``flops``, so they too never import the family.
+encoder work across ranks and routes the features to the ranks holding a row's sequence
+slices); they take items apart and price them with a kind's ``split`` and ``flops``, so they
+too never import the family.
 """
 
 from __future__ import annotations
@@ -88,19 +89,23 @@ def collate_items(items: list[MediaItem]) -> dict[str, torch.Tensor]:
     return {key: torch.cat([item.inputs[key] for item in items]) for key in items[0].inputs}
 
 
-MediaFn = Callable[[str, nn.Module, Mapping[str, torch.Tensor] | None, Mapping[str, torch.Tensor]], torch.Tensor]
-"""(modality name, its encoder, this micro-batch's collated inputs or None when it holds no item,
-the modality's dummy inputs) -> the features of this micro-batch's items, in item order. Every
-rank calls it once per modality and micro-batch whether or not it holds items, so an
-implementation may run collectives; with None the caller adds ``0 * features.sum()`` to its
-output, which ties whatever the call ran into the backward pass."""
+MediaFn = Callable[[str, nn.Module, Mapping[str, Any] | None, Mapping[str, torch.Tensor]], torch.Tensor]
+"""(modality name, its encoder, this micro-batch's media entry of the modality or None when the
+row holds no item of it, the modality's dummy inputs) -> the features for the entry's
+``positions``, in order. The entry is ``{"inputs": the collated encoder inputs of the row's
+items, "positions": where their features go}``; when ranks split the row (sequence parallelism)
+``positions`` are this rank's slice's, in local coordinates, and ``holders`` gives the row rank
+holding each feature row of the row's items (``veomni.tasks.vlm.localize_media``). Every rank
+calls it once per modality and micro-batch whether or not it holds items, so an implementation
+may run collectives; with None the caller adds ``0 * features.sum()`` to its output, which ties
+whatever the call ran into the backward pass."""
 
 
-def run_media_locally(name: str, encoder: nn.Module, inputs: Mapping[str, torch.Tensor] | None,
+def run_media_locally(name: str, encoder: nn.Module, media: Mapping[str, Any] | None,
                       dummy_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The single-device ``MediaFn``: the encoder on this micro-batch's items, or on the dummy
     input when it holds none (so the encoder's FSDP collectives still run on this rank)."""
-    return encoder(**(inputs if inputs is not None else dummy_inputs))
+    return encoder(**(media["inputs"] if media is not None else dummy_inputs))
 
 
 class MediaHost:

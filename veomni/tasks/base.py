@@ -7,8 +7,9 @@ micro-batches.
 
 The batch belongs to the task, not to the engine: the task's ``BatchContract`` says what one
 row element is (its unit, for throughput), which fields run along the row (what sequence
-parallelism slices and pipelines pad, and with what), and what crosses pipeline stage
-boundaries. The engine works from that contract and assumes no field names of its own, except
+parallelism slices and pipelines pad, and with what), how fields that point into the row
+follow a split, and what crosses pipeline stage boundaries. The engine works from that
+contract and assumes no field names of its own, except
 the packed-row conventions ``cu_seqlens`` / ``max_seqlen`` (sample boundaries, kept whole when
 a row is sliced) and ``valid_tokens`` (the engine sets it when it pads a row: rows from there
 on are padding).
@@ -29,7 +30,7 @@ the batches and ranks, and the task turns the total into a loss (``baseline_loss
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +53,18 @@ class LossOutput:
 
 
 @dataclass(frozen=True)
+class RowPlacement:
+    """Where each position of a packed row (padded for the split) lands when ranks split it."""
+
+    holder: torch.Tensor
+    """[padded row] the row rank (``cp_rank * sp + sp_rank``) holding each position."""
+    local: torch.Tensor
+    """[padded row] the position's index in its holder's slice."""
+    rank: int
+    """This rank's row rank."""
+
+
+@dataclass(frozen=True)
 class BatchContract:
     """The layout of a task's micro-batches, as the engine may rely on it."""
 
@@ -68,6 +81,10 @@ class BatchContract:
     """Fields every pipeline stage takes as keyword inputs (whole row; ``valid_tokens`` added)."""
     target: str | None = None
     """The field the last pipeline stage's ``output_loss`` reads."""
+    localize: Callable[[Mapping[str, Any], RowPlacement], dict[str, Any]] | None = None
+    """For fields that point into the row rather than run along it (an omni batch's placeholder
+    positions): (the whole row's batch, where each row position lands) -> the fields to replace
+    in one rank's slice. None: the task has no such field."""
 
     def row_length(self, batch: Mapping[str, Any]) -> int:
         """Elements in the (local) row: the units of work this batch holds."""

@@ -10,14 +10,32 @@ tokens) is reported alongside: on one-word answers it tracks answer accuracy.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from veomni.tasks.base import IGNORE_INDEX, LossOutput
+from veomni.tasks.base import IGNORE_INDEX, LossOutput, RowPlacement
 from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
 
-VLM_CONTRACT = dataclasses.replace(LM_CONTRACT, stage_input=None)
+
+def localize_media(batch: Mapping[str, Any], placement: RowPlacement) -> dict[str, Any]:
+    """One rank's ``media`` when ranks split the row: every modality keeps the whole row's encoder
+    inputs (the ranks share the encoding, ``veomni/parallel/colocate.py``); ``positions`` become
+    the placeholders in this rank's slice, in local coordinates and feature-row order, and
+    ``holders`` the row rank holding each of the row's feature rows."""
+    if "media" not in batch:
+        return {}
+    media = {}
+    for name, entry in batch["media"].items():
+        holders = placement.holder[entry["positions"]]
+        here = entry["positions"][holders == placement.rank]
+        media[name] = {**entry, "positions": placement.local[here], "holders": holders}
+    return {"media": media}
+
+
+VLM_CONTRACT = dataclasses.replace(LM_CONTRACT, stage_input=None, localize=localize_media)
 """The packed text row of ``LM_CONTRACT`` plus ``media`` (per modality: the encoder inputs and the
 placeholder positions); not pipelined: encoder features are spliced in before the first block."""
 

@@ -1,0 +1,73 @@
+"""Shared harness of the media-routing parity tests (``tests/test_colocate.py``,
+``tests/test_media_sp.py``): the tiny omni model trained on fixed chat records, one process or
+several real gloo ranks, with what each rank's image encoder ran recorded beside the loss and
+gradients."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.omni.registry import get_modality
+from tests.omni_utils import TOKENIZER, chat_record, png_bytes, tiny_omni
+from tests.parity_utils import full_grads, full_params
+from veomni.config.schema import ParallelConfig
+from veomni.data.loader import load_tokenizer
+from veomni.data.multimodal import SampleProcessor, pack_chat_samples
+from veomni.parallel.apply import parallelize
+from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.parallel.row_split import shard_batch
+from veomni.spec import get_model_spec
+from veomni.train.step import clip_and_step, forward_backward
+
+
+def image(i: int, width: int | None = None, height: int | None = None) -> dict:
+    return chat_record(f"s{i}", "What color is it?", ["red", "blue"][i % 2], png_bytes(i, width, height or width))
+
+
+def text(i: int) -> dict:
+    return chat_record(f"t{i}", "Say yes or no.", "yes")
+
+
+def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list[list[dict]],
+                    overrides: dict | None = None) -> dict:
+    """Train the tiny omni model (``overrides`` of ``TINY_OMNI``) with SGD, one micro-batch per step:
+    data-parallel rank d of D packs samples d, d + D, ... of each step's records, and under
+    sequence parallelism keeps its slice of that row. Records per step the global loss, the
+    task's loss terms, the full gradients, and the image encoder FLOPs of the items this rank's
+    row holds (``owned``) and of the real images this rank encoded (``encoded``); then the final
+    parameters."""
+    meshes = build_mesh(ParallelDims.resolve(parallel, world), "cpu")
+    dims = meshes.dims
+    config, model = tiny_omni(**(overrides or {}))
+    task = get_model_spec("omni").task(config)
+    process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
+    model = parallelize(model, parallel, meshes, "cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    encoded: list[float] = []  # encoder FLOPs of the real images this rank ran (dummy runs: 0)
+    if "image" in model.encoders:
+        encoder, modality = model.encoders["image"], get_modality("image")
+
+        def record_encoded(module, args, kwargs):
+            real = bool(kwargs["patches"].abs().sum() > 0)
+            encoded.append(modality.flops(module, kwargs) if real else 0.0)
+
+        encoder.register_forward_pre_hook(record_encoded, with_kwargs=True)
+    record = {"loss": [], "metrics": [], "grads": [], "owned": [], "encoded": []}
+    for samples in steps:
+        batch = pack_chat_samples([process(r) for r in samples[meshes.dp_rank::dims.dp_size]])
+        if dims.row_ranks > 1:
+            batch = shard_batch(batch, meshes.row_split, task.contract)
+        if "image" in model.encoders:
+            inputs = batch["media"].get("image", {}).get("inputs")
+            record["owned"].append(modality.flops(encoder, inputs) if inputs is not None else 0.0)
+        metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), dims.loss_size, dims.row_ranks)
+        record["loss"].append(metrics["loss"])
+        record["metrics"].append({k: v for k, v in metrics.items() if k.startswith("loss_")})
+        record["grads"].append(full_grads(model))
+        record["encoded"].append(sum(encoded))
+        encoded.clear()
+        clip_and_step(model, optimizer, None, max_grad_norm=0.0)
+    record["params"] = full_params(model)
+    dist.barrier()
+    return record
