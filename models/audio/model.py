@@ -5,27 +5,31 @@ The stem (two kernel-3 conv1d + GELU, total stride 1, 2 or 4) runs on the clips 
 a batch, which is exactly per-clip convolution with zero padding; the valid outputs are
 packed again. The transformer attends within each clip only (``attn_fn``, default
 ``bidirectional_varlen_attention``) with 1D RoPE positions restarting at 0 in every clip, then a
-LayerNorm and a linear layer map each token to the LLM width. Plain single-device PyTorch.
+LayerNorm and a linear layer map each token to the LLM width. Plain single-device PyTorch; a
+long clip may run over several ranks, each on a share of the tokens (``forward(..., share=)``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from models.common.encoder import EncoderBlock, init_encoder_weights
-from veomni.ops.attention import SeqInfo
+from models.common.encoder import EncoderBlock, held_rows, init_encoder_weights
+from veomni.ops.attention import RowShare, SeqInfo
 from veomni.ops.rope import rope_cos_sin, rope_inv_freq
 from veomni.parallel.plan import ParallelPlan
+from veomni.spec.media import ShardableEncoder
 
 from .config import AudioEncoderConfig
 
 KERNEL = 3
 
 
-class AudioEncoder(nn.Module):
+class AudioEncoder(ShardableEncoder, nn.Module):
     """features [total_frames, n_mels] + lengths [num_clips] -> [sum(num_output_tokens), out_hidden_size]."""
 
     def __init__(self, cfg: AudioEncoderConfig) -> None:
@@ -45,7 +49,15 @@ class AudioEncoder(nn.Module):
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.proj = nn.Linear(cfg.hidden_size, cfg.out_hidden_size)
 
-    def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor, share: RowShare | None = None) -> torch.Tensor:
+        """``share``: run the transformer on tokens ``share.start:share.stop`` only (the other
+        ranks of a sequence-parallel run hold the rest) and return their features. The stem still
+        runs on the whole input: each conv output mixes three neighbouring frames (after both
+        convs, seven), so a share cut from the frames would need halo frames from its neighbours
+        and the exact zero padding at clip ends; the stem is a small part of
+        the encoder's work (two convs against the blocks' attention and MLPs), so every member
+        recomputing it is the simple, exact choice. Its gradient is still counted once: each
+        member's stem receives gradient only through its own tokens."""
         cfg = self.config
         lengths = self._checked_lengths(features, lengths)
         out_lengths = self.num_output_tokens(lengths)
@@ -57,12 +69,14 @@ class AudioEncoder(nn.Module):
         hidden = hidden * self._valid(conv1_lengths, hidden.shape[2], hidden.device)[:, None]
         hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # [B, L2, d]
         x = hidden[self._valid(out_lengths, hidden.shape[1], hidden.device)]  # packed, clip after clip
-        positions = torch.cat([torch.arange(n, device=x.device) for n in out_lengths.tolist()])
+        rows = held_rows(share, x.shape[0], self.rows_per_feature)
+        x = x[rows]
+        positions = torch.cat([torch.arange(n, device=x.device) for n in out_lengths.tolist()])[rows]
         cos, sin = rope_cos_sin(
             positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, device=x.device), x.dtype
         )
         cu_seqlens = F.pad(out_lengths.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
-        seq = SeqInfo(cu_seqlens, int(out_lengths.max()))
+        seq = SeqInfo(cu_seqlens, int(out_lengths.max()), share)
         for block in self.blocks:
             x = block(x, cos, sin, seq)
         return self.proj(self.norm(x))
@@ -84,6 +98,13 @@ class AudioEncoder(nn.Module):
     def _valid(lengths: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
         """[B, width] mask of the positions before each clip's length."""
         return torch.arange(width, device=device) < lengths.to(device)[:, None]
+
+    rows_per_feature = 1
+    """One feature per transformer token: any token boundary splits the clip."""
+
+    def sequence_rows(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """Transformer tokens: the stem's output length summed over the clips."""
+        return int(self.num_output_tokens(inputs["lengths"]).sum())
 
     def num_output_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
         """Tokens per clip after the stem: ``ceil(ceil(frames / s1) / s2)`` (LongTensor [num_clips])."""

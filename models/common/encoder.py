@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.ops.attention import SeqInfo, bidirectional_varlen_attention
+from veomni.ops.attention import RowShare, SeqInfo, bidirectional_varlen_attention
 from veomni.ops.rope import apply_rope
 
 HIDDEN_ACTS = ("gelu", "quick_gelu")
@@ -79,6 +79,18 @@ class EncoderBlock(nn.Module):
     def matmul_params(hidden_size: int, intermediate_size: int) -> int:
         """Weights one token multiplies through in a block (biases and norms excluded)."""
         return 4 * hidden_size**2 + 2 * hidden_size * intermediate_size
+
+
+def held_rows(share: RowShare | None, total: int, rows_per_feature: int) -> slice:
+    """The rows of a ``total``-row sequence this call runs: all of them, or ``share``'s (a
+    sequence-parallel run, see ``veomni.spec.media.ShardableEncoder``), checked to lie inside the
+    sequence on feature boundaries."""
+    if share is None:
+        return slice(0, total)
+    if not 0 <= share.start <= share.stop <= total or share.start % rows_per_feature or share.stop % rows_per_feature:
+        raise ValueError(f"row share [{share.start}, {share.stop}) must lie within the {total} sequence rows "
+                         f"and start and end on multiples of {rows_per_feature} (rows per output feature)")
+    return slice(share.start, share.stop)
 
 
 @torch.no_grad()

@@ -5,19 +5,24 @@ order); attention runs within each image, or each video frame, and never across 
 ``attn_fn`` injection point, default ``bidirectional_varlen_attention``). Each patch is
 rotated by its (row, col) in its image. After the last block, every ``merge_size x merge_size``
 group of neighbouring patches is pooled into one token and a 2-layer MLP maps it to the LLM
-width. Plain single-device PyTorch; the engine parallelises it through ``parallel_plan()``.
+width. Plain single-device PyTorch; the engine parallelises it through ``parallel_plan()``, and
+may run one large input over several ranks, each on a share of its rows (whole merge groups;
+``forward(..., share=)``, see ``veomni.spec.media.ShardableEncoder``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.encoder import EncoderBlock, init_encoder_weights
-from veomni.ops.attention import SeqInfo
+from models.common.encoder import EncoderBlock, held_rows, init_encoder_weights
+from veomni.ops.attention import RowShare, SeqInfo
 from veomni.ops.rope import rope_2d_cos_sin
 from veomni.parallel.plan import ParallelPlan
+from veomni.spec.media import ShardableEncoder
 
 from .config import ViTConfig
 from .processing import patch_positions
@@ -40,7 +45,7 @@ class MergeAdapter(nn.Module):
         return self.fc2(F.gelu(self.fc1(merged)))
 
 
-class NativeResolutionViT(nn.Module):
+class NativeResolutionViT(ShardableEncoder, nn.Module):
     """Packed patches [N, C*p*p] of images/videos with ``grid_thw`` [n, 3] -> [N / m^2, out_hidden_size]."""
 
     def __init__(self, cfg: ViTConfig) -> None:
@@ -54,20 +59,34 @@ class NativeResolutionViT(nn.Module):
         )
         self.merger = MergeAdapter(cfg)
 
-    def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor, share: RowShare | None = None) -> torch.Tensor:
         """Attention segments are single frames: an image, or one frame of a video (its frames
-        are tied together later, by the LLM, through the time index; see docs/vit.md)."""
+        are tied together later, by the LLM, through the time index; see docs/vit.md).
+
+        ``share``: run only patch rows ``share.start:share.stop`` (whole merge groups; the other
+        rows are held by the other ranks of a sequence-parallel run) and return their merged
+        tokens. Positions and frame boundaries are those of the whole input, sliced."""
         cfg = self.config
         grid_thw = self._checked_grid(patches, grid_thw)
-        x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
-        positions = patch_positions(grid_thw, cfg.merge_size).to(x.device)
+        rows = held_rows(share, patches.shape[0], self.rows_per_feature)
+        x = self.patch_embed(patches[rows].to(self.patch_embed.weight.dtype))
+        positions = patch_positions(grid_thw, cfg.merge_size)[rows].to(x.device)
         cos, sin = rope_2d_cos_sin(positions[:, 1:], cfg.head_dim, cfg.rope_theta, x.dtype)
         frame_sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
         cu_seqlens = F.pad(frame_sizes.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
-        seq = SeqInfo(cu_seqlens, int(frame_sizes.max()))
+        seq = SeqInfo(cu_seqlens, int(frame_sizes.max()), share)
         for block in self.blocks:
             x = block(x, cos, sin, seq)
         return self.merger(x)
+
+    @property
+    def rows_per_feature(self) -> int:
+        """Patches per merged token: a share holds whole merge groups."""
+        return self.config.merge_size**2
+
+    def sequence_rows(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """Patch rows: ``sum(t * h * w)`` over ``grid_thw``."""
+        return int(torch.as_tensor(inputs["grid_thw"], dtype=torch.long).prod(dim=-1).sum())
 
     def _checked_grid(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``grid_thw`` as int64 [n, 3]; ValueError naming what does not fit the patches."""

@@ -28,11 +28,28 @@ import torch.nn.functional as F
 BLOCK_DIAGONAL_WORK_PER_SAMPLE = 1.5e6
 
 
+class RowShare(NamedTuple):
+    """The rows ``[start, stop)`` of a packed sequence that this rank holds when one encoder input
+    runs sequence-parallel over several ranks (``veomni/parallel/encoder_sp.py``), the other ranks
+    holding the rest. ``handle`` belongs to the parallel recipe (its process group, the padded
+    chunk size); a model passes it on untouched in its ``SeqInfo``."""
+
+    start: int
+    stop: int
+    handle: object
+
+
 class SeqInfo(NamedTuple):
-    """Sample boundaries of a packed row: ``cu_seqlens`` int32 [n+1], longest sample length."""
+    """Sample boundaries of a packed row: ``cu_seqlens`` int32 [n+1], longest sample length.
+
+    ``share``: set when the caller holds only ``share.start:share.stop`` of the row (``q``/``k``/
+    ``v`` have that many rows) while ``cu_seqlens`` and ``max_seqlen`` still describe the whole
+    row; only an ``attn_fn`` installed by the recipe that made the share can attend then (it
+    gathers the other rows)."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    share: RowShare | None = None
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SeqInfo], torch.Tensor]
@@ -73,6 +90,12 @@ def varlen_attention(
     GQA: ``Hq`` must be a multiple of ``Hkv``. This is the default ``attn_fn`` of decoder
     attention modules; parallel recipes wrap or replace it.
     """
+    if seq.share is not None:
+        raise ValueError(
+            "attention got a row share (one encoder input split over ranks) but no attn_fn that gathers "
+            "the other ranks' rows: install veomni.parallel.encoder_sp.apply_encoder_sp on the encoder "
+            "before running it on shares"
+        )
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         kernel = _cuda_varlen_kernel()
         if kernel is not None:

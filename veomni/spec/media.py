@@ -53,6 +53,26 @@ class MediaKind(Protocol):
     item's inputs, that item's encoder cost."""
 
 
+class ShardableEncoder:
+    """Base of media encoders that can run on a contiguous share of one input's sequence rows
+    (long-short sequence parallelism, ``veomni/parallel/encoder_sp.py``): the engine picks the
+    share, the encoder computes positions and sample boundaries for the whole input, embeds and
+    runs only the held rows, and returns only their features.
+
+    Subclasses take ``share: RowShare | None = None`` in ``forward`` (None: the whole input),
+    put it in the ``SeqInfo`` their attention modules receive, and return the feature rows of
+    ``share.start:share.stop``, which must be multiples of ``rows_per_feature``."""
+
+    rows_per_feature: int
+    """Sequence rows behind one output feature row (the ViT: its merge group, ``merge_size**2``);
+    share boundaries fall on multiples of it, so chunks of features concatenate to the whole."""
+
+    def sequence_rows(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """Rows of the transformer sequence ``forward(**inputs)`` runs (what a long-item
+        threshold is compared with and what shares split)."""
+        raise NotImplementedError
+
+
 class MediaModelConfig(Protocol):
     """What the chat-with-media dataset reads from a model config."""
 
