@@ -155,6 +155,11 @@ class ParallelConfig:
     """Models with media encoders: spread each micro-batch's media items over the data-parallel
     ranks by encoder cost and send the features back (``veomni/parallel/colocate.py``); the loss
     and gradients are unchanged. Not with parallel.sp, cp or pp > 1."""
+    encoder_fsdp: int = 0
+    """Models with media encoders: ranks that shard each encoder's parameters (its own FSDP group,
+    beside the LLM's); the other ranks of the stage replicate them (HSDP). 0 = the LLM's sharding
+    (dp_shard x cp x sp). A small encoder at 1 is replicated: one gradient all-reduce per step and
+    no parameter all-gathers. Must divide dp_shard x cp x sp."""
 
 
 @dataclass

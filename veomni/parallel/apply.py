@@ -101,4 +101,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         cpu_offload=offload,
         experts=experts,
         expert_mesh=meshes.ep_fsdp,
+        encoders=tuple(model.parallel_plan().encoders),
+        encoder_mesh=meshes.encoder_fsdp if meshes.dims.encoder_shard_size != meshes.dims.shard_size else None,
     )

@@ -40,6 +40,8 @@ class ParallelDims:
     cp: int = 1
     cp_mesh: tuple[int, int] | None = None
     """Mesh-Attention's (a, b); None: chosen in the workers (``cp_cost.choose_cp_mesh``)."""
+    encoder_shard: int = 0
+    """Ranks sharding each media encoder (``parallel.encoder_fsdp``); 0: the LLM's ``shard_size``."""
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -81,8 +83,12 @@ class ParallelDims:
         if cfg.ep > 1 and cfg.dp_replicate > 1:
             raise LayoutError("parallel.ep > 1 with parallel.dp_replicate > 1 (HSDP) is not supported yet; "
                               "set parallel.dp_replicate=1")
+        if cfg.encoder_fsdp < 0 or (cfg.encoder_fsdp and shard_ranks % cfg.encoder_fsdp):
+            divisors = [d for d in range(1, shard_ranks + 1) if shard_ranks % d == 0]
+            raise LayoutError(f"parallel.encoder_fsdp={cfg.encoder_fsdp} must divide the parameter-sharding ranks "
+                              f"dp_shard x cp x sp = {shard_ranks}; pick one of {divisors} (or 0: the LLM's)")
         return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=total_world, sp=cfg.sp, ep=cfg.ep,
-                   pp=cfg.pp, cp=cfg.cp, cp_mesh=cp_mesh)
+                   pp=cfg.pp, cp=cfg.cp, cp_mesh=cp_mesh, encoder_shard=cfg.encoder_fsdp)
 
     @property
     def dp_size(self) -> int:
@@ -110,6 +116,11 @@ class ParallelDims:
         """Ranks holding the same experts, which FSDP-shard them."""
         return self.shard_size // self.ep
 
+    @property
+    def encoder_shard_size(self) -> int:
+        """Ranks sharding each media encoder: ``encoder_shard``, else the LLM's ``shard_size``."""
+        return self.encoder_shard or self.shard_size
+
     def describe(self) -> str:
         kind = "HSDP" if self.dp_replicate > 1 else "FSDP"
         cp = ""
@@ -124,6 +135,8 @@ class ParallelDims:
         )
         if self.pp > 1:
             text += f"  pp={self.pp} (pipeline stages, each over {self.world_size // self.pp} ranks)"
+        if self.encoder_shard_size != self.shard_size:
+            text += f"  media encoders sharded {self.encoder_shard_size}-way"
         if self.ep > 1:
             text += f"  ep={self.ep} (experts split {self.ep}-way, each slice FSDP-sharded {self.ep_fsdp}-way)"
         return text
@@ -157,6 +170,19 @@ class ParallelMeshes:
                                     mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp_sp"))
             return mesh["dp_replicate", "dp_shard_cp_sp"]
         return self.root["dp_shard", "cp", "sp"]._flatten("dp_shard_cp_sp")
+
+    @cached_property
+    def encoder_fsdp(self) -> DeviceMesh:
+        """The media encoders' mesh: ``(replicate, shard)`` over the same ranks as ``fsdp``, the
+        shard groups ``encoder_shard_size`` consecutive ranks (``fsdp`` itself when that is the
+        LLM's sharding). FSDP averages gradients over all of its ranks, as over ``fsdp``."""
+        d = self.dims
+        if d.encoder_shard_size == d.shard_size:
+            return self.fsdp
+        replicate = d.dp_replicate * d.shard_size // d.encoder_shard_size
+        mesh = init_device_mesh(self.root.device_type, (d.pp, replicate, d.encoder_shard_size),
+                                mesh_dim_names=("pp", "encoder_replicate", "encoder_shard"))
+        return mesh["encoder_replicate", "encoder_shard"]
 
     @cached_property
     def dp(self) -> DeviceMesh:
