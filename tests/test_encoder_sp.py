@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI
 from tests.parity_utils import full_grads
+from veomni.config.schema import ParallelConfig
 from veomni.ops.attention import RowShare
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
 from veomni.parallel.encoder_sp import (
@@ -28,6 +29,7 @@ from veomni.parallel.encoder_sp import (
     split_rows,
 )
 from veomni.parallel.fsdp import apply_fsdp
+from veomni.parallel.mesh import LayoutError, ParallelDims
 from veomni.parallel.plan import flatten_plan
 from veomni.spec import build_model
 

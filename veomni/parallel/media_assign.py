@@ -27,9 +27,12 @@ def assign_items(costs: Sequence[Sequence[float]], loads: Sequence[float] | None
     Greedy longest-processing-time: items by decreasing cost, each onto the least-loaded rank;
     among equally loaded ranks the owner if it is one, else the lowest rank. Equal costs are taken
     by index within the owner, then owner, so equal items of different owners interleave and
-    stay home when the ranks are already even. Pure and deterministic.
+    stay home when the ranks are already even. Greedy is not optimal: when its busiest rank would
+    be no less loaded than leaving every item with its owner, nothing moves. Pure and
+    deterministic.
     """
-    loads = list(loads) if loads is not None else [0.0] * len(costs)
+    start = list(loads) if loads is not None else [0.0] * len(costs)
+    loads = list(start)
     runner = [[-1] * len(owned) for owned in costs]
     order = sorted((-cost, index, owner) for owner, owned in enumerate(costs) for index, cost in enumerate(owned))
     for negative_cost, index, owner in order:
@@ -37,6 +40,9 @@ def assign_items(costs: Sequence[Sequence[float]], loads: Sequence[float] | None
         target = owner if loads[owner] == least else loads.index(least)
         runner[owner][index] = target
         loads[target] -= negative_cost
+    home = [load + sum(owned) for load, owned in zip(start, costs)]
+    if costs and max(loads) >= max(home):
+        return [[owner] * len(owned) for owner, owned in enumerate(costs)]
     return runner
 
 
