@@ -34,8 +34,9 @@ def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list
     """Train the tiny omni model (``overrides`` of ``TINY_OMNI``) with SGD, one micro-batch per step:
     data-parallel rank d of D packs samples d, d + D, ... of each step's records, and under
     sequence parallelism keeps its slice of that row. Records per step the global loss, the
-    task's loss terms, the full gradients, and the image encoder FLOPs of the items this rank's
-    row holds (``owned``) and of the real images this rank encoded (``encoded``); then the final
+    task's loss terms, the full gradients, the image encoder FLOPs of the items this rank's row
+    holds (``owned``) and of the real images this rank encoded whole (``encoded``), and the patch
+    rows it held in sequence-parallel runs of long images (``shared``); then the final
     parameters."""
     meshes = build_mesh(ParallelDims.resolve(parallel, world), "cpu")
     dims = meshes.dims
@@ -45,15 +46,20 @@ def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list
     model = parallelize(model, parallel, meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     encoded: list[float] = []  # encoder FLOPs of the real images this rank ran (dummy runs: 0)
+    shared: list[int] = []  # patch rows this rank held in sequence-parallel runs of long images
     if "image" in model.encoders:
         encoder, modality = model.encoders["image"], get_modality("image")
 
         def record_encoded(module, args, kwargs):
             real = bool(kwargs["patches"].abs().sum() > 0)
+            share = kwargs.get("share")
+            if share is not None:
+                shared.append(share.stop - share.start)
+                return
             encoded.append(modality.flops(module, kwargs) if real else 0.0)
 
         encoder.register_forward_pre_hook(record_encoded, with_kwargs=True)
-    record = {"loss": [], "metrics": [], "grads": [], "owned": [], "encoded": []}
+    record = {"loss": [], "metrics": [], "grads": [], "owned": [], "encoded": [], "shared": []}
     for samples in steps:
         batch = pack_chat_samples([process(r) for r in samples[meshes.dp_rank::dims.dp_size]])
         if dims.row_ranks > 1:
@@ -66,7 +72,9 @@ def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list
         record["metrics"].append({k: v for k, v in metrics.items() if k.startswith("loss_")})
         record["grads"].append(full_grads(model))
         record["encoded"].append(sum(encoded))
+        record["shared"].append(sum(shared))
         encoded.clear()
+        shared.clear()
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(model)
     dist.barrier()

@@ -19,7 +19,8 @@ from tests.media_parity import image, run_media_steps, text
 from tests.omni_utils import TINY_OMNI, png_bytes
 from tests.parity_utils import assert_records_close
 from veomni.config.schema import ParallelConfig
-from veomni.parallel.colocate import assign_items, check_encoder_balance
+from veomni.parallel.colocate import check_media_routing
+from veomni.parallel.media_assign import assign_items
 from veomni.spec import build_model
 from veomni.spec.media import collate_items
 
@@ -95,12 +96,12 @@ def test_encoder_balance_is_refused_where_it_cannot_apply():
     with torch.device("meta"):
         _, omni = build_model("omni", TINY_OMNI)
         _, llm = build_model("llm", TINY_OMNI["llm"])
-    assert check_encoder_balance(omni, ParallelConfig(encoder_balance=True)) == []
-    assert check_encoder_balance(llm, ParallelConfig()) == []
-    assert "runs no media encoders" in check_encoder_balance(llm, ParallelConfig(encoder_balance=True))[0]
-    assert check_encoder_balance(omni, ParallelConfig(encoder_balance=True, sp=2)) == []  # tests/test_media_sp.py
+    assert check_media_routing(omni, ParallelConfig(encoder_balance=True)) == []
+    assert check_media_routing(llm, ParallelConfig()) == []
+    assert "runs no media encoders" in check_media_routing(llm, ParallelConfig(encoder_balance=True))[0]
+    assert check_media_routing(omni, ParallelConfig(encoder_balance=True, sp=2)) == []  # tests/test_media_sp.py
     for key in ("cp", "pp"):
-        assert f"parallel.{key}=2" in check_encoder_balance(omni, ParallelConfig(encoder_balance=True, **{key: 2}))[0]
+        assert f"parallel.{key}=2" in check_media_routing(omni, ParallelConfig(encoder_balance=True, **{key: 2}))[0]
 
 
 def _wav(seconds: float) -> bytes:

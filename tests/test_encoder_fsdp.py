@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
+from tests.media_parity import run_media_steps
 from tests.omni_utils import TINY_OMNI, tiny_omni
 from tests.parity_utils import assert_records_close
-from tests.test_colocate import _run
+from tests.test_colocate import global_steps
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.apply import parallelize
 from veomni.parallel.fsdp import check_encoder_fsdp
@@ -22,14 +23,14 @@ from veomni.spec import build_model
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return run_distributed(_run, 1, ParallelConfig())[0]
+    return run_distributed(run_media_steps, 1, ParallelConfig(), global_steps())[0]
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(encoder_fsdp=1),
                                       ParallelConfig(encoder_fsdp=2, encoder_balance=True)],
                          ids=["replicated", "sharded-2-balanced"])
 def test_encoder_own_fsdp_group_matches_one_process(reference, parallel):
-    for got in run_distributed(_run, 4, parallel):
+    for got in run_distributed(run_media_steps, 4, parallel, global_steps()):
         assert_records_close(reference, got, atol=1e-6)
 
 

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI
 from tests.parity_utils import full_grads
+from veomni.config.schema import ParallelConfig
 from veomni.ops.attention import RowShare
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
 from veomni.parallel.encoder_sp import (
@@ -28,6 +29,7 @@ from veomni.parallel.encoder_sp import (
     split_rows,
 )
 from veomni.parallel.fsdp import apply_fsdp
+from veomni.parallel.mesh import LayoutError, ParallelDims
 from veomni.parallel.plan import flatten_plan
 from veomni.spec import build_model
 
@@ -201,14 +203,16 @@ def test_check_encoder_sp():
         _, omni = build_model("omni", TINY_OMNI)
         _, both = build_model("omni", {**TINY_OMNI, "encoders": {"image": IMAGE_4_HEADS, "audio": TINY_AUDIO}})
         _, llm = build_model("llm", TINY_OMNI["llm"])
-    assert check_encoder_sp(omni, 1, 0, 4) == []
-    assert check_encoder_sp(omni, 2, 256, 4) == []
-    assert check_encoder_sp(both, 4, 256, 4) == []
-    heads = check_encoder_sp(omni, 4, 256, 4)
+    assert check_encoder_sp(omni, 1, 0) == []
+    assert check_encoder_sp(omni, 2, 256) == []
+    assert check_encoder_sp(both, 4, 256) == []
+    heads = check_encoder_sp(omni, 4, 256)
     assert len(heads) == 1 and "does not divide the 2 attention heads of encoders.image.blocks.0.attn" in heads[0]
     assert "use one of 1, 2" in heads[0]
-    low = check_encoder_sp(both, 4, 8, 4)
+    low = check_encoder_sp(both, 4, 8)
     assert len(low) == 1 and "encoder_sp_threshold=8 is below" in low[0] and "use at least 16" in low[0]
-    assert "must divide the 6 ranks" in check_encoder_sp(omni, 4, 256, 6)[0]
-    assert "runs no media encoders" in check_encoder_sp(llm, 2, 256, 2)[0]
-    assert "must be >= 1" in check_encoder_sp(omni, 0, 256, 2)[0]
+    assert "runs no media encoders" in check_encoder_sp(llm, 2, 256)[0]
+    with pytest.raises(LayoutError, match=r"encoder_sp=4 must divide the 6 ranks"):
+        ParallelDims.resolve(ParallelConfig(encoder_sp=4), 6)
+    with pytest.raises(LayoutError, match=r"encoder_sp must be >= 1"):
+        ParallelDims.resolve(ParallelConfig(encoder_sp=0), 2)

@@ -133,7 +133,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
     and parallel sizes the model cannot take."""
     import torch
 
-    from veomni.parallel.colocate import check_encoder_balance
+    from veomni.parallel.colocate import check_media_routing
     from veomni.parallel.expert import check_model_experts
     from veomni.parallel.fsdp import check_encoder_fsdp
     from veomni.parallel.pipeline import check_pipeline_model, check_pipeline_task
@@ -151,7 +151,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
         check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
         problems = (check_sequence_parallel(model, cfg.parallel.sp, cfg.parallel.cp)
-                    + check_encoder_balance(model, cfg.parallel) + check_encoder_fsdp(model, cfg.parallel.encoder_fsdp)
+                    + check_media_routing(model, cfg.parallel) + check_encoder_fsdp(model, cfg.parallel.encoder_fsdp)
                     + _sample_problems(cfg, spec))
         return model_cfg, model, problems
     except ValueError as exc:

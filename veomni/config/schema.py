@@ -155,6 +155,15 @@ class ParallelConfig:
     """Models with media encoders: spread each micro-batch's media items over the data-parallel
     ranks by encoder cost and send the features back (``veomni/parallel/colocate.py``); the loss
     and gradients are unchanged. Not with parallel.sp, cp or pp > 1."""
+    encoder_sp: int = 1
+    """Models with media encoders: long-short sequence parallelism. A media item with more than
+    ``encoder_sp_threshold`` encoder sequence rows (ViT patches, audio tokens) runs Ulysses-style
+    over a block of ``encoder_sp`` consecutive ranks, each holding a share of its rows; shorter
+    items run whole on one rank, in the same step (``veomni/parallel/encoder_sp.py``). Must divide
+    dp x sp and the encoders' attention heads; 1 = off. Not with parallel.cp or pp > 1."""
+    encoder_sp_threshold: int = 0
+    """Encoder sequence rows above which an item is long (with ``encoder_sp`` > 1); at least
+    ``encoder_sp`` x the encoder's rows per feature (the ViT: ``merge_size**2`` patches)."""
     encoder_fsdp: int = 0
     """Models with media encoders: ranks that shard each encoder's parameters (its own FSDP group,
     beside the LLM's); the other ranks of the stage replicate them (HSDP). 0 = the LLM's sharding

@@ -79,8 +79,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         count = apply_graph_parallel(model, plan, group)
         logger.info("graph aggregation on %d message-passing modules (%d partitions)", count, meshes.dims.dp_size)
     experts = apply_expert_parallel(model, plan, meshes.ep, meshes.loss, meshes.dims.loss_size)
-    if cfg.encoder_balance or (isinstance(model, MediaHost) and meshes.dims.sp > 1):
-        apply_media_routing(model, meshes, cfg.encoder_balance)
+    if cfg.encoder_balance or cfg.encoder_sp > 1 or (isinstance(model, MediaHost) and meshes.dims.sp > 1):
+        apply_media_routing(model, meshes, cfg)
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model, plan)

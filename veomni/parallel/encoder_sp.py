@@ -43,9 +43,9 @@ still takes part in the backward all-to-alls, through ``0 * chunk.sum()`` or a r
 encoder is sharded by FSDP over more ranks than the group, every rank of the FSDP group must run
 the encoder equally often (as ``colocate.py``'s dummy runs ensure for one call per step).
 
-The config knob (a proposal, not wired into the trainer; see docs/omni.md "Long items"):
-``parallel.encoder_sp`` (k) and ``parallel.encoder_sp_threshold`` (rows above which an item is
-long), validated before workers start by ``check_encoder_sp``.
+The recipe keys: ``parallel.encoder_sp`` (k) and ``parallel.encoder_sp_threshold`` (rows above
+which an item is long), validated before workers start by ``check_encoder_sp`` (the model) and
+``ParallelDims.resolve`` (k against the ranks); ``colocate.apply_media_routing`` installs them.
 """
 
 from __future__ import annotations
@@ -163,20 +163,15 @@ def encoder_share_problems(name: str, encoder: nn.Module, ranks: int) -> list[st
     return []
 
 
-def check_encoder_sp(model: nn.Module, encoder_sp: int, threshold: int, ranks: int) -> list[str]:
+def check_encoder_sp(model: nn.Module, encoder_sp: int, threshold: int) -> list[str]:
     """Problems with ``parallel.encoder_sp`` / ``parallel.encoder_sp_threshold`` for this model
-    (built on the meta device is enough) when ``ranks`` ranks share encoder work (empty when
-    they fit). Pure: for the launcher, before any worker starts."""
-    if encoder_sp == 1:
+    (built on the meta device is enough; empty when they fit). Pure: for the launcher, before any
+    worker starts; the size against the ranks is ``ParallelDims.resolve``'s."""
+    if encoder_sp <= 1:
         return []
-    if encoder_sp < 1:
-        return [f"parallel.encoder_sp must be >= 1 (1: every item runs whole on one rank), got {encoder_sp}"]
     if not isinstance(model, MediaHost):
         return [f"parallel.encoder_sp: {type(model).__name__} runs no media encoders; remove the key"]
     problems = []
-    if ranks % encoder_sp:
-        problems.append(f"parallel.encoder_sp={encoder_sp} must divide the {ranks} ranks that share encoder work "
-                        "(long items run on groups of encoder_sp of them)")
     for name, encoder in _encoders(model).items():
         found = encoder_share_problems(name, encoder, encoder_sp)
         problems += found

@@ -83,6 +83,14 @@ class ParallelDims:
         if cfg.ep > 1 and cfg.dp_replicate > 1:
             raise LayoutError("parallel.ep > 1 with parallel.dp_replicate > 1 (HSDP) is not supported yet; "
                               "set parallel.dp_replicate=1")
+        media_ranks = cfg.dp_replicate * dp_shard * cfg.sp  # a stage's ranks sharing media encoder work
+        if cfg.encoder_sp < 1:
+            raise LayoutError(f"parallel.encoder_sp must be >= 1 (1: every media item runs whole on one rank), "
+                              f"got {cfg.encoder_sp}")
+        if media_ranks % cfg.encoder_sp:
+            raise LayoutError(f"parallel.encoder_sp={cfg.encoder_sp} must divide the {media_ranks} ranks that share "
+                              "media encoder work (dp x sp of a stage; long items run on blocks of encoder_sp of "
+                              f"them); pick a divisor of {media_ranks}")
         if cfg.encoder_fsdp < 0 or (cfg.encoder_fsdp and shard_ranks % cfg.encoder_fsdp):
             divisors = [d for d in range(1, shard_ranks + 1) if shard_ranks % d == 0]
             raise LayoutError(f"parallel.encoder_fsdp={cfg.encoder_fsdp} must divide the parameter-sharding ranks "
