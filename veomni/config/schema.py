@@ -155,6 +155,11 @@ class ParallelConfig:
     """Models with media encoders: spread each micro-batch's media items over the data-parallel
     ranks by encoder cost and send the features back (``veomni/parallel/colocate.py``); the loss
     and gradients are unchanged. Not with parallel.sp, cp or pp > 1."""
+    encoder_colocate: bool = True
+    """Models with media encoders under parallel.pp > 1: the encoders live on every pipeline rank
+    and encode the step's media before the schedule runs, their backward after it
+    (``veomni/parallel/pipeline_media.py``); false runs them inside the first stage (the
+    baseline the bubble benchmark compares with)."""
 
 
 @dataclass

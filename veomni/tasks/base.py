@@ -68,6 +68,9 @@ class BatchContract:
     """Fields every pipeline stage takes as keyword inputs (whole row; ``valid_tokens`` added)."""
     target: str | None = None
     """The field the last pipeline stage's ``output_loss`` reads."""
+    media: str | None = None
+    """The field holding a row's media items (``{modality: {"inputs", "positions"}}``, the layout
+    of ``veomni.spec.media``): pipelines encode them before the first stage needs the features."""
 
     def row_length(self, batch: Mapping[str, Any]) -> int:
         """Elements in the (local) row: the units of work this batch holds."""

@@ -17,9 +17,10 @@ from torch import nn
 from veomni.tasks.base import IGNORE_INDEX, LossOutput
 from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
 
-VLM_CONTRACT = dataclasses.replace(LM_CONTRACT, stage_input=None)
+VLM_CONTRACT = dataclasses.replace(LM_CONTRACT, media="media")
 """The packed text row of ``LM_CONTRACT`` plus ``media`` (per modality: the encoder inputs and the
-placeholder positions); not pipelined: encoder features are spliced in before the first block."""
+placeholder positions); on a pipeline the first stage splices the features
+(``veomni/parallel/pipeline_media.py``)."""
 
 
 class VLMTask(LanguageModelingTask):
