@@ -227,5 +227,6 @@ def test_pp2_alone_says_what_the_tiny_recipe_needs():
     from tests.test_omni_recipes import RECIPES
 
     result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2")
-    assert result.returncode != 0
-    assert "tie_embeddings=false" in result.stdout + result.stderr
+    assert result.returncode != 0 and "raise train.grad_accum" in result.stdout + result.stderr
+    result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2", "--train.grad_accum", "2")
+    assert result.returncode != 0 and "tie_embeddings=false" in result.stdout + result.stderr
