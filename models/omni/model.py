@@ -56,6 +56,13 @@ class OmniModel(MoEHost, MediaHost, nn.Module):
     def media_config(self) -> OmniConfig:
         return self.config
 
+    def media_encoder(self, name: str) -> nn.Module:
+        return self.encoders[name]
+
+    def media_dummy_inputs(self, name: str, device: torch.device) -> dict[str, torch.Tensor]:
+        dummy = get_modality(name).dummy_inputs(self.config.encoder_configs[name])
+        return {k: v.to(device) for k, v in dummy.items()}
+
     def _component_params(self, component: str) -> list[nn.Parameter]:
         """Parameters of ``llm``, ``encoders.<name>`` (minus its adapter) or ``adapters.<name>``."""
         if component == "llm":
@@ -72,6 +79,7 @@ class OmniModel(MoEHost, MediaHost, nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         media: Mapping[str, Mapping[str, Any]] | None = None,
+        valid_tokens: int | None = None,
     ) -> torch.Tensor:
         """Packed forward -> logits [T, vocab].
 
@@ -79,12 +87,13 @@ class OmniModel(MoEHost, MediaHost, nn.Module):
         the row positions its features go to, in order}``; a modality may be absent. Under sequence
         parallelism the row is this rank's slice and ``positions`` the placeholders in it (local,
         maybe none); the ``media_fn`` then returns exactly their features.
+        Rows from ``valid_tokens`` on are padding (a pipeline's fixed-size rows): MoE layers do not
+        route them.
         """
         x = self.llm.embed_tokens(input_ids)
         for name, encoder in self.encoders.items():
             item = (media or {}).get(name)
-            dummy = get_modality(name).dummy_inputs(self.config.encoder_configs[name])
-            dummy = {k: v.to(input_ids.device) for k, v in dummy.items()}
+            dummy = self.media_dummy_inputs(name, input_ids.device)
             features = self.media_fn(name, encoder, item, dummy)
             if item is None:
                 x = x + 0 * features.sum().to(x.dtype)
@@ -96,7 +105,7 @@ class OmniModel(MoEHost, MediaHost, nn.Module):
                     f"{positions.numel()} placeholder tokens"
                 )
             x = x.index_put((positions,), features.to(x.dtype))
-        return self.llm.forward_embeddings(x, position_ids, cu_seqlens, max_seqlen)
+        return self.llm.forward_embeddings(x, position_ids, cu_seqlens, max_seqlen, valid_tokens)
 
     def parallel_plan(self) -> ParallelPlan:
         """The LLM's plan under ``llm.`` plus one sub-plan per encoder (the engine flattens them)."""
@@ -105,6 +114,7 @@ class OmniModel(MoEHost, MediaHost, nn.Module):
             blocks=llm.blocks,
             experts=llm.experts,
             attention=llm.attention,
+            stages=llm.stages,
             encoders={f"encoders.{name}": enc.parallel_plan() for name, enc in self.encoders.items()},
         )
 

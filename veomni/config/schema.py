@@ -169,6 +169,11 @@ class ParallelConfig:
     beside the LLM's); the other ranks of the stage replicate them (HSDP). 0 = the LLM's sharding
     (dp_shard x cp x sp). A small encoder at 1 is replicated: one gradient all-reduce per step and
     no parameter all-gathers. Must divide dp_shard x cp x sp."""
+    encoder_colocate: bool = True
+    """Models with media encoders under parallel.pp > 1: the encoders live on every pipeline rank
+    and encode the step's media before the schedule runs, their backward after it
+    (``veomni/parallel/pipeline_media.py``); false runs them inside the first stage (the
+    baseline the bubble benchmark compares with)."""
 
 
 @dataclass

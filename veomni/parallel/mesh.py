@@ -227,6 +227,12 @@ class ParallelMeshes:
                           mesh["cp_kv"].get_group() if b > 1 else None)
 
     @cached_property
+    def encoder(self) -> DeviceMesh:
+        """Every pipeline x data-parallel rank (cp = sp = 1): the mesh media encoders are sharded
+        over when a pipeline colocates them on all its ranks (``pipeline_media.py``)."""
+        return self.root["pp", "dp_replicate", "dp_shard"]._flatten("encoder")
+
+    @cached_property
     def pp(self) -> DeviceMesh:
         """The ranks holding the successive pipeline stages of the same data."""
         return self.root["pp"]

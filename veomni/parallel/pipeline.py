@@ -41,6 +41,13 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.materialize import build_sharded_parts
 from veomni.parallel.p2p import recv_tensor, send_tensor
+from veomni.parallel.pipeline_media import (
+    PipelineEncoders,
+    check_pipeline_media,
+    encoder_part,
+    has_media,
+    hollow_encoders,
+)
 from veomni.parallel.pipeline_plan import (
     GRAPH_SCHEDULES,
     PipelineConfigError,
@@ -51,6 +58,7 @@ from veomni.parallel.pipeline_plan import (
     virtual_stages,
 )
 from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.spec.media import join_media
 from veomni.tasks.base import BatchContract, Task
 
 logger = logging.getLogger(__name__)
@@ -131,17 +139,19 @@ def cut_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
 
 
 def pack_rows(rows: list[dict[str, Any]], contract: BatchContract) -> dict[str, Any]:
-    """Join packed rows into one (sequence fields concatenated, sample boundaries shifted);
-    ``[rows[0]]`` is returned as is."""
+    """Join packed rows into one (sequence fields concatenated, sample boundaries and media
+    positions shifted); ``[rows[0]]`` is returned as is."""
     if len(rows) == 1:
         return rows[0]
     out = {k: torch.cat([r[k] for r in rows]) for k in contract.sequence_fields}
     out.update({k: v for k, v in rows[0].items() if k not in out and k not in ("cu_seqlens", "max_seqlen")})
+    offsets, total = [], 0
+    for row in rows:
+        offsets.append(total)
+        total += contract.row_length(row)
+    if contract.media:
+        out[contract.media] = join_media([r.get(contract.media) for r in rows], offsets)
     if "cu_seqlens" in rows[0]:
-        offsets, total = [], 0
-        for row in rows:
-            offsets.append(total)
-            total += contract.row_length(row)
         out["cu_seqlens"] = torch.cat([rows[0]["cu_seqlens"]] + [r["cu_seqlens"][1:] + o
                                                                  for r, o in zip(rows[1:], offsets[1:])])
         out["max_seqlen"] = max(int(r["max_seqlen"]) for r in rows)
@@ -185,6 +195,7 @@ def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int)
     _, blocks = _container(model, plan)
     if plan.message_passing:  # first: its own schedules, whose rules replace the generic ones
         check_graph_pipeline(cfg, grad_accum)
+    check_pipeline_media(model, cfg)  # before the generic rules: a schedule it refuses says so first
     check_pipeline(cfg, grad_accum, num_blocks=len(blocks), own_schedule=bool(plan.message_passing))
     shared = _shared_across_pieces(model, plan)
     if shared:
@@ -253,8 +264,9 @@ class Pipeline:
 
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], cfg: ParallelConfig, microbatches: int,
                  pp_group: dist.ProcessGroup, device: torch.device,
-                 task: Task) -> None:
+                 task: Task, encoders: PipelineEncoders | None = None) -> None:
         self.parts, self.stage_indices = parts, stage_indices
+        self.encoders = encoders
         self.microbatches = microbatches
         self.task, self.contract = task, task.contract
         self._scale = 1.0
@@ -268,10 +280,17 @@ class Pipeline:
         self.stages = [_Stage(part, index, n_stages, device, group=pp_group)
                        for part, index in zip(parts, stage_indices)]
         self.has_last_stage = any(s.is_last for s in self.stages)
+        self.has_first_stage = 0 in stage_indices
         schedule_cls = get_schedule_class(cfg.pp_schedule)
         single = issubclass(schedule_cls, PipelineScheduleSingle)
         self.schedule = schedule_cls(self.stages[0] if single else self.stages, n_microbatches=microbatches,
                                      loss_fn=self._scaled_loss, scale_grads=False)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """Every module this rank holds and steps: its stages, then the encoders when they run
+        outside the stages (``pipeline_media.py``)."""
+        return self.parts + ([self.encoders.part] if self.encoders is not None else [])
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.task.output_loss(output, target) * self._scale
@@ -289,7 +308,7 @@ class Pipeline:
                              f"buffers are sized once), got {sorted(sizes)}; pad them with pad_row")
         self._scale = scale
         args = [(row[self.contract.stage_input],) for row in rows]
-        kwargs = [self._stage_kwargs(row) for row in rows]
+        kwargs = [self._stage_kwargs(row, media) for row, media in zip(rows, self._media(rows))]
         losses: list[torch.Tensor] = []
         # What ``schedule.step`` does, minus its splitting of one batch tensor into equal chunks:
         # packed rows come already cut, with per-row boundaries.
@@ -303,6 +322,8 @@ class Pipeline:
         finally:
             for stage in self.stages:
                 stage.on_output = None
+        if self.encoders is not None:  # the cool-down: the features' gradients are all in
+            self.encoders.backward()
         return sum(float(loss.detach()) for loss in losses) / scale if losses else 0.0
 
     @torch.no_grad()
@@ -314,8 +335,8 @@ class Pipeline:
         order instead, hidden states sent point-to-point with a small shape header.
         """
         loss_sum = 0.0
-        for row in rows:
-            kwargs = self._stage_kwargs(row)
+        for row, media in zip(rows, self._media(rows)):
+            kwargs = self._stage_kwargs(row, media)
             x = row[self.contract.stage_input]
             for index in range(self.n_stages):
                 owner, previous = self._owner[index], self._owner.get(index - 1)
@@ -330,30 +351,54 @@ class Pipeline:
                 loss_sum += float(self.task.output_loss(x, row[self.contract.target]))
         return loss_sum
 
-    def _stage_kwargs(self, row: dict[str, Any]) -> dict[str, Any]:
+    def _media(self, rows: list[dict[str, Any]]) -> list[Any]:
+        """Per row, what the first stage gets as its media input: the encoded features when the
+        encoders run outside the stages (encoded now, on every rank), else the row's own media
+        (the first stage runs its encoders inline); None for models without media."""
+        if self.encoders is not None:
+            return self.encoders.encode(rows)
+        field = self.contract.media
+        return [row.get(field) if field else None for row in rows]
+
+    def _stage_kwargs(self, row: dict[str, Any], media: Any = None) -> dict[str, Any]:
         """What every stage gets besides the hidden state: the contract's stage keyword inputs
-        (``max_seqlen`` as an int) and the count of real rows before the row's padding (MoE
-        layers route only those)."""
+        (``max_seqlen`` as an int), the count of real rows before the row's padding (MoE
+        layers route only those) and, on the first stage's rank, the row's ``media``. (Every
+        stage of a rank gets the same keywords: models with media run one stage per rank.)"""
         kwargs = {k: int(row[k]) if k == "max_seqlen" else row[k] for k in self.contract.stage_kwargs}
+        if self.contract.media and self.has_first_stage:
+            kwargs[self.contract.media] = media
         return {**kwargs, "valid_tokens": row.get("valid_tokens")}
 
 
 def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                    parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
-                   pp_mesh: DeviceMesh, device: torch.device, task: Task) -> Pipeline:
+                   pp_mesh: DeviceMesh, device: torch.device, task: Task,
+                   encoder_mesh: DeviceMesh | None = None) -> Pipeline:
     """This rank's stages (``build_stage_parts``) and the ``torch.distributed.pipelining``
-    schedule that drives them."""
+    schedule that drives them. A model with media encoders (``parallel.encoder_colocate``) also
+    gets them on every rank, sharded over ``encoder_mesh`` (``ParallelMeshes.encoder``: every
+    pipeline x data-parallel rank) and run around the schedule (``pipeline_media.py``)."""
     check_pipeline_task(task, cfg)
-    parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device)
-    return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task)
+    parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device,
+                                       encoder_mesh)
+    encoders = None
+    if len(parts) > len(indices):
+        encoders = PipelineEncoders(parts.pop(), task.contract.media, 0 in indices, cfg.pp, device)
+    return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task,
+                    encoders)
 
 
 def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                       parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
-                      pp_mesh: DeviceMesh, device: torch.device) -> tuple[list[nn.Module], list[int]]:
+                      pp_mesh: DeviceMesh, device: torch.device,
+                      encoder_mesh: DeviceMesh | None = None) -> tuple[list[nn.Module], list[int]]:
     """This rank's stage modules and their global stage indices, cut from the model ``build()``
     makes, parallelised by ``parallelize`` (FSDP / EP within the stage's ranks) and filled with
-    rank 0's initial weights exactly as in one process (see ``materialize.py``)."""
+    rank 0's initial weights exactly as in one process (see ``materialize.py``). A model with
+    media encoders colocated (``parallel.encoder_colocate``) gets one more part after the stages:
+    the encoders, sharded over ``encoder_mesh``; its stages hold none. Run inline, the encoders
+    stay in the first stage only."""
     with torch.device("meta"):
         probe = build()
     check_pipeline_model(probe, cfg, grad_accum)
@@ -361,11 +406,19 @@ def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.M
     indices = stage_ids(pp_mesh.get_local_rank(), cfg.pp, virtual_stages(cfg), cfg.pp_schedule)
     logger.info("pipeline %s: %d stages with %s blocks; this rank runs stages %s", cfg.pp_schedule, len(counts),
                 counts, indices)
-    makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize)
-              for i in indices]
+    media, colocate = has_media(probe), cfg.encoder_colocate
+    makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize,
+                                hollow=media and (colocate or i > 0)) for i in indices]
+    if media and colocate:
+        if encoder_mesh is None:
+            raise ValueError("a pipelined model with media encoders needs the encoder mesh (ParallelMeshes.encoder)")
+        makers.append(functools.partial(encoder_part, cfg=cfg, mesh=encoder_mesh, device_type=device.type))
+        logger.info("media encoders on every pipeline rank, sharded over %d ranks, run around the schedule",
+                    encoder_mesh.size())
     return build_sharded_parts(build, initialise, makers, device, strict=False), indices
 
 
 def _cut_and_parallelize(model: nn.Module, stage: int, counts: list[int],
-                         parallelize: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    return parallelize(cut_stage(model, stage, counts))
+                         parallelize: Callable[[nn.Module], nn.Module], hollow: bool = False) -> nn.Module:
+    model = cut_stage(model, stage, counts)
+    return parallelize(hollow_encoders(model) if hollow else model)

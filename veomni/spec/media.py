@@ -117,3 +117,23 @@ class MediaHost:
     def media_config(self) -> MediaModelConfig:
         """The modalities (their ``MediaKind``) and encoder configs the forward runs."""
         raise NotImplementedError
+
+    def media_encoder(self, name: str) -> nn.Module:
+        """The encoder module of modality ``name`` (pipelines run it outside the forward)."""
+        raise NotImplementedError
+
+    def media_dummy_inputs(self, name: str, device: torch.device) -> dict[str, torch.Tensor]:
+        """The smallest valid encoder input of modality ``name``, run by a rank that holds no item
+        so that it still joins the encoder's collectives."""
+        raise NotImplementedError
+
+
+def join_media(media: list[Mapping[str, Mapping[str, Any]] | None], offsets: list[int]) -> dict[str, dict]:
+    """The media of packed rows joined into one row: each modality's inputs concatenated, its
+    placeholder positions shifted by the row's ``offsets`` entry (where the row starts)."""
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(name for m in media if m for name in m):
+        parts = [(m[name], offset) for m, offset in zip(media, offsets) if m and name in m]
+        out[name] = {"inputs": {key: torch.cat([p["inputs"][key] for p, _ in parts]) for key in parts[0][0]["inputs"]},
+                     "positions": torch.cat([p["positions"] + offset for p, offset in parts])}
+    return out

@@ -35,9 +35,10 @@ def localize_media(batch: Mapping[str, Any], placement: RowPlacement) -> dict[st
     return {"media": media}
 
 
-VLM_CONTRACT = dataclasses.replace(LM_CONTRACT, stage_input=None, localize=localize_media)
+VLM_CONTRACT = dataclasses.replace(LM_CONTRACT, media="media", localize=localize_media)
 """The packed text row of ``LM_CONTRACT`` plus ``media`` (per modality: the encoder inputs and the
-placeholder positions); not pipelined: encoder features are spliced in before the first block."""
+placeholder positions); on a pipeline the first stage splices the features
+(``veomni/parallel/pipeline_media.py``)."""
 
 
 class VLMTask(LanguageModelingTask):

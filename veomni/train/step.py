@@ -133,22 +133,28 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
     the (ep_fsdp, ep) mesh and the dense ones on the flat data-parallel mesh, and DTensor ops
     cannot mix meshes. So: one norm per mesh (made global with ``full_tensor``), combined, and
     every group scaled by the same coefficient. Under pipeline parallelism each rank holds only
-    its stages' parameters: the squared norms are summed over ``pp_group`` first.
+    its stages' parameters: the squared norms are summed over ``pp_group`` first, except those
+    of gradients sharded over a mesh that spans the pipeline ranks (media encoders colocated on
+    every stage, ``pipeline_media.py``): their norm is already whole on every rank.
     """
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for param in params:
         if param.grad is not None:
             groups[getattr(param.grad, "device_mesh", None)].append(param)
-    norms = []
-    for group in groups.values():
+    stage_norms, whole_norms = [], []
+    pp_ranks = set(dist.get_process_group_ranks(pp_group)) if pp_group is not None else set()
+    for mesh, group in groups.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if not norms and pp_group is None:
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        spans_pp = mesh is not None and pp_ranks <= set(mesh.mesh.flatten().tolist())
+        (whole_norms if pp_group is not None and spans_pp else stage_norms).append(norm)
+    if not stage_norms and not whole_norms and pp_group is None:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(stage_norms)) if stage_norms else torch.zeros(())
     if pp_group is not None:
         squared = total.double() ** 2
         dist.all_reduce(squared, group=pp_group)
+        squared += sum((n.double() ** 2 for n in whole_norms), torch.zeros((), dtype=torch.float64))
         total = squared.sqrt().to(total.dtype)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)

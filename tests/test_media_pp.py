@@ -1,0 +1,232 @@
+"""Omni models under pipeline parallelism (veomni/parallel/pipeline_media.py): the tiny VLM at
+pp=2 (GPipe, 1F1B) and pp=2 x dp=2, and the audio model at pp=2, train exactly like one process
+(fp32, SGD: loss, every gradient including the encoders', every updated parameter), on steps
+where a micro-batch or a whole data-parallel rank has no media and where one image is much larger
+than the others; with the encoders colocated on every rank and run inline in the first stage;
+and the schedules that cannot take media are refused before any worker starts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models.audio.processing import encode_wav
+from tests.dist_harness import run_distributed
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes
+from tests.parity_utils import assert_records_close, full_grads, full_params
+from veomni.config.schema import ParallelConfig, TrainConfig
+from veomni.data.loader import load_tokenizer
+from veomni.data.multimodal import SampleProcessor, pack_chat_samples
+from veomni.parallel.apply import parallelize
+from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.parallel.pipeline import build_pipeline, check_pipeline_model
+from veomni.parallel.pipeline_plan import PipelineConfigError
+from veomni.spec import build_model, get_model_spec
+from veomni.train.optim import build_optimizer
+from veomni.train.pipeline_step import pipeline_forward_backward
+from veomni.train.step import clip_and_step, forward_backward
+
+MICROBATCHES = 2
+VLM = {**TINY_OMNI, "llm": {**TINY_OMNI["llm"], "tie_embeddings": False}}
+AUDIO = {"llm": VLM["llm"], "encoders": {"audio": dict(n_mels=16, hidden_size=32, num_layers=2, num_heads=4,
+                                                        intermediate_size=64, out_hidden_size=32)}}
+
+
+def image(i: int, width: int | None = None) -> dict:
+    return chat_record(f"s{i}", "What color is it?", ["red", "blue"][i % 2], png_bytes(i, width, width))
+
+
+def text(i: int) -> dict:
+    return chat_record(f"t{i}", "Say yes or no.", "yes")
+
+
+def clip(i: int, seconds: float) -> dict:
+    wave = 0.5 * np.sin(2 * np.pi * (220 + 110 * i) * np.arange(int(seconds * 16000)) / 16000)
+    record = chat_record(f"a{i}", "What sound is it?", "a tone")
+    record["json"] = record["json"].replace(b"What sound", b"<audio>\\nWhat sound")
+    record["wav"] = encode_wav(wave, 16000)
+    return record
+
+
+def vlm_steps() -> list[list[dict]]:
+    """Rank r of a dp group of N takes samples r, r + N, ...; micro-batch i the i-th half of those.
+    Step 0: at dp=2 rank 1 has no image; step 1: one 84x84 image (81x the attention of a 28x28
+    one) among small ones; step 2: one micro-batch without image at dp=1, at dp=2 rank 1 none."""
+    return [
+        [image(0), text(1), text(3), text(5), image(2), text(7), text(9), text(11)],
+        [image(6, 84), image(7, 28), image(8, 28), image(9, 28)],
+        [image(12, 84), text(13), text(14), text(15)],
+    ]
+
+
+def audio_steps() -> list[list[dict]]:
+    return [[clip(0, 0.5), text(1), clip(2, 0.2), text(3)], [clip(4, 1.0), clip(5, 0.1), text(6), text(7)]]
+
+
+def build(options: dict):
+    torch.manual_seed(0)
+    return build_model("omni", options)[1]
+
+
+def batches(options: dict, steps: list[list[dict]], dp_rank: int, dp: int) -> list[list[dict]]:
+    """Per step, this data-parallel rank's micro-batches."""
+    with torch.device("meta"):
+        config, _ = build_model("omni", options)
+    process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
+    out = []
+    for samples in steps:
+        mine = [process(r) for r in samples[dp_rank::dp]]
+        half = -(-len(mine) // MICROBATCHES)
+        out.append([pack_chat_samples(mine[i * half:(i + 1) * half]) for i in range(MICROBATCHES)])
+    return out
+
+
+def _reference(rank: int, world: int, options: dict, steps: list[list[dict]]) -> dict:
+    model = build(options)
+    model.init_weights()
+    task = get_model_spec("omni").task(model.config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    record = {"loss": [], "metrics": [], "grads": []}
+    for micro_batches in batches(options, steps, 0, 1):
+        metrics = forward_backward(model, task, micro_batches, None, 1)
+        record["loss"].append(metrics["loss"])
+        record["metrics"].append({})
+        record["grads"].append(full_grads(model))
+        clip_and_step(model, optimizer, None, 0.0)
+    record["params"] = full_params(model)
+    return record
+
+
+def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, steps: list[list[dict]]) -> dict:
+    dims = ParallelDims.resolve(parallel, world)
+    meshes = build_mesh(dims, "cpu")
+    with torch.device("meta"):
+        meta = build(options)
+    task = get_model_spec("omni").task(meta.config)
+    pipe = build_pipeline(lambda: build(options), lambda m: m.init_weights(),
+                          lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, MICROBATCHES, meshes.pp,
+                          torch.device("cpu"), task, meshes.encoder)
+    optimizer = build_optimizer(pipe.modules, TrainConfig(optimizer="sgd", lr=0.1, weight_decay=0.0))
+    every = [batches(options, steps, r, dims.dp_size) for r in range(dims.dp_size)]
+    row = max(task.contract.row_length(mb) for rank_steps in every for step in rank_steps for mb in step)
+    record = {"loss": [], "metrics": [], "grads": [], "grad_norm": []}
+    for micro_batches in every[meshes.dp_rank]:
+        metrics = pipeline_forward_backward(pipe, task, micro_batches, meshes.loss.get_group(), dims.loss_size,
+                                            dims.pp, row, meta)
+        record["loss"].append(metrics["loss"])
+        record["metrics"].append({})
+        record["grads"].append({k: v for part in pipe.modules for k, v in full_grads(part).items()})
+        stepped = clip_and_step(pipe.modules, optimizer, None, 0.0, meshes.pp.get_group())
+        record["grad_norm"].append(stepped["grad_norm"])
+    record["params"] = {k: v for part in pipe.modules for k, v in full_params(part).items()}
+    return record
+
+
+def merged(records: list[dict]) -> dict:
+    out = {"loss": records[0]["loss"], "metrics": records[0]["metrics"], "params": {},
+           "grads": [{} for _ in records[0]["grads"]]}
+    for rec in records:
+        assert rec["loss"] == pytest.approx(records[0]["loss"], abs=1e-9)
+        assert rec["grad_norm"] == pytest.approx(records[0]["grad_norm"], rel=1e-6)
+        out["params"].update(rec["params"])
+        for step, grads in enumerate(rec["grads"]):
+            out["grads"][step].update(grads)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vlm_reference() -> dict:
+    return run_distributed(_reference, 1, VLM, vlm_steps())[0]
+
+
+def check(reference: dict, records: list[dict]) -> None:
+    got = merged(records)
+    assert sorted(got["params"]) == sorted(reference["params"]), "every parameter held, encoders included"
+    assert any(k.startswith("encoders.") for k in got["grads"][0])
+    assert_records_close(reference, got, atol=1e-6)
+    # (rel: the fp32 norm of 8200 x 32 embedding gradients. The tiny encoders' share of the squared
+    # norm is below 1e-3 here, so this checks the norm's plumbing, not that they count once.)
+    norm = sum(float(g.double().pow(2).sum()) for g in reference["grads"][-1].values()) ** 0.5
+    assert records[0]["grad_norm"][-1] == pytest.approx(norm, rel=1e-4)
+
+
+@pytest.mark.parametrize("schedule, colocate", [("GPipe", True), ("1F1B", True), ("1F1B", False)],
+                         ids=["gpipe", "1f1b", "1f1b-inline"])
+def test_vlm_pp2_matches_one_process(vlm_reference, schedule, colocate):
+    parallel = ParallelConfig(pp=2, pp_schedule=schedule, encoder_colocate=colocate)
+    check(vlm_reference, run_distributed(_pipelined, 2, parallel, VLM, vlm_steps()))
+
+
+def test_vlm_pp2_x_dp2_matches_one_process(vlm_reference):
+    parallel = ParallelConfig(pp=2, pp_schedule="1F1B")
+    check(vlm_reference, run_distributed(_pipelined, 4, parallel, VLM, vlm_steps()))
+
+
+def test_audio_pp2_matches_one_process():
+    reference = run_distributed(_reference, 1, AUDIO, audio_steps())[0]
+    check(reference, run_distributed(_pipelined, 2, ParallelConfig(pp=2, pp_schedule="1F1B"), AUDIO, audio_steps()))
+
+
+@pytest.mark.parametrize("parallel, message", [
+    (ParallelConfig(pp=2, pp_schedule="Interleaved1F1B"), "one stage per rank"),
+    (ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble"), "one stage per rank"),
+    (ParallelConfig(pp=2, encoder_balance=True), "encoder_balance"),
+])
+def test_media_pipelines_refuse_what_they_cannot_run(parallel, message):
+    with torch.device("meta"):
+        model = build(VLM)
+    with pytest.raises(PipelineConfigError, match=message):
+        check_pipeline_model(model, parallel, 4)
+
+
+PIPELINE_OVERRIDES = ("--parallel.pp", "2", "--model.llm.tie_embeddings", "false", "--train.grad_accum", "2")
+"""The tiny recipes tie their embeddings (stage 0's table would be stage 1's head) and take one
+micro-batch per step (1F1B needs one per stage): both say so when only --parallel.pp 2 is given."""
+
+
+def test_tiny_vlm_recipe_trains_with_pp2(tmp_path):
+    from tests.test_launch import train_sh
+    from tests.test_omni_recipes import RECIPES, _build
+
+    _build(tmp_path / "vqa", 200, 20)
+    out = tmp_path / "out"
+    result = train_sh(str(RECIPES / "tiny.yaml"), *PIPELINE_OVERRIDES,
+                      "--data.train_path", str(tmp_path / "vqa" / "train"),
+                      "--data.eval_path", str(tmp_path / "vqa" / "eval"),
+                      "--train.max_steps", "2", "--train.output_dir", str(out), "--train.eval_interval", "2",
+                      "--train.eval_batches", "1", "--checkpoint.interval", "2", "--log.progress_bar", "false",
+                      timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 2
+    assert any("eval_loss" in r for r in records)
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+def test_audio_recipe_trains_with_pp2(tmp_path):
+    from tests.test_audio_modality import REPO, _builder
+    from tests.test_launch import train_sh
+
+    _builder().build(tmp_path / "train", tmp_path / "eval", seed=1, train_samples=48, eval_samples=8)
+    result = train_sh(str(REPO / "recipes" / "audio" / "tiny_audio_caption.yaml"), *PIPELINE_OVERRIDES,
+                      "--data.train_path", str(tmp_path / "train"), "--data.eval_path", str(tmp_path / "eval"),
+                      "--data.prepare", "null", "--train.max_steps", "2", "--train.eval_interval", "2",
+                      "--train.eval_batches", "1", "--train.output_dir", str(tmp_path / "out"),
+                      "--checkpoint.interval", "2", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in m for m in metrics)
+    assert all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)
+
+
+def test_pp2_alone_says_what_the_tiny_recipe_needs():
+    from tests.test_launch import train_sh
+    from tests.test_omni_recipes import RECIPES
+
+    result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2")
+    assert result.returncode != 0 and "raise train.grad_accum" in result.stdout + result.stderr
+    result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2", "--train.grad_accum", "2")
+    assert result.returncode != 0 and "tie_embeddings=false" in result.stdout + result.stderr

@@ -1,0 +1,159 @@
+"""Media encoders under pipeline parallelism: colocated on every pipeline rank, run outside the
+schedule (Optimus, see docs/pipeline.md "Models with media encoders").
+
+Inline, the encoders would run inside the first stage: every micro-batch's encoder forward
+delays the first stage's forward (and so every later stage's), and its backward the end of the
+step, while the other stages sit idle in the warm-up and cool-down bubbles. Here instead:
+
+- every rank holds the encoders (``encoder_part``: the model with its LLM pieces hollowed out,
+  so parameter names stay those of one process), FSDP-sharded over all pipeline x data-parallel
+  ranks (``ParallelMeshes.encoder``): gradient reduction sums every stage's share, the optimizer
+  updates each shard once, checkpoints hold the encoder once, and the clip norm counts it once;
+- the stage modules keep the encoders' names but not their work (``hollow_encoders``): their
+  ``media_fn`` splices features handed in with the micro-batch (``spliced_features``);
+- before the schedule, ``PipelineEncoders.encode`` encodes the media of all the step's
+  micro-batches at once, on every rank (a rank with no item runs the dummy input so the
+  encoder's collectives match), and hands the first stage each micro-batch's features as
+  slices of one detached leaf per modality;
+- after the schedule, that leaf holds the features' gradients; ``PipelineEncoders.backward``
+  runs the encoders' backward with them on every rank, before the optimizer step.
+
+Which rank encodes which item: today the first-stage rank of each data-parallel group encodes
+its own micro-batches' media and the other pipeline ranks run the dummy input (the routing step
+is where spreading the items over all ranks plugs in). Because the encoder mesh averages
+gradients over pp x dp ranks while the loss is normalised for the dp ranks only, the feature
+gradients are scaled by pp before the encoders' backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from veomni.config.schema import ParallelConfig
+from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
+from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from veomni.parallel.pipeline_plan import SINGLE_STAGE_SCHEDULES, PipelineConfigError
+from veomni.parallel.plan import ParallelPlan
+from veomni.spec.media import MediaHost
+
+
+def has_media(model: nn.Module) -> bool:
+    return isinstance(model, MediaHost) and bool(model.parallel_plan().encoders)
+
+
+def check_pipeline_media(model: nn.Module, cfg: ParallelConfig) -> None:
+    """A model with encoders pipelines with one stage per rank (the features enter the one first
+    stage; the interleaved and split-backward schedules are not supported) and without sequence
+    or context parallelism (the features would have to be scattered over a row's slices)."""
+    if cfg.pp == 1 or not has_media(model):
+        return
+    if cfg.pp_schedule not in SINGLE_STAGE_SCHEDULES:
+        raise PipelineConfigError(f"parallel.pp_schedule={cfg.pp_schedule}: a model with media encoders pipelines "
+                                  f"with one stage per rank ({' or '.join(SINGLE_STAGE_SCHEDULES)}); set one")
+    split = [f"parallel.{k}={v}" for k, v in (("sp", cfg.sp), ("cp", cfg.cp)) if v > 1]
+    if split:
+        raise PipelineConfigError(f"parallel.pp={cfg.pp} with {', '.join(split)}: a model with media encoders is "
+                                  "not pipelined with sequence or context parallelism yet; set them to 1")
+    if cfg.encoder_balance:
+        raise PipelineConfigError("parallel.encoder_balance with parallel.pp > 1: under pipelines the encoders run "
+                                  "outside the stages (parallel.encoder_colocate); remove encoder_balance")
+
+
+def spliced_features(name: str, encoder: nn.Module, media: Mapping[str, Any] | None,
+                     dummy_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The ``MediaFn`` of hollowed stages: the features arrive ready in
+    ``media["inputs"]["features"]``;
+    a micro-batch (or a later stage) without items gets no rows."""
+    if media is None:
+        return next(iter(dummy_inputs.values())).new_zeros(0)
+    return media["inputs"]["features"]
+
+
+class HollowEncoder(nn.Identity):
+    """An encoder's place in a stage module: no parameters, no work, an empty plan."""
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan()
+
+
+def _replace(model: nn.Module, paths: list[str], stand_in: type[nn.Module] = nn.Identity) -> None:
+    for path in paths:
+        parent_name, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, stand_in())
+
+
+def hollow_encoders(model: nn.Module) -> nn.Module:
+    """A pipeline stage without encoder work: each encoder becomes a ``HollowEncoder`` (its name stays,
+    its parameters live in the encoder part) and the stage splices given features."""
+    _replace(model, list(model.parallel_plan().encoders), HollowEncoder)
+    model.media_fn = spliced_features
+    return model
+
+
+def encoder_part(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, device_type: str) -> nn.Module:
+    """The model reduced to its encoders (the LLM pieces hollowed out), each encoder
+    activation-checkpointed and FSDP-sharded over ``mesh`` by its own plan."""
+    plan: ParallelPlan = model.parallel_plan()
+    _replace(model, list(plan.stages))
+    policy = mixed_precision_policy(cfg.mixed_precision, device_type)
+    for path, encoder_plan in plan.encoders.items():
+        encoder = model.get_submodule(path)
+        apply_activation_checkpointing(encoder, encoder_plan, cfg.activation_checkpointing)
+        apply_fsdp(encoder, encoder_plan, mesh, policy, reshard_after_forward=cfg.reshard_after_forward)
+    return model
+
+
+class PipelineEncoders:
+    """The encoders' forward before a pipeline step and their backward after it (module doc).
+
+    ``part``: this rank's ``encoder_part``; ``first_stage``: this rank runs stage 0 (it splices
+    the features); ``pp``: the pipeline size (the gradient scale, see the module doc).
+    """
+
+    def __init__(self, part: nn.Module, media_field: str, first_stage: bool, pp: int, device: torch.device) -> None:
+        self.part, self.field, self.first_stage, self.pp, self.device = part, media_field, first_stage, pp, device
+        self.names = list(part.media_config().encoder_configs)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def encode(self, rows: list[dict[str, Any]]) -> list[dict[str, dict]]:
+        """Per row: the media kwarg of stage 0 (``{name: {"inputs": {"features": ...}, "positions"}}``).
+        Every row gets every modality, zero rows where it holds no item: the first stage's inputs
+        then require grad alike on all its data-parallel ranks (the schedule infers input-gradient
+        shapes with a backward, which joins the stage's FSDP collectives only where some input
+        requires grad). With grad enabled the encoders' backward is pending until ``backward``."""
+        media = [row.get(self.field) or {} for row in rows] if self.first_stage else [{} for _ in rows]
+        spliced: list[dict[str, dict]] = [{} for _ in rows]
+        for name in self.names:
+            holders = [i for i, m in enumerate(media) if name in m]
+            encoder = self.part.media_encoder(name)
+            if holders:
+                inputs = [media[i][name]["inputs"] for i in holders]
+                features = encoder(**{k: torch.cat([x[k] for x in inputs]) for k in inputs[0]})
+            else:  # no item here: the dummy joins the encoder's collectives, its zero rows go nowhere
+                features = encoder(**self.part.media_dummy_inputs(name, self.device))[:0]
+            leaf = features.detach().requires_grad_(torch.is_grad_enabled())
+            if features.requires_grad:  # (not when frozen or without grad)
+                self._pending.append((features, leaf))
+            start, none = 0, torch.zeros(0, dtype=torch.long, device=self.device)
+            for i, row_media in enumerate(media):
+                positions = row_media[name]["positions"] if name in row_media else none
+                spliced[i][name] = {"inputs": {"features": leaf[start:start + positions.numel()]},
+                                    "positions": positions}
+                start += positions.numel()
+            if start != features.shape[0]:
+                raise ValueError(f"{name}: the encoder produced {features.shape[0]} features for {start} "
+                                 "placeholder tokens")
+        return spliced
+
+    def backward(self) -> None:
+        """The encoders' backward from the gradients the first stage left on the features (zero
+        where a feature reached no loss), one encoder at a time: each is its own FSDP root."""
+        for features, leaf in self._pending:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            torch.autograd.backward(features, grad * self.pp)
+        self._pending = []
