@@ -233,7 +233,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, runs: dict[str, Run
         for name, run in runs.items():
             times, tokens = train(run, batches)
             point["runs"][name] = {"times": times[args.warmup:], "tokens": tokens[args.warmup:]}
-            print(f"  rank {rank}: share {share:.0%} {name} done", file=sys.stderr, flush=True)
+            if rank == 0:
+                print(f"  {workload.modality} share {share:.0%}: {name} done", file=sys.stderr, flush=True)
         points.append(point)
     return points
 
@@ -323,7 +324,7 @@ def main() -> None:
     torch.set_num_threads(1)  # before any torch work: the ranks are forked from this process
     workload = WORKLOADS[args.model]
     runs = configurations(load_config(workload.recipe), args.techniques)
-    title = f"{workload.recipe.name}, {RANKS} ranks x 1 thread, {args.tokens} LLM tokens per rank step"
+    title = f"{workload.recipe.relative_to(REPO)}, {RANKS} ranks x 1 thread, {args.tokens} LLM tokens per rank step"
     print(f"{title}; {args.warmup} warm-up + {args.steps} measured steps; techniques: {', '.join(args.techniques)}\n",
           flush=True)
     started = time.perf_counter()
