@@ -333,6 +333,7 @@ def main() -> None:
     print_table(rows, workload.modality)
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"setup": {k: str(v) if isinstance(v, Path) else v
                                                   for k, v in vars(args).items()}, "rows": rows}, indent=1))
     if args.plot:
