@@ -1,8 +1,10 @@
 """Tokens/s of the tiny VLM (or the tiny audio model) as the media:text mix sweeps from 1:9 to 9:1,
 with encoder-work techniques off and on, and how unevenly the ranks' encoder work is spread.
 
-    python scripts/bench_colocate.py [--model vlm|audio] [--techniques balance] [--shares 0.1 0.3 ...]
-                                     [--steps 20] [--warmup 2] [--tokens 1024] [--seed 0] [--quick]
+    python scripts/bench_colocate.py [--model vlm|audio] [--techniques balance,long_short,...]
+                                     [--shares 0.1 0.3 ...] [--steps 20] [--warmup 2] [--tokens 1024]
+                                     [--encoder-width 192] [--encoder-layers 4] [--long-threshold 64]
+                                     [--seed 0] [--quick]
                                      [--out FILE.json] [--plot docs/img/colocate_sweep.png]
 
 Two gloo ranks of one thread each (``tests/dist_harness.py``): on a 2-core machine more processes
@@ -22,14 +24,18 @@ configuration, so off and on train on identical micro-batches.
 Per share, for each technique (the off run is shared by the techniques of a share):
 - tokens/s: the LLM rows' tokens (text and media placeholders: the trainer's tokens/s) of both
   ranks over the slower rank's step time, median over the steps after warm-up; off, on, on/off;
-- imbalance: max / mean over ranks of the encoder FLOPs each rank runs in a step, by the family's
-  cost model (``MediaKind.flops`` on each item), averaged over the measured steps that hold media;
-  off: the items each rank owns; on: what the technique gives each rank (``encoder_loads``);
+- imbalance: max / mean over ranks of the encoder FLOPs each rank ran in a step, measured: every
+  real encoder call is priced by the family's cost model (``MediaKind.flops`` on its inputs; a
+  sequence-parallel share by its fraction of the rows; dummy calls 0), averaged over the measured
+  steps that hold media;
 - encoder share: the encoders' part of the step's FLOPs (the family's cost model), the most any
   balancing of encoder work can win.
 
-Techniques are rows of ``TECHNIQUES``: ParallelConfig overrides, checked by the launcher's own
-model checks before any rank starts, and the encoder work each rank then runs.
+Techniques are rows of ``TECHNIQUES``: ParallelConfig overrides (``balance``, ``long_short``,
+both), checked by the launcher's own model checks before any rank starts. The encoder is resized
+(``--encoder-width``, ``--encoder-layers``; default a 192-wide, 4-layer ViT) because the tiny
+recipe's is about 1% of the step's FLOPs, far below a real VLM's (a 675M ViT beside a 7B LLM
+costs about a third of an image token's FLOPs); the LLM stays the recipe's.
 
 Take figures with nothing else running: a busy machine hides or invents imbalance.
 """
@@ -66,7 +72,6 @@ from veomni.data.loader import load_tokenizer  # noqa: E402
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples  # noqa: E402
 from veomni.launch import _validate_model  # noqa: E402  (the launcher's model checks)
 from veomni.parallel.apply import parallelize  # noqa: E402
-from veomni.parallel.media_assign import assign_items  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.spec import build_model, get_model_spec  # noqa: E402
 from veomni.train.step import clip_and_step, forward_backward  # noqa: E402
@@ -79,33 +84,19 @@ WORDS = ("the", "a", "red", "blue", "small", "large", "square", "circle", "left"
          "of", "in", "on", "sound", "tone", "loud", "quiet", "short", "long", "high", "low", "bright", "dark")
 
 
-def owned_loads(costs: list[list[float]]) -> list[float]:
-    """Each rank encodes the items it drew."""
-    return [sum(owned) for owned in costs]
-
-
-def assigned_loads(costs: list[list[float]]) -> list[float]:
-    """Each rank encodes what ``assign_items`` gives it (``parallel.encoder_balance``)."""
-    loads = [0.0] * len(costs)
-    for owned, runners in zip(costs, assign_items(costs)):
-        for cost, rank in zip(owned, runners):
-            loads[rank] += cost
-    return loads
-
-
 @dataclass(frozen=True)
 class Technique:
-    """One row of the sweep: what turns it on and which encoder work each rank then runs."""
+    """One row of the sweep: what turns it on (``ParallelConfig`` overrides over the recipe's
+    parallel section; ``{threshold}`` in a value stands for ``--long-threshold``)."""
 
     parallel: dict[str, Any]
-    """``ParallelConfig`` overrides over the recipe's parallel section."""
-    encoder_loads: Callable[[list[list[float]]], list[float]]
-    """Encoder FLOPs of every item per owner rank -> the encoder FLOPs each rank runs."""
 
 
-OFF = Technique({}, owned_loads)
 TECHNIQUES = {
-    "balance": Technique({"encoder_balance": True}, assigned_loads),
+    "balance": Technique({"encoder_balance": True}),
+    "long_short": Technique({"encoder_sp": RANKS, "encoder_sp_threshold": "{threshold}"}),
+    "balance+long_short": Technique({"encoder_balance": True, "encoder_sp": RANKS,
+                                     "encoder_sp_threshold": "{threshold}"}),
 }
 
 
@@ -131,18 +122,36 @@ class Workload:
     question: str
     media_bytes: Callable[[random.Random, Any], bytes]
     """(the sample stream, the encoder's config) -> one item's shard bytes."""
+    resize: Callable[[int, int], dict[str, int]]
+    """(width, layers) -> the encoder config keys that set them."""
+
+
+def transformer_size(width: int, layers: int) -> dict[str, int]:
+    return {"hidden_size": width, "num_layers": layers, "intermediate_size": 4 * width}
 
 
 WORKLOADS = {
-    "vlm": Workload(REPO / "recipes" / "seed1.5-vl" / "tiny.yaml", "image", "What is in the picture?", image_bytes),
+    "vlm": Workload(REPO / "recipes" / "seed1.5-vl" / "tiny.yaml", "image", "What is in the picture?", image_bytes,
+                    transformer_size),
     "audio": Workload(REPO / "recipes" / "audio" / "tiny_audio_caption.yaml", "audio", "Describe the sound.",
-                      audio_bytes),
+                      audio_bytes, transformer_size),
 }
 
 
-def configurations(cfg: RunConfig, techniques: list[str]) -> dict[str, RunConfig]:
-    """"off" and each technique's recipe; exits with the launcher's reasons where one cannot run."""
-    runs = {"off": cfg, **{name: replace(cfg, parallel=replace(cfg.parallel, **TECHNIQUES[name].parallel))
+def configurations(cfg: RunConfig, techniques: list[str], args: argparse.Namespace) -> dict[str, RunConfig]:
+    """"off" and each technique's recipe, the encoder resized by ``--encoder-width/--encoder-layers``;
+    exits with the launcher's reasons where one cannot run."""
+    workload = WORKLOADS[args.model]
+    encoders = dict(cfg.model.options["encoders"])
+    encoders[workload.modality] = {**encoders[workload.modality], **workload.resize(args.encoder_width,
+                                                                                 args.encoder_layers)}
+    cfg = replace(cfg, model=replace(cfg.model, options={**cfg.model.options, "encoders": encoders}))
+
+    def overrides(technique: Technique) -> dict[str, Any]:
+        return {k: int(v.format(threshold=args.long_threshold)) if isinstance(v, str) else v
+                for k, v in technique.parallel.items()}
+
+    runs = {"off": cfg, **{name: replace(cfg, parallel=replace(cfg.parallel, **overrides(TECHNIQUES[name])))
                            for name in techniques}}
     problems = []
     for name, run in runs.items():
@@ -193,8 +202,10 @@ def rank_batches(rank: int, share: float, steps: int, args: argparse.Namespace, 
     return batches
 
 
-def train(run: RunConfig, batches: list[dict]) -> tuple[list[float], list[int]]:
-    """Step wall times of this rank (after a barrier) and the step's global LLM tokens."""
+def train(run: RunConfig, batches: list[dict], modality: str) -> tuple[list[float], list[int], list[float]]:
+    """Step wall times of this rank (after a barrier), the step's global LLM tokens, and the encoder
+    FLOPs this rank ran in each step: every real encoder call counted by the family's cost model on
+    its inputs (a sequence-parallel share: its fraction of the input's rows), dummy runs as 0."""
     meshes = build_mesh(ParallelDims.resolve(run.parallel, dist.get_world_size()), "cpu")
     torch.manual_seed(0)
     config, model = build_model(run.model.arch, run.model.options)
@@ -202,37 +213,49 @@ def train(run: RunConfig, batches: list[dict]) -> tuple[list[float], list[int]]:
     task = get_model_spec(run.model.arch).task(config)
     model = parallelize(model, run.parallel, meshes, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.train.lr, weight_decay=run.train.weight_decay)
-    times, tokens = [], []
+    kind, encoder, ran = model.media_config().media_kinds()[modality], model.encoders[modality], [0.0]
+
+    def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = {k: v for k, v in kwargs.items() if k != "share"}
+        if not bool(next(iter(inputs.values())).abs().sum() > 0):
+            return  # the dummy input
+        share, flops = kwargs.get("share"), kind.flops(module, inputs)
+        ran[0] += flops if share is None else flops * (share.stop - share.start) / module.sequence_rows(inputs)
+
+    encoder.register_forward_pre_hook(count, with_kwargs=True)
+    times, tokens, loads = [], [], []
     for batch in batches:
         dist.barrier()
+        ran[0] = 0.0
         start = time.perf_counter()
         metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), meshes.dims.loss_size)
         clip_and_step(model, optimizer, None, run.train.max_grad_norm)
         times.append(time.perf_counter() - start)
         tokens.append(metrics["units"])
-    return times, tokens
+        loads.append(ran[0])
+    return times, tokens, loads
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, runs: dict[str, RunConfig]) -> list[dict]:
-    """Every share: this rank's micro-batches, their encoder item costs and FLOPs, and each run's timings."""
+    """Every share: the step FLOPs of this rank's micro-batches (all, and the encoder's), and each
+    run's timings and encoder work."""
     workload, recipe = WORKLOADS[args.model], runs["off"]
     with torch.device("meta"):
         config, meta = build_model(recipe.model.arch, recipe.model.options)
     process = SampleProcessor(load_tokenizer(recipe.data.tokenizer), config)
     kind, encoder = process.modalities[workload.modality], meta.encoders[workload.modality]
-    encoder_cfg, cost = process.encoder_configs[workload.modality], get_model_spec(recipe.model.arch).cost
+    cost = get_model_spec(recipe.model.arch).cost
     points = []
     for share in args.shares:
         batches = rank_batches(rank, share, args.warmup + args.steps, args, workload, process)
         measured = batches[args.warmup:]
         inputs = [b["media"].get(workload.modality, {}).get("inputs") for b in measured]
-        point = {"share": share,
-                 "item_costs": [[kind.flops(encoder, item.inputs) for item in kind.split(i, encoder_cfg)]
-                                if i is not None else [] for i in inputs],
-                 "flops": sum(cost.batch_flops(meta, b) for b in measured), "runs": {}}
+        point = {"share": share, "flops": sum(cost.batch_flops(meta, b) for b in measured),
+                 "encoder_flops": sum(kind.flops(encoder, i) for i in inputs if i is not None), "runs": {}}
         for name, run in runs.items():
-            times, tokens = train(run, batches)
-            point["runs"][name] = {"times": times[args.warmup:], "tokens": tokens[args.warmup:]}
+            times, tokens, loads = train(run, batches, workload.modality)
+            point["runs"][name] = {"times": times[args.warmup:], "tokens": tokens[args.warmup:],
+                                   "loads": loads[args.warmup:]}
             if rank == 0:
                 print(f"  {workload.modality} share {share:.0%}: {name} done", file=sys.stderr, flush=True)
         points.append(point)
@@ -246,29 +269,25 @@ def tokens_per_s(points: list[dict], name: str) -> float:
                              zip(runs[0]["tokens"], *(r["times"] for r in runs)))
 
 
-def imbalance(costs: list[list[list[float]]], technique: Technique) -> float:
-    """``costs[step][rank]``: item costs -> mean over the steps with encoder work of max / mean of
-    the encoder FLOPs the technique gives each rank."""
-    ratios = []
-    for step in costs:
-        loads = technique.encoder_loads(step)
-        if sum(loads) > 0:
-            ratios.append(max(loads) / statistics.mean(loads))
+def imbalance(points: list[dict], name: str) -> float:
+    """Mean over the measured steps with encoder work of max / mean over ranks of the encoder FLOPs
+    each rank ran."""
+    ratios = [max(loads) / statistics.mean(loads)
+              for loads in zip(*(p["runs"][name]["loads"] for p in points)) if sum(loads) > 0]
     return statistics.mean(ratios) if ratios else 1.0
 
 
 def summarize(ranks: list[list[dict]], techniques: list[str]) -> list[dict]:
     rows = []
     for points in zip(*ranks):
-        costs = [list(step) for step in zip(*(p["item_costs"] for p in points))]  # step -> rank -> item costs
-        encoder_flops = sum(c for step in costs for owned in step for c in owned)
         off = tokens_per_s(points, "off")
+        encoder_share = sum(p["encoder_flops"] for p in points) / sum(p["flops"] for p in points)
         for name in techniques:
             on = tokens_per_s(points, name)
             rows.append({"share": points[0]["share"], "technique": name, "tokens_per_s_off": off,
-                         "tokens_per_s_on": on, "ratio": on / off, "imbalance_off": imbalance(costs, OFF),
-                         "imbalance_on": imbalance(costs, TECHNIQUES[name]),
-                         "encoder_flops_share": encoder_flops / sum(p["flops"] for p in points)})
+                         "tokens_per_s_on": on, "ratio": on / off, "imbalance_off": imbalance(points, "off"),
+                         "imbalance_on": imbalance(points, name),
+                         "encoder_flops_share": encoder_share})
     return rows
 
 
@@ -305,6 +324,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring")
     parser.add_argument("--tokens", type=int, default=1024, help="LLM tokens per rank micro-batch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--encoder-width", type=int, default=192,
+                        help="the encoder's width (its MLP 4x); the recipe's tiny encoder is ~1%% of the FLOPs")
+    parser.add_argument("--encoder-layers", type=int, default=4)
+    parser.add_argument("--long-threshold", type=int, default=64,
+                        help="encoder sequence rows above which an item is long (long_short)")
     parser.add_argument("--quick", action="store_true",
                         help=f"shares {QUICK_SHARES}, 1 warm-up + 3 measured steps of 384 tokens")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -323,7 +347,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # before any torch work: the ranks are forked from this process
     workload = WORKLOADS[args.model]
-    runs = configurations(load_config(workload.recipe), args.techniques)
+    runs = configurations(load_config(workload.recipe), args.techniques, args)
     title = f"{workload.recipe.relative_to(REPO)}, {RANKS} ranks x 1 thread, {args.tokens} LLM tokens per rank step"
     print(f"{title}; {args.warmup} warm-up + {args.steps} measured steps; techniques: {', '.join(args.techniques)}\n",
           flush=True)
