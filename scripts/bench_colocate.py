@@ -24,10 +24,10 @@ configuration, so off and on train on identical micro-batches.
 Per share, for each technique (the off run is shared by the techniques of a share):
 - tokens/s: the LLM rows' tokens (text and media placeholders: the trainer's tokens/s) of both
   ranks over the slower rank's step time, median over the steps after warm-up; off, on, on/off;
-- imbalance: max / mean over ranks of the encoder FLOPs each rank ran in a step, measured: every
-  real encoder call is priced by the family's cost model (``MediaKind.flops`` on its inputs; a
-  sequence-parallel share by its fraction of the rows; dummy calls 0), averaged over the measured
-  steps that hold media;
+- imbalance: the busiest rank's encoder FLOPs over the mean rank's, each summed over the measured
+  steps (the encoder time the step waits for over a perfect split's), measured: every real
+  encoder call is priced by the family's cost model (``MediaKind.flops`` on its inputs; a
+  sequence-parallel share by its fraction of the rows; dummy calls 0);
 - encoder share: the encoders' part of the step's FLOPs (the family's cost model), the most any
   balancing of encoder work can win.
 
@@ -270,11 +270,12 @@ def tokens_per_s(points: list[dict], name: str) -> float:
 
 
 def imbalance(points: list[dict], name: str) -> float:
-    """Mean over the measured steps with encoder work of max / mean over ranks of the encoder FLOPs
-    each rank ran."""
-    ratios = [max(loads) / statistics.mean(loads)
-              for loads in zip(*(p["runs"][name]["loads"] for p in points)) if sum(loads) > 0]
-    return statistics.mean(ratios) if ratios else 1.0
+    """The encoder time the ranks wait for over the time a perfect split would take: summed over
+    the measured steps, the busiest rank's encoder FLOPs over the mean rank's (a step with one
+    small image weighs what its encoder work weighs)."""
+    steps = list(zip(*(p["runs"][name]["loads"] for p in points)))
+    mean = sum(statistics.mean(loads) for loads in steps)
+    return sum(max(loads) for loads in steps) / mean if mean else 1.0
 
 
 def summarize(ranks: list[list[dict]], techniques: list[str]) -> list[dict]:
