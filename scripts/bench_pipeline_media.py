@@ -4,7 +4,7 @@ veomni/parallel/pipeline_media.py) against run inline in the first stage (``fals
 busy time (stage forward/backward chunks and the encoders' pre- and post-pass, the router's
 exchanges included) and idle time (the rest of the step: waiting on the other stage) per step.
 
-    python scripts/bench_pipeline_media.py [--steps 4] [--microbatches 4] [--images 4]
+    python scripts/bench_pipeline_media.py [--steps 4] [--microbatches 4] [--images 4] [--encoder-fsdp 0]
 
 2 CPU processes with one thread each (pp=2, 1F1B): on this 2-core machine more processes would
 share cores, and a rank waiting in a collective would hand its core to the others and hide the
@@ -59,11 +59,12 @@ class Busy:
         setattr(obj, name, timed)
 
 
-def _rank(rank: int, world: int, colocate: bool, steps: int, microbatches: int,
-          images: int) -> list[tuple[float, float, int]]:
+def _rank(rank: int, world: int, colocate: bool, steps: int, microbatches: int, images: int,
+          encoder_fsdp: int) -> list[tuple[float, float, int]]:
     """Per measured step: (wall seconds, busy seconds, tokens of the step) on this rank."""
     torch.set_num_threads(1)
-    parallel = ParallelConfig(pp=2, pp_schedule="1F1B", encoder_colocate=colocate)
+    parallel = ParallelConfig(pp=2, pp_schedule="1F1B", encoder_colocate=colocate,
+                              encoder_fsdp=encoder_fsdp if colocate else 0)
     meshes = build_mesh(ParallelDims.resolve(parallel, world), "cpu")
 
     def build():
@@ -104,11 +105,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--images", type=int, default=4, help="84x84 images per micro-batch")
+    parser.add_argument("--encoder-fsdp", type=int, default=0,
+                        help="colocated: parallel.encoder_fsdp (1: encoders replicated, no parameter all-gathers; "
+                             "0: sharded over both ranks)")
     args = parser.parse_args()
     idle, tokens_per_s = {}, {}
     for colocate in (False, True):
         mode = "colocated" if colocate else "inline"
-        ranks = run_distributed(_rank, 2, colocate, args.steps, args.microbatches, args.images, timeout_s=900,
+        ranks = run_distributed(_rank, 2, colocate, args.steps, args.microbatches, args.images,
+                                args.encoder_fsdp, timeout_s=900,
                                 env={"OMP_NUM_THREADS": "1"})
         idle[mode] = []
         tokens_per_s[mode] = ranks[0][0][2] / max(sum(s[0] for s in steps) / len(steps) for steps in ranks)
