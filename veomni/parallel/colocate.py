@@ -11,7 +11,9 @@ Its ``peers`` are the group ranks that hold one row (the ``sp`` ranks splitting 
 order; one rank without sequence parallelism). The row's media entry then says which row rank
 holds each feature row (``holders``, set by the VLM contract when the row is sharded); the peers
 split the row's items between them by encoder cost (no communication: they all see the same
-items), announce their share, and each receives exactly the rows of its slice.
+items), announce their share, and each receives exactly the rows of its slice. A pipeline that
+colocates its encoders uses the same router with the pipeline ranks of a data-parallel group as
+the peers and every row destined to the first stage (``pipeline_media.media_router``).
 """
 
 from __future__ import annotations
