@@ -1,4 +1,4 @@
-"""Shared pieces of the omni tests: a tiny VLM, synthetic image/chat records, shard writing."""
+"""Shared pieces of the omni tests: a tiny VLM, synthetic image/audio/chat records, shard writing."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 import webdataset
 from PIL import Image, ImageDraw
 
+from models.audio.processing import encode_wav
 from veomni.spec import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +62,13 @@ def png_bytes(seed: int, width: int | None = None, height: int | None = None) ->
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def wav_bytes(seed: int, seconds: float) -> bytes:
+    """A 16 kHz WAV of one sine tone (its pitch varies with the seed)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    return encode_wav(0.5 * np.sin(2 * np.pi * rng.uniform(200, 2000) * t), 16000)
 
 
 def chat_record(

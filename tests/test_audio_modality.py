@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.audio.processing import encode_wav
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni, wav_bytes
 from tests.test_launch import REPO, train_sh
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
@@ -20,12 +19,6 @@ from veomni.eval.vqa import DEFAULT_MAX_ANSWER_TOKENS
 
 AUDIO = dict(n_mels=16, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, out_hidden_size=32)
 ENCODERS = {**TINY_OMNI["encoders"], "audio": AUDIO}
-
-
-def wav_bytes(seed: int, seconds: float) -> bytes:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * 16000)) / 16000
-    return encode_wav(0.5 * np.sin(2 * np.pi * rng.uniform(200, 2000) * t), 16000)
 
 
 def audio_record(key: str, answer: str, seconds: float, seed: int) -> dict:

@@ -1,0 +1,369 @@
+"""Tokens/s of the tiny VLM (or the tiny audio model) as the media:text mix sweeps from 1:9 to 9:1,
+with encoder-work techniques off and on, and how unevenly the ranks' encoder work is spread.
+
+    python scripts/bench_colocate.py [--model vlm|audio] [--techniques balance,long_short,...]
+                                     [--shares 0.1 0.3 ...] [--steps 20] [--warmup 2] [--tokens 1024]
+                                     [--encoder-width 192] [--encoder-layers 4] [--long-threshold 64]
+                                     [--seed 0] [--quick]
+                                     [--out FILE.json] [--plot docs/img/colocate_sweep.png]
+
+Two gloo ranks of one thread each (``tests/dist_harness.py``): on a 2-core machine more processes
+would share cores, and a rank waiting in a collective would hand its core to another and hide
+the imbalance. The model is the recipe's (``recipes/seed1.5-vl/tiny.yaml``; ``--model audio``:
+``recipes/audio/tiny_audio_caption.yaml``) with seeded random weights, trained through the
+engine: ``parallelize()`` with the recipe's parallel section plus the technique's overrides,
+``forward_backward`` + ``clip_and_step`` (AdamW), one micro-batch per rank and step.
+
+Data: every rank draws its own samples from its own seeded stream: with probability ``share`` a
+media sample (one image, sides long-tailed between the encoder's min and max pixels: mostly
+small, a few large; audio: clips of 0.2 s to the encoder's longest, the same way), else a
+text-only sample; it fills its micro-batch up to ``--tokens`` LLM tokens. The LLM's work is then
+even across ranks and the encoders' is not: the dynamic mix. The seeds are the same for every
+configuration, so off and on train on identical micro-batches.
+
+Per share, for each technique (the off run is shared by the techniques of a share):
+- tokens/s: the LLM rows' tokens (text and media placeholders: the trainer's tokens/s) of both
+  ranks over the slower rank's step time, median over the steps after warm-up; off, on, on/off;
+- imbalance: the busiest rank's encoder FLOPs over the mean rank's, each summed over the measured
+  steps (the encoder time the step waits for over a perfect split's), measured: every real
+  encoder call is priced by the family's cost model (``MediaKind.flops`` on its inputs; a
+  sequence-parallel share by its fraction of the rows; dummy calls 0);
+- encoder share: the encoders' part of the step's FLOPs (the family's cost model), the most any
+  balancing of encoder work can win.
+
+Techniques are rows of ``TECHNIQUES``: ParallelConfig overrides (``balance``, ``long_short``,
+both), checked by the launcher's own model checks before any rank starts. The encoder is resized
+(``--encoder-width``, ``--encoder-layers``; default a 192-wide, 4-layer ViT) because the tiny
+recipe's is about 1% of the step's FLOPs, far below a real VLM's (a 675M ViT beside a 7B LLM
+costs about a third of an image token's FLOPs); the LLM stays the recipe's.
+
+Take figures with nothing else running: a busy machine hides or invents imbalance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from _plot import Series, line_chart  # noqa: E402
+
+import models  # noqa: E402,F401  (registers the zoo)
+from tests.dist_harness import run_distributed  # noqa: E402
+from tests.omni_utils import png_bytes, wav_bytes  # noqa: E402
+from veomni.config.loader import load_config  # noqa: E402
+from veomni.config.schema import RunConfig  # noqa: E402
+from veomni.data.loader import load_tokenizer  # noqa: E402
+from veomni.data.multimodal import SampleProcessor, pack_chat_samples  # noqa: E402
+from veomni.launch import _validate_model  # noqa: E402  (the launcher's model checks)
+from veomni.parallel.apply import parallelize  # noqa: E402
+from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
+from veomni.spec import build_model, get_model_spec  # noqa: E402
+from veomni.train.step import clip_and_step, forward_backward  # noqa: E402
+
+RANKS = 2
+SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
+QUICK_SHARES = (0.5, 0.9)
+WORDS = ("the", "a", "red", "blue", "small", "large", "square", "circle", "left", "right", "above", "below",
+         "how", "many", "what", "is", "there", "one", "two", "three", "colour", "shape", "near", "far", "and",
+         "of", "in", "on", "sound", "tone", "loud", "quiet", "short", "long", "high", "low", "bright", "dark")
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One row of the sweep: what turns it on (``ParallelConfig`` overrides over the recipe's
+    parallel section; ``{threshold}`` in a value stands for ``--long-threshold``)."""
+
+    parallel: dict[str, Any]
+
+
+TECHNIQUES = {
+    "balance": Technique({"encoder_balance": True}),
+    "long_short": Technique({"encoder_sp": RANKS, "encoder_sp_threshold": "{threshold}"}),
+    "balance+long_short": Technique({"encoder_balance": True, "encoder_sp": RANKS,
+                                     "encoder_sp_threshold": "{threshold}"}),
+}
+
+
+def long_tailed(rng: random.Random, low: float, high: float) -> float:
+    """Mostly near ``low``, a few near ``high`` (median at an eighth of the range, 10% above 73%)."""
+    return low + (high - low) * rng.random() ** 3
+
+
+def image_bytes(rng: random.Random, cfg: Any) -> bytes:
+    low, high = math.isqrt(cfg.min_pixels), math.isqrt(cfg.max_pixels)
+    return png_bytes(rng.randrange(2**31), round(long_tailed(rng, low, high)), round(long_tailed(rng, low, high)))
+
+
+def audio_bytes(rng: random.Random, cfg: Any) -> bytes:
+    longest = (cfg.max_frames - 1) * cfg.hop_length / cfg.sample_rate
+    return wav_bytes(rng.randrange(2**31), long_tailed(rng, 0.2, longest))
+
+
+@dataclass(frozen=True)
+class Workload:
+    recipe: Path
+    modality: str
+    question: str
+    media_bytes: Callable[[random.Random, Any], bytes]
+    """(the sample stream, the encoder's config) -> one item's shard bytes."""
+    resize: Callable[[int, int], dict[str, int]]
+    """(width, layers) -> the encoder config keys that set them."""
+
+
+def transformer_size(width: int, layers: int) -> dict[str, int]:
+    return {"hidden_size": width, "num_layers": layers, "intermediate_size": 4 * width}
+
+
+WORKLOADS = {
+    "vlm": Workload(REPO / "recipes" / "seed1.5-vl" / "tiny.yaml", "image", "What is in the picture?", image_bytes,
+                    transformer_size),
+    "audio": Workload(REPO / "recipes" / "audio" / "tiny_audio_caption.yaml", "audio", "Describe the sound.",
+                      audio_bytes, transformer_size),
+}
+
+
+def configurations(cfg: RunConfig, techniques: list[str], args: argparse.Namespace) -> dict[str, RunConfig]:
+    """"off" and each technique's recipe, the encoder resized by ``--encoder-width/--encoder-layers``;
+    exits with the launcher's reasons where one cannot run."""
+    workload = WORKLOADS[args.model]
+    encoders = dict(cfg.model.options["encoders"])
+    encoders[workload.modality] = {**encoders[workload.modality], **workload.resize(args.encoder_width,
+                                                                                 args.encoder_layers)}
+    cfg = replace(cfg, model=replace(cfg.model, options={**cfg.model.options, "encoders": encoders}))
+
+    def overrides(technique: Technique) -> dict[str, Any]:
+        return {k: int(v.format(threshold=args.long_threshold)) if isinstance(v, str) else v
+                for k, v in technique.parallel.items()}
+
+    runs = {"off": cfg, **{name: replace(cfg, parallel=replace(cfg.parallel, **overrides(TECHNIQUES[name])))
+                           for name in techniques}}
+    problems = []
+    for name, run in runs.items():
+        try:
+            ParallelDims.resolve(run.parallel, RANKS)
+            problems += [f"{name}: {p}" for p in _validate_model(run)[2]]
+        except ValueError as exc:
+            problems.append(f"{name}: {exc}")
+    if problems:
+        sys.exit("technique cannot run on this model and layout:\n" + "\n".join(problems))
+    return runs
+
+
+def words(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
+def draw_record(rng: random.Random, key: str, share: float, workload: Workload, kind: Any, encoder_cfg: Any) -> dict:
+    """A media sample with probability ``share`` (a short question about one item), else a text-only
+    one (a longer question and answer)."""
+    if rng.random() < share:
+        messages = [{"role": "user", "content": f"{kind.placeholder}\n{workload.question}"},
+                    {"role": "assistant", "content": words(rng, 1, 8)}]
+        return {"__key__": key, "json": json.dumps({"messages": messages}).encode(),
+                kind.fields[0]: workload.media_bytes(rng, encoder_cfg)}
+    messages = [{"role": "user", "content": words(rng, 8, 64)}, {"role": "assistant", "content": words(rng, 2, 24)}]
+    return {"__key__": key, "json": json.dumps({"messages": messages}).encode()}
+
+
+def rank_batches(rank: int, share: float, steps: int, args: argparse.Namespace, workload: Workload,
+                 process: SampleProcessor) -> list[dict]:
+    """This rank's micro-batch of each step: its own stream's samples up to ``args.tokens`` LLM tokens."""
+    kind, encoder_cfg = process.modalities[workload.modality], process.encoder_configs[workload.modality]
+    rng = random.Random(f"{args.seed}/{rank}")
+    batches, pending, drawn = [], None, 0
+    for _ in range(steps):
+        samples, length = [], 0
+        while True:
+            if pending is None:
+                pending = process(draw_record(rng, f"r{rank}-{drawn}", share, workload, kind, encoder_cfg))
+                drawn += 1
+            if samples and length + len(pending.chat.ids) > args.tokens:
+                break
+            samples.append(pending)
+            length += len(pending.chat.ids)
+            pending = None
+        batches.append(pack_chat_samples(samples))
+    return batches
+
+
+def train(run: RunConfig, batches: list[dict], modality: str) -> tuple[list[float], list[int], list[float]]:
+    """Step wall times of this rank (after a barrier), the step's global LLM tokens, and the encoder
+    FLOPs this rank ran in each step: every real encoder call counted by the family's cost model on
+    its inputs (a sequence-parallel share: its fraction of the input's rows), dummy runs as 0."""
+    meshes = build_mesh(ParallelDims.resolve(run.parallel, dist.get_world_size()), "cpu")
+    torch.manual_seed(0)
+    config, model = build_model(run.model.arch, run.model.options)
+    model.init_weights()
+    task = get_model_spec(run.model.arch).task(config)
+    model = parallelize(model, run.parallel, meshes, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.train.lr, weight_decay=run.train.weight_decay)
+    kind, encoder, ran = model.media_config().media_kinds()[modality], model.encoders[modality], [0.0]
+
+    def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = {k: v for k, v in kwargs.items() if k != "share"}
+        if not bool(next(iter(inputs.values())).abs().sum() > 0):
+            return  # the dummy input
+        share, flops = kwargs.get("share"), kind.flops(module, inputs)
+        ran[0] += flops if share is None else flops * (share.stop - share.start) / module.sequence_rows(inputs)
+
+    encoder.register_forward_pre_hook(count, with_kwargs=True)
+    times, tokens, loads = [], [], []
+    for batch in batches:
+        dist.barrier()
+        ran[0] = 0.0
+        start = time.perf_counter()
+        metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), meshes.dims.loss_size)
+        clip_and_step(model, optimizer, None, run.train.max_grad_norm)
+        times.append(time.perf_counter() - start)
+        tokens.append(metrics["units"])
+        loads.append(ran[0])
+    return times, tokens, loads
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, runs: dict[str, RunConfig]) -> list[dict]:
+    """Every share: the step FLOPs of this rank's micro-batches (all, and the encoder's), and each
+    run's timings and encoder work."""
+    workload, recipe = WORKLOADS[args.model], runs["off"]
+    with torch.device("meta"):
+        config, meta = build_model(recipe.model.arch, recipe.model.options)
+    process = SampleProcessor(load_tokenizer(recipe.data.tokenizer), config)
+    kind, encoder = process.modalities[workload.modality], meta.encoders[workload.modality]
+    cost = get_model_spec(recipe.model.arch).cost
+    points = []
+    for share in args.shares:
+        batches = rank_batches(rank, share, args.warmup + args.steps, args, workload, process)
+        measured = batches[args.warmup:]
+        inputs = [b["media"].get(workload.modality, {}).get("inputs") for b in measured]
+        point = {"share": share, "flops": sum(cost.batch_flops(meta, b) for b in measured),
+                 "encoder_flops": sum(kind.flops(encoder, i) for i in inputs if i is not None), "runs": {}}
+        for name, run in runs.items():
+            times, tokens, loads = train(run, batches, workload.modality)
+            point["runs"][name] = {"times": times[args.warmup:], "tokens": tokens[args.warmup:],
+                                   "loads": loads[args.warmup:]}
+            if rank == 0:
+                print(f"  {workload.modality} share {share:.0%}: {name} done", file=sys.stderr, flush=True)
+        points.append(point)
+    return points
+
+
+def tokens_per_s(points: list[dict], name: str) -> float:
+    """Median over measured steps of the global LLM tokens over the slower rank's step time."""
+    runs = [p["runs"][name] for p in points]
+    return statistics.median(tokens / max(times) for tokens, *times in
+                             zip(runs[0]["tokens"], *(r["times"] for r in runs)))
+
+
+def imbalance(points: list[dict], name: str) -> float:
+    """The encoder time the ranks wait for over the time a perfect split would take: summed over
+    the measured steps, the busiest rank's encoder FLOPs over the mean rank's (a step with one
+    small image weighs what its encoder work weighs)."""
+    steps = list(zip(*(p["runs"][name]["loads"] for p in points)))
+    mean = sum(statistics.mean(loads) for loads in steps)
+    return sum(max(loads) for loads in steps) / mean if mean else 1.0
+
+
+def summarize(ranks: list[list[dict]], techniques: list[str]) -> list[dict]:
+    rows = []
+    for points in zip(*ranks):
+        off = tokens_per_s(points, "off")
+        encoder_share = sum(p["encoder_flops"] for p in points) / sum(p["flops"] for p in points)
+        for name in techniques:
+            on = tokens_per_s(points, name)
+            rows.append({"share": points[0]["share"], "technique": name, "tokens_per_s_off": off,
+                         "tokens_per_s_on": on, "ratio": on / off, "imbalance_off": imbalance(points, "off"),
+                         "imbalance_on": imbalance(points, name),
+                         "encoder_flops_share": encoder_share})
+    return rows
+
+
+def print_table(rows: list[dict], modality: str) -> None:
+    print(f"| {modality}:text | technique | tokens/s off | tokens/s on | on/off | imbalance off | imbalance on "
+          "| encoder FLOPs share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        media = round(10 * r["share"])
+        print(f"| {media}:{10 - media} | {r['technique']} | {r['tokens_per_s_off']:,.0f} | {r['tokens_per_s_on']:,.0f} "
+              f"| {r['ratio']:.3f} | {r['imbalance_off']:.3f} | {r['imbalance_on']:.3f} "
+              f"| {r['encoder_flops_share']:.1%} |")
+
+
+def plot(path: Path, rows: list[dict], techniques: list[str], title: str, modality: str) -> None:
+    def series(label: str, technique: str, key: str) -> Series:
+        points = [r for r in rows if r["technique"] == technique]
+        return Series(label, [100 * r["share"] for r in points], [r[key] for r in points])
+
+    lines = [series("imbalance off", techniques[0], "imbalance_off")]
+    for name in techniques:
+        lines += [series(f"imbalance {name}", name, "imbalance_on"), series(f"tokens/s {name}/off", name, "ratio")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line_chart(str(path), title, f"{modality} samples (%)", "ratio", lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(WORKLOADS), default="vlm")
+    parser.add_argument("--techniques", default="balance",
+                        help=f"comma-separated, each run off and on; known: {', '.join(TECHNIQUES)}")
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="media sample probabilities")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    parser.add_argument("--tokens", type=int, default=1024, help="LLM tokens per rank micro-batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--encoder-width", type=int, default=192,
+                        help="the encoder's width (its MLP 4x); the recipe's tiny encoder is ~1%% of the FLOPs")
+    parser.add_argument("--encoder-layers", type=int, default=4)
+    parser.add_argument("--long-threshold", type=int, default=64,
+                        help="encoder sequence rows above which an item is long (long_short)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"shares {QUICK_SHARES}, 1 warm-up + 3 measured steps of 384 tokens")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--plot", type=Path, help="write the sweep chart (PNG) here")
+    args = parser.parse_args()
+    args.techniques = [t for t in args.techniques.split(",") if t]
+    unknown = [t for t in args.techniques if t not in TECHNIQUES]
+    if unknown or not args.techniques:
+        parser.error(f"--techniques: unknown {unknown or 'none given'}; known: {', '.join(TECHNIQUES)}")
+    if args.quick:
+        args.shares, args.warmup, args.steps, args.tokens = list(QUICK_SHARES), 1, 3, 384
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # before any torch work: the ranks are forked from this process
+    workload = WORKLOADS[args.model]
+    runs = configurations(load_config(workload.recipe), args.techniques, args)
+    title = f"{workload.recipe.relative_to(REPO)}, {RANKS} ranks x 1 thread, {args.tokens} LLM tokens per rank step"
+    print(f"{title}; {args.warmup} warm-up + {args.steps} measured steps; techniques: {', '.join(args.techniques)}\n",
+          flush=True)
+    started = time.perf_counter()
+    ranks = run_distributed(_worker, RANKS, args, runs, timeout_s=3600)
+    rows = summarize(ranks, args.techniques)
+    print_table(rows, workload.modality)
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"setup": {k: str(v) if isinstance(v, Path) else v
+                                                  for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    if args.plot:
+        plot(args.plot, rows, args.techniques, title, workload.modality)
+
+
+if __name__ == "__main__":
+    main()
