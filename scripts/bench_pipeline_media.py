@@ -1,13 +1,15 @@
-"""The pipeline bubble of an omni model with its encoders colocated on every pipeline rank
-(``parallel.encoder_colocate: true``, veomni/parallel/pipeline_media.py) against run inline in
-the first stage (``false``): per rank, busy time (stage forward/backward chunks and encoder
-work) and idle time (the rest of the step: waiting on the other stage) per step.
+"""The pipeline bubble of an omni model with its encoders colocated on every pipeline rank and
+their items spread over the pipeline's ranks (``parallel.encoder_colocate: true``,
+veomni/parallel/pipeline_media.py) against run inline in the first stage (``false``): per rank,
+busy time (stage forward/backward chunks and the encoders' pre- and post-pass, the router's
+exchanges included) and idle time (the rest of the step: waiting on the other stage) per step.
 
-    python scripts/bench_pipeline_media.py [--steps 4] [--microbatches 4] [--images 4]
+    python scripts/bench_pipeline_media.py [--steps 4] [--microbatches 4] [--images 4] [--encoder-fsdp 0]
 
 2 CPU processes with one thread each (pp=2, 1F1B): on this 2-core machine more processes would
 share cores, and a rank waiting in a collective would hand its core to the others and hide the
-bubble. Prints one line per mode and rank and the ratio of idle fractions (inline / colocated).
+bubble. Prints one line per mode and rank, the ratio of idle fractions (inline / colocated) and
+of tokens/s (colocated / inline).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import models  # noqa: E402,F401  (registers the zoo)
 from tests.dist_harness import run_distributed  # noqa: E402
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes  # noqa: E402
 from veomni.config.schema import ParallelConfig, TrainConfig  # noqa: E402
@@ -56,9 +59,12 @@ class Busy:
         setattr(obj, name, timed)
 
 
-def _rank(rank: int, world: int, colocate: bool, steps: int, microbatches: int, images: int) -> list[float]:
+def _rank(rank: int, world: int, colocate: bool, steps: int, microbatches: int, images: int,
+          encoder_fsdp: int) -> list[tuple[float, float, int]]:
+    """Per measured step: (wall seconds, busy seconds, tokens of the step) on this rank."""
     torch.set_num_threads(1)
-    parallel = ParallelConfig(pp=2, pp_schedule="1F1B", encoder_colocate=colocate)
+    parallel = ParallelConfig(pp=2, pp_schedule="1F1B", encoder_colocate=colocate,
+                              encoder_fsdp=encoder_fsdp if colocate else 0)
     meshes = build_mesh(ParallelDims.resolve(parallel, world), "cpu")
 
     def build():
@@ -69,8 +75,7 @@ def _rank(rank: int, world: int, colocate: bool, steps: int, microbatches: int, 
         meta = build()
     task = get_model_spec("omni").task(meta.config)
     pipe = build_pipeline(build, lambda m: m.init_weights(), lambda m: parallelize(m, parallel, meshes, "cpu"),
-                          parallel, microbatches, meshes.pp, torch.device("cpu"), task,
-                          meshes.encoder if colocate else None)
+                          parallel, microbatches, meshes.pp, torch.device("cpu"), task, meshes)
     optimizer = build_optimizer(pipe.modules, TrainConfig(optimizer="sgd", lr=0.01, weight_decay=0.0))
     busy = Busy()
     for stage in pipe.stages:
@@ -91,7 +96,7 @@ def _rank(rank: int, world: int, colocate: bool, steps: int, microbatches: int, 
         clip_and_step(pipe.modules, optimizer, None, 0.0, meshes.pp.get_group())
         wall = time.perf_counter() - start
         if step:
-            fractions.append((wall, busy.seconds))
+            fractions.append((wall, busy.seconds, sum(task.contract.row_length(b) for b in batches)))
     return fractions
 
 
@@ -100,22 +105,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--images", type=int, default=4, help="84x84 images per micro-batch")
+    parser.add_argument("--encoder-fsdp", type=int, default=0,
+                        help="colocated: parallel.encoder_fsdp (1: encoders replicated, no parameter all-gathers; "
+                             "0: sharded over both ranks)")
     args = parser.parse_args()
-    idle = {}
+    idle, tokens_per_s = {}, {}
     for colocate in (False, True):
         mode = "colocated" if colocate else "inline"
-        ranks = run_distributed(_rank, 2, colocate, args.steps, args.microbatches, args.images, timeout_s=900,
+        ranks = run_distributed(_rank, 2, colocate, args.steps, args.microbatches, args.images,
+                                args.encoder_fsdp, timeout_s=900,
                                 env={"OMP_NUM_THREADS": "1"})
         idle[mode] = []
+        tokens_per_s[mode] = ranks[0][0][2] / max(sum(s[0] for s in steps) / len(steps) for steps in ranks)
         for rank, steps in enumerate(ranks):
-            wall = sum(w for w, _ in steps) / len(steps)
-            busy = sum(b for _, b in steps) / len(steps)
+            wall = sum(s[0] for s in steps) / len(steps)
+            busy = sum(s[1] for s in steps) / len(steps)
             idle[mode].append((wall - busy) / wall)
             print(f"{mode:<9} rank {rank}: step {wall * 1e3:8.1f} ms, busy {busy * 1e3:8.1f} ms, "
                   f"idle {100 * (wall - busy) / wall:5.1f}%")
     mean = {mode: sum(v) / len(v) for mode, v in idle.items()}
     print(f"mean idle fraction: inline {100 * mean['inline']:.1f}%, colocated {100 * mean['colocated']:.1f}%; "
           f"ratio inline/colocated {mean['inline'] / max(mean['colocated'], 1e-9):.2f}")
+    print(f"tokens/s: inline {tokens_per_s['inline']:.0f}, colocated {tokens_per_s['colocated']:.0f}; "
+          f"ratio colocated/inline {tokens_per_s['colocated'] / tokens_per_s['inline']:.2f}")
 
 
 if __name__ == "__main__":

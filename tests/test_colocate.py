@@ -100,8 +100,10 @@ def test_encoder_balance_is_refused_where_it_cannot_apply():
     assert check_media_routing(llm, ParallelConfig()) == []
     assert "runs no media encoders" in check_media_routing(llm, ParallelConfig(encoder_balance=True))[0]
     assert check_media_routing(omni, ParallelConfig(encoder_balance=True, sp=2)) == []  # tests/test_media_sp.py
-    for key in ("cp", "pp"):
-        assert f"parallel.{key}=2" in check_media_routing(omni, ParallelConfig(encoder_balance=True, **{key: 2}))[0]
+    assert "parallel.cp=2" in check_media_routing(omni, ParallelConfig(encoder_balance=True, cp=2))[0]
+    assert check_media_routing(omni, ParallelConfig(encoder_balance=True, pp=2)) == []  # tests/test_media_pp.py
+    inline = ParallelConfig(encoder_balance=True, pp=2, encoder_colocate=False)
+    assert "parallel.pp=2 and parallel.encoder_colocate=false" in check_media_routing(omni, inline)[0]
 
 
 def _wav(seconds: float) -> bytes:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from models.audio.processing import encode_wav
+from models.omni.registry import get_modality
 from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes
 from tests.parity_utils import assert_records_close, full_grads, full_params
@@ -21,7 +22,8 @@ from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
 from veomni.parallel.apply import parallelize
-from veomni.parallel.mesh import ParallelDims, build_mesh
+from veomni.parallel.colocate import check_media_routing
+from veomni.parallel.mesh import LayoutError, ParallelDims, build_mesh
 from veomni.parallel.pipeline import build_pipeline, check_pipeline_model
 from veomni.parallel.pipeline_plan import PipelineConfigError
 from veomni.spec import build_model, get_model_spec
@@ -101,6 +103,10 @@ def _reference(rank: int, world: int, options: dict, steps: list[list[dict]]) ->
 
 
 def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, steps: list[list[dict]]) -> dict:
+    """Also records per step the image encoder FLOPs of the images this rank's dp group holds
+    (``owned``, counted on its first stage), of the real images this rank encoded whole
+    (``encoded``) and the patch rows it held in sequence-parallel runs of long images
+    (``shared``), and this rank's pipeline rank (``pp_rank``)."""
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     with torch.device("meta"):
@@ -108,17 +114,38 @@ def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, s
     task = get_model_spec("omni").task(meta.config)
     pipe = build_pipeline(lambda: build(options), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, MICROBATCHES, meshes.pp,
-                          torch.device("cpu"), task, meshes.encoder)
+                          torch.device("cpu"), task, meshes)
     optimizer = build_optimizer(pipe.modules, TrainConfig(optimizer="sgd", lr=0.1, weight_decay=0.0))
     every = [batches(options, steps, r, dims.dp_size) for r in range(dims.dp_size)]
     row = max(task.contract.row_length(mb) for rank_steps in every for step in rank_steps for mb in step)
-    record = {"loss": [], "metrics": [], "grads": [], "grad_norm": []}
+    colocated = pipe.encoders is not None and "image" in pipe.encoders.names
+    encoder = pipe.encoders.part.media_encoder("image") if colocated else None
+    encoded, shared = [], []
+    if encoder is not None:
+        modality = get_modality("image")
+
+        def record_encoded(module, args, kwargs):
+            if kwargs.get("share") is not None:
+                shared.append(kwargs["share"].stop - kwargs["share"].start)
+            elif kwargs["patches"].abs().sum() > 0:  # (the dummy input is all zeros)
+                encoded.append(modality.flops(module, kwargs))
+
+        encoder.register_forward_pre_hook(record_encoded, with_kwargs=True)
+    record = {"loss": [], "metrics": [], "grads": [], "grad_norm": [], "owned": [], "encoded": [], "shared": [],
+              "pp_rank": meshes.pp.get_local_rank()}
     for micro_batches in every[meshes.dp_rank]:
+        if encoder is not None:
+            inputs = [mb["media"]["image"]["inputs"] for mb in micro_batches if "image" in mb.get("media", {})]
+            record["owned"].append(sum(modality.flops(encoder, i) for i in inputs) if pipe.has_first_stage else 0.0)
         metrics = pipeline_forward_backward(pipe, task, micro_batches, meshes.loss.get_group(), dims.loss_size,
                                             dims.pp, row, meta)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({})
         record["grads"].append({k: v for part in pipe.modules for k, v in full_grads(part).items()})
+        record["encoded"].append(sum(encoded))
+        record["shared"].append(sum(shared))
+        encoded.clear()
+        shared.clear()
         stepped = clip_and_step(pipe.modules, optimizer, None, 0.0, meshes.pp.get_group())
         record["grad_norm"].append(stepped["grad_norm"])
     record["params"] = {k: v for part in pipe.modules for k, v in full_params(part).items()}
@@ -153,16 +180,56 @@ def check(reference: dict, records: list[dict]) -> None:
     assert records[0]["grad_norm"][-1] == pytest.approx(norm, rel=1e-4)
 
 
+def check_spread(records: list[dict], steps: range | None = None) -> None:
+    """Every image encoded whole exactly once (on the given ``steps``, all by default) and some by
+    ranks that run no first stage: the encoder work is spread over the pipeline."""
+    for step in steps if steps is not None else range(len(records[0]["encoded"])):
+        assert sum(r["encoded"][step] for r in records) == pytest.approx(sum(r["owned"][step] for r in records))
+    assert sum(sum(r["encoded"]) for r in records if r["pp_rank"] > 0) > 0
+
+
 @pytest.mark.parametrize("schedule, colocate", [("GPipe", True), ("1F1B", True), ("1F1B", False)],
                          ids=["gpipe", "1f1b", "1f1b-inline"])
 def test_vlm_pp2_matches_one_process(vlm_reference, schedule, colocate):
     parallel = ParallelConfig(pp=2, pp_schedule=schedule, encoder_colocate=colocate)
-    check(vlm_reference, run_distributed(_pipelined, 2, parallel, VLM, vlm_steps()))
+    records = run_distributed(_pipelined, 2, parallel, VLM, vlm_steps())
+    check(vlm_reference, records)
+    if colocate:
+        check_spread(records)
 
 
-def test_vlm_pp2_x_dp2_matches_one_process(vlm_reference):
-    parallel = ParallelConfig(pp=2, pp_schedule="1F1B")
-    check(vlm_reference, run_distributed(_pipelined, 4, parallel, VLM, vlm_steps()))
+@pytest.mark.parametrize("extra", [{}, {"encoder_balance": True}, {"encoder_fsdp": 2}],
+                         ids=["spread-in-dp-group", "balanced", "encoder-fsdp2"])
+def test_vlm_pp2_x_dp2_matches_one_process(vlm_reference, extra):
+    parallel = ParallelConfig(pp=2, pp_schedule="1F1B", **extra)
+    records = run_distributed(_pipelined, 4, parallel, VLM, vlm_steps())
+    check(vlm_reference, records)
+    check_spread(records)
+    if not extra.get("encoder_balance"):  # the items stay within their data-parallel group (dp rank = rank % 2)
+        assert all(r["encoded"][0] == 0 for r in records[1::2])  # dp rank 1 has no image in step 0
+
+
+BIG = {**VLM, "encoders": {"image": {**VLM["encoders"]["image"], "max_pixels": 168 * 168}}}
+LONG_STEP, THRESHOLD = 0, 32  # patches: the 168x168 image (144 of them) is long, the 56x56 one (16) is not
+
+
+def long_steps() -> list[list[dict]]:
+    """Step 0: one very large image (168x168) among small ones; step 1: one micro-batch without
+    image (at dp=2: data-parallel rank 1 has none at all)."""
+    return [[image(0, 168), image(1, 28), image(2, 28), text(3)], [image(4, 56), text(5), text(6), text(7)]]
+
+
+@pytest.mark.parametrize("world, extra", [(2, {}), (4, {"encoder_balance": True})],
+                         ids=["pp2", "pp2xdp2-balanced"])
+def test_long_image_runs_sequence_parallel_under_pp(world, extra):
+    reference = run_distributed(_reference, 1, BIG, long_steps())[0]
+    parallel = ParallelConfig(pp=2, pp_schedule="1F1B", encoder_sp=2, encoder_sp_threshold=THRESHOLD, **extra)
+    records = run_distributed(_pipelined, world, parallel, BIG, long_steps())
+    check(reference, records)
+    shared = [r["shared"][LONG_STEP] for r in records]
+    assert sum(shared) == 144 and sorted(shared)[-2:] == [72, 72]  # the big image, over a block of 2 ranks
+    assert all(r["shared"][1] == 0 for r in records)
+    check_spread(records, range(1, 2))
 
 
 def test_audio_pp2_matches_one_process():
@@ -173,7 +240,7 @@ def test_audio_pp2_matches_one_process():
 @pytest.mark.parametrize("parallel, message", [
     (ParallelConfig(pp=2, pp_schedule="Interleaved1F1B"), "one stage per rank"),
     (ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble"), "one stage per rank"),
-    (ParallelConfig(pp=2, encoder_balance=True), "encoder_balance"),
+    (ParallelConfig(pp=2, sp=2), "not pipelined with sequence or context parallelism"),
 ])
 def test_media_pipelines_refuse_what_they_cannot_run(parallel, message):
     with torch.device("meta"):
@@ -182,18 +249,38 @@ def test_media_pipelines_refuse_what_they_cannot_run(parallel, message):
         check_pipeline_model(model, parallel, 4)
 
 
+def test_routing_under_pp_needs_colocated_encoders_and_sizes_that_fit():
+    with torch.device("meta"):
+        model = build(VLM)
+    assert check_media_routing(model, ParallelConfig(pp=2, encoder_balance=True, encoder_sp=2,
+                                                      encoder_sp_threshold=THRESHOLD)) == []
+    inline = check_media_routing(model, ParallelConfig(pp=2, encoder_balance=True, encoder_colocate=False))
+    assert "set parallel.encoder_colocate=true" in inline[0]
+    with pytest.raises(LayoutError, match=r"encoder_sp=4 must divide the 2 ranks .*pp x dp"):
+        ParallelDims.resolve(ParallelConfig(pp=2, encoder_sp=4), 2)
+    fsdp_message = r"encoder_fsdp=3 must divide the pp x dp ranks .* = 4; pick one of \[1, 2, 4\]"
+    with pytest.raises(LayoutError, match=fsdp_message):
+        ParallelDims.resolve(ParallelConfig(pp=2, encoder_fsdp=3), 4)
+    assert ParallelDims.resolve(ParallelConfig(pp=2, encoder_fsdp=4), 4).encoder_shard_size == 4  # over all ranks
+    inline_dims = ParallelDims.resolve(ParallelConfig(pp=2, encoder_colocate=False), 4)
+    assert (inline_dims.encoder_span, inline_dims.encoder_shard_size) == (2, 2)  # the first stage's ranks
+
+
 PIPELINE_OVERRIDES = ("--parallel.pp", "2")
 """All the tiny recipes need: their embeddings are untied (stage 0 holds the table, stage 1 the
 head) and they take two micro-batches per step (1F1B needs one per stage)."""
 
 
 def test_tiny_vlm_recipe_trains_with_pp2(tmp_path):
+    """Through the launcher and the trainer, with the encoder work balanced over the ranks and
+    long images (over 16 patches) sequence-parallel; eval and a checkpoint included."""
     from tests.test_launch import train_sh
     from tests.test_omni_recipes import RECIPES, _build
 
     _build(tmp_path / "vqa", 200, 20)
     out = tmp_path / "out"
-    result = train_sh(str(RECIPES / "tiny.yaml"), *PIPELINE_OVERRIDES,
+    result = train_sh(str(RECIPES / "tiny.yaml"), *PIPELINE_OVERRIDES, "--parallel.encoder_balance", "true",
+                      "--parallel.encoder_sp", "2", "--parallel.encoder_sp_threshold", "16",
                       "--data.train_path", str(tmp_path / "vqa" / "train"),
                       "--data.eval_path", str(tmp_path / "vqa" / "eval"),
                       "--train.max_steps", "2", "--train.output_dir", str(out), "--train.eval_interval", "2",

@@ -154,13 +154,15 @@ class ParallelConfig:
     encoder_balance: bool = False
     """Models with media encoders: spread each micro-batch's media items over the data-parallel
     ranks by encoder cost and send the features back (``veomni/parallel/colocate.py``); the loss
-    and gradients are unchanged. Not with parallel.sp, cp or pp > 1."""
+    and gradients are unchanged. Under parallel.pp > 1 (encoder_colocate) over all pp x dp
+    ranks. Not with parallel.cp, nor with pp > 1 and encoder_colocate false."""
     encoder_sp: int = 1
     """Models with media encoders: long-short sequence parallelism. A media item with more than
     ``encoder_sp_threshold`` encoder sequence rows (ViT patches, audio tokens) runs Ulysses-style
     over a block of ``encoder_sp`` consecutive ranks, each holding a share of its rows; shorter
     items run whole on one rank, in the same step (``veomni/parallel/encoder_sp.py``). Must divide
-    dp x sp and the encoders' attention heads; 1 = off. Not with parallel.cp or pp > 1."""
+    dp x sp (pp x dp under a pipeline colocating the encoders) and the encoders' attention heads;
+    1 = off. Not with parallel.cp, nor with pp > 1 and encoder_colocate false."""
     encoder_sp_threshold: int = 0
     """Encoder sequence rows above which an item is long (with ``encoder_sp`` > 1); at least
     ``encoder_sp`` x the encoder's rows per feature (the ViT: ``merge_size**2`` patches)."""
@@ -168,10 +170,13 @@ class ParallelConfig:
     """Models with media encoders: ranks that shard each encoder's parameters (its own FSDP group,
     beside the LLM's); the other ranks of the stage replicate them (HSDP). 0 = the LLM's sharding
     (dp_shard x cp x sp). A small encoder at 1 is replicated: one gradient all-reduce per step and
-    no parameter all-gathers. Must divide dp_shard x cp x sp."""
+    no parameter all-gathers. Must divide dp_shard x cp x sp. Under parallel.pp > 1 with
+    encoder_colocate the encoders' mesh spans every pp x dp rank: k must divide pp x dp, 0 shards
+    over all of them."""
     encoder_colocate: bool = True
     """Models with media encoders under parallel.pp > 1: the encoders live on every pipeline rank
-    and encode the step's media before the schedule runs, their backward after it
+    and encode the step's media before the schedule runs, the items spread over the pipeline's
+    ranks, their backward after it
     (``veomni/parallel/pipeline_media.py``); false runs them inside the first stage (the
     baseline the bubble benchmark compares with)."""
 

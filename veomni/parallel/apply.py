@@ -79,7 +79,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         count = apply_graph_parallel(model, plan, group)
         logger.info("graph aggregation on %d message-passing modules (%d partitions)", count, meshes.dims.dp_size)
     experts = apply_expert_parallel(model, plan, meshes.ep, meshes.loss, meshes.dims.loss_size)
-    if cfg.encoder_balance or cfg.encoder_sp > 1 or (isinstance(model, MediaHost) and meshes.dims.sp > 1):
+    # (a pipeline that colocates its encoders routes their media around the schedule: pipeline_media.py)
+    routed = cfg.encoder_balance or cfg.encoder_sp > 1 or (isinstance(model, MediaHost) and meshes.dims.sp > 1)
+    if routed and not meshes.dims.pipeline_encoders:
         apply_media_routing(model, meshes, cfg)
     apply_activation_checkpointing(model, plan, cfg.activation_checkpointing)
     if cfg.compile:
@@ -102,5 +104,5 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         experts=experts,
         expert_mesh=meshes.ep_fsdp,
         encoders=tuple(model.parallel_plan().encoders),
-        encoder_mesh=meshes.encoder_fsdp if meshes.dims.encoder_shard_size != meshes.dims.shard_size else None,
+        encoder_mesh=meshes.encoder_fsdp if meshes.dims.encoders_own_mesh else None,
     )

@@ -11,7 +11,9 @@ Its ``peers`` are the group ranks that hold one row (the ``sp`` ranks splitting 
 order; one rank without sequence parallelism). The row's media entry then says which row rank
 holds each feature row (``holders``, set by the VLM contract when the row is sharded); the peers
 split the row's items between them by encoder cost (no communication: they all see the same
-items), announce their share, and each receives exactly the rows of its slice.
+items), announce their share, and each receives exactly the rows of its slice. A pipeline that
+colocates its encoders uses the same router with the pipeline ranks of a data-parallel group as
+the peers and every row destined to the first stage (``pipeline_media.media_router``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.encoder_sp import apply_encoder_sp, check_encoder_sp
@@ -90,33 +92,49 @@ def check_media_routing(model: nn.Module, cfg: ParallelConfig) -> list[str]:
         return []
     if not isinstance(model, MediaHost):
         return [f"{' and '.join(asked)}: {type(model).__name__} runs no media encoders; remove the key"]
-    split = [f"parallel.{k}={v}" for k, v in (("cp", cfg.cp), ("pp", cfg.pp)) if v > 1]
-    if split:
-        return [f"{' and '.join(asked)} with {', '.join(split)} is not supported yet: the routed features "
-                "would have to reach the ranks holding their context-parallel pieces or pipeline stage; use data "
-                f"and sequence parallelism (parallel.sp) only, or turn {' and '.join(asked)} off"]
+    if cfg.cp > 1:
+        return [f"{' and '.join(asked)} with parallel.cp={cfg.cp} is not supported yet: the routed features would "
+                "have to reach the ranks holding their context-parallel pieces; use data, sequence (parallel.sp) or "
+                f"pipeline parallelism, or turn {' and '.join(asked)} off"]
+    if cfg.pp > 1 and not cfg.encoder_colocate:
+        return [f"{' and '.join(asked)} with parallel.pp={cfg.pp} and parallel.encoder_colocate=false: inline, the "
+                "first stage runs the encoders inside the schedule, one micro-batch at a time, where no other rank "
+                "can take its items; set parallel.encoder_colocate=true (the encoders then run on every pipeline "
+                f"rank, around the schedule) or turn {' and '.join(asked)} off"]
     return check_encoder_sp(model, cfg.encoder_sp, cfg.encoder_sp_threshold)
+
+
+def long_items(mesh: DeviceMesh, cfg: ParallelConfig) -> LongItems | None:
+    """Long-short sequence parallelism over the routing group ``mesh`` (``ParallelMeshes.media``):
+    blocks of ``parallel.encoder_sp`` consecutive ranks of it; None when off. ``mesh`` spans
+    every rank in rank order (without a pipeline the loss ranks, with one every pp x dp rank), so
+    the blocks are cut from the world, which every rank builds alike."""
+    if cfg.encoder_sp == 1:
+        return None
+    if mesh.mesh.flatten().tolist() != list(range(dist.get_world_size())):
+        raise ValueError(f"encoder_sp blocks: the routing group {mesh.mesh.tolist()} must hold every rank in order")
+    blocks = init_device_mesh(mesh.device_type, (mesh.size() // cfg.encoder_sp, cfg.encoder_sp),
+                              mesh_dim_names=("encoder_sp_blocks", "encoder_sp"))
+    return LongItems(cfg.encoder_sp_threshold, cfg.encoder_sp, blocks["encoder_sp"].get_group())
 
 
 def apply_media_routing(model: nn.Module, meshes: ParallelMeshes, cfg: ParallelConfig) -> None:
     """Install ``RoutedMediaFn`` where media must move: over the sequence-parallel group when rows
     are split (each rank encodes a share of its row's items and receives its slice's features),
-    over every rank holding part of the step (``meshes.loss``: dp x sp) with balancing or
+    over every rank holding part of the step (``meshes.media``: dp x sp) with balancing or
     long-short sequence parallelism (``parallel.encoder_sp`` blocks of consecutive ranks); one
     rank and neither keeps the local default."""
     if not isinstance(model, MediaHost):
         raise ValueError(f"media routing: {type(model).__name__} runs no media encoders")
     dims = meshes.dims
-    if dims.cp > 1:
-        raise ValueError("media routing under context parallelism is not supported (check_sequence_parallel)")
-    long = None
-    if cfg.encoder_sp > 1:
-        blocks = init_device_mesh(meshes.root.device_type, (dims.world_size // cfg.encoder_sp, cfg.encoder_sp),
-                                  mesh_dim_names=("encoder_sp_blocks", "encoder_sp"))
-        long = LongItems(cfg.encoder_sp_threshold, cfg.encoder_sp, blocks["encoder_sp"].get_group())
+    if dims.cp > 1 or dims.pipeline_encoders:
+        raise ValueError("media routing in the model: not under context parallelism (check_sequence_parallel) nor "
+                         "where a pipeline routes the media around its schedule (pipeline_media.py)")
+    long = long_items(meshes.media, cfg)
+    if long is not None:
         apply_encoder_sp(model)
     if (cfg.encoder_balance or long is not None) and dims.loss_size > 1:
-        mesh = meshes.loss
+        mesh = meshes.media
         first = mesh.get_local_rank() - meshes.sp.get_local_rank()  # loss ranks run (dp, sp), sp innermost
         peers = range(first, first + dims.sp)
     elif dims.sp > 1:

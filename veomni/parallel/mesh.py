@@ -41,7 +41,12 @@ class ParallelDims:
     cp_mesh: tuple[int, int] | None = None
     """Mesh-Attention's (a, b); None: chosen in the workers (``cp_cost.choose_cp_mesh``)."""
     encoder_shard: int = 0
-    """Ranks sharding each media encoder (``parallel.encoder_fsdp``); 0: the LLM's ``shard_size``."""
+    """Ranks sharding each media encoder (``parallel.encoder_fsdp``); 0: the default of
+    ``encoder_shard_size``."""
+    pipeline_encoders: bool = False
+    """A pipeline colocates media encoders on all its ranks (``parallel.pp`` > 1 with
+    ``parallel.encoder_colocate``): their work and their FSDP mesh span every pp x dp rank
+    (``pipeline_media.py``)."""
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -83,20 +88,28 @@ class ParallelDims:
         if cfg.ep > 1 and cfg.dp_replicate > 1:
             raise LayoutError("parallel.ep > 1 with parallel.dp_replicate > 1 (HSDP) is not supported yet; "
                               "set parallel.dp_replicate=1")
-        media_ranks = cfg.dp_replicate * dp_shard * cfg.sp  # a stage's ranks sharing media encoder work
+        pipeline_encoders = cfg.pp > 1 and cfg.encoder_colocate
+        # the ranks sharing media encoder work: a stage's dp x sp, or every rank of a colocating pipeline
+        media_ranks, where = ((total_world, "pp x dp: the pipeline colocates them") if pipeline_encoders
+                              else (cfg.dp_replicate * dp_shard * cfg.sp, "dp x sp of a stage"))
         if cfg.encoder_sp < 1:
             raise LayoutError(f"parallel.encoder_sp must be >= 1 (1: every media item runs whole on one rank), "
                               f"got {cfg.encoder_sp}")
         if media_ranks % cfg.encoder_sp:
             raise LayoutError(f"parallel.encoder_sp={cfg.encoder_sp} must divide the {media_ranks} ranks that share "
-                              "media encoder work (dp x sp of a stage; long items run on blocks of encoder_sp of "
-                              f"them); pick a divisor of {media_ranks}")
-        if cfg.encoder_fsdp < 0 or (cfg.encoder_fsdp and shard_ranks % cfg.encoder_fsdp):
-            divisors = [d for d in range(1, shard_ranks + 1) if shard_ranks % d == 0]
-            raise LayoutError(f"parallel.encoder_fsdp={cfg.encoder_fsdp} must divide the parameter-sharding ranks "
-                              f"dp_shard x cp x sp = {shard_ranks}; pick one of {divisors} (or 0: the LLM's)")
+                              f"media encoder work ({where}; long items run on blocks of encoder_sp of them); pick "
+                              f"a divisor of {media_ranks}")
+        # the ranks one encoder shard group may span: a stage's sharding ranks, or every rank of a colocating pipeline
+        shardable, which, default = ((total_world, "the pp x dp ranks the pipeline colocates them on", "all of them")
+                                     if pipeline_encoders
+                                     else (shard_ranks, "the parameter-sharding ranks dp_shard x cp x sp", "the LLM's"))
+        if cfg.encoder_fsdp < 0 or (cfg.encoder_fsdp and shardable % cfg.encoder_fsdp):
+            divisors = [d for d in range(1, shardable + 1) if shardable % d == 0]
+            raise LayoutError(f"parallel.encoder_fsdp={cfg.encoder_fsdp} must divide {which} = {shardable}; pick "
+                              f"one of {divisors} (or 0: {default})")
         return cls(dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, world_size=total_world, sp=cfg.sp, ep=cfg.ep,
-                   pp=cfg.pp, cp=cfg.cp, cp_mesh=cp_mesh, encoder_shard=cfg.encoder_fsdp)
+                   pp=cfg.pp, cp=cfg.cp, cp_mesh=cp_mesh, encoder_shard=cfg.encoder_fsdp,
+                   pipeline_encoders=pipeline_encoders)
 
     @property
     def dp_size(self) -> int:
@@ -125,9 +138,23 @@ class ParallelDims:
         return self.shard_size // self.ep
 
     @property
+    def encoder_span(self) -> int:
+        """Ranks each media encoder's FSDP mesh spans (sharded ``encoder_shard_size``-way,
+        replicated over the rest): a stage's ranks, or every rank when a pipeline colocates the
+        encoders."""
+        return self.world_size if self.pipeline_encoders else self.world_size // self.pp
+
+    @property
     def encoder_shard_size(self) -> int:
-        """Ranks sharding each media encoder: ``encoder_shard``, else the LLM's ``shard_size``."""
-        return self.encoder_shard or self.shard_size
+        """Ranks sharding each media encoder: ``encoder_shard``, else the LLM's ``shard_size``
+        (all of ``encoder_span`` when a pipeline colocates the encoders)."""
+        return self.encoder_shard or (self.encoder_span if self.pipeline_encoders else self.shard_size)
+
+    @property
+    def encoders_own_mesh(self) -> bool:
+        """The stages' ``parallelize`` shards media encoders on ``ParallelMeshes.encoder_fsdp``, not
+        with the LLM's blocks (with colocating pipelines the stages hold no encoders)."""
+        return not self.pipeline_encoders and self.encoder_shard_size != self.shard_size
 
     def describe(self) -> str:
         kind = "HSDP" if self.dp_replicate > 1 else "FSDP"
@@ -143,8 +170,8 @@ class ParallelDims:
         )
         if self.pp > 1:
             text += f"  pp={self.pp} (pipeline stages, each over {self.world_size // self.pp} ranks)"
-        if self.encoder_shard_size != self.shard_size:
-            text += f"  media encoders sharded {self.encoder_shard_size}-way"
+        if self.encoder_shard:
+            text += f"  media encoders sharded {self.encoder_shard_size}-way over {self.encoder_span} ranks"
         if self.ep > 1:
             text += f"  ep={self.ep} (experts split {self.ep}-way, each slice FSDP-sharded {self.ep_fsdp}-way)"
         return text
@@ -181,16 +208,31 @@ class ParallelMeshes:
 
     @cached_property
     def encoder_fsdp(self) -> DeviceMesh:
-        """The media encoders' mesh: ``(replicate, shard)`` over the same ranks as ``fsdp``, the
-        shard groups ``encoder_shard_size`` consecutive ranks (``fsdp`` itself when that is the
-        LLM's sharding). FSDP averages gradients over all of its ranks, as over ``fsdp``."""
+        """The media encoders' FSDP mesh: ``(replicate, shard)`` over ``dims.encoder_span`` ranks
+        (those of ``fsdp``, or every rank when a pipeline colocates the encoders), the shard
+        groups ``encoder_shard_size`` consecutive ranks; one dimension (``fsdp``, or ``media``
+        under such a pipeline) when they shard like the default. FSDP averages gradients over
+        all of its ranks."""
         d = self.dims
-        if d.encoder_shard_size == d.shard_size:
+        if d.pipeline_encoders and d.encoder_shard_size == d.encoder_span:
+            return self.media
+        if not d.pipeline_encoders and d.encoder_shard_size == d.shard_size:
             return self.fsdp
-        replicate = d.dp_replicate * d.shard_size // d.encoder_shard_size
-        mesh = init_device_mesh(self.root.device_type, (d.pp, replicate, d.encoder_shard_size),
-                                mesh_dim_names=("pp", "encoder_replicate", "encoder_shard"))
+        stages = d.world_size // d.encoder_span  # the pipeline stages' ranks hold separate encoders when inline
+        mesh = init_device_mesh(self.root.device_type,
+                                (stages, d.encoder_span // d.encoder_shard_size, d.encoder_shard_size),
+                                mesh_dim_names=("encoder_stage", "encoder_replicate", "encoder_shard"))
         return mesh["encoder_replicate", "encoder_shard"]
+
+    @cached_property
+    def media(self) -> DeviceMesh:
+        """Every rank sharing the step's media encoder work (the routing group of
+        ``colocate.py``): the ranks holding part of the step's tokens (``loss``), or every
+        pipeline x data-parallel rank when a pipeline colocates the encoders (cp = sp = 1 there,
+        ``pipeline_media.check_pipeline_media``)."""
+        if self.dims.pipeline_encoders:
+            return self.root["pp", "dp_replicate", "dp_shard"]._flatten("media")
+        return self.loss
 
     @cached_property
     def dp(self) -> DeviceMesh:
@@ -225,12 +267,6 @@ class ParallelMeshes:
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp_kv", "cp_q", "sp"))
         return MeshGroups(self.cp.get_local_rank(), a, b, mesh["cp_q"].get_group() if a > 1 else None,
                           mesh["cp_kv"].get_group() if b > 1 else None)
-
-    @cached_property
-    def encoder(self) -> DeviceMesh:
-        """Every pipeline x data-parallel rank (cp = sp = 1): the mesh media encoders are sharded
-        over when a pipeline colocates them on all its ranks (``pipeline_media.py``)."""
-        return self.root["pp", "dp_replicate", "dp_shard"]._flatten("encoder")
 
     @cached_property
     def pp(self) -> DeviceMesh:

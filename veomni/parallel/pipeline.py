@@ -40,6 +40,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.materialize import build_sharded_parts
+from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.p2p import recv_tensor, send_tensor
 from veomni.parallel.pipeline_media import (
     PipelineEncoders,
@@ -47,6 +48,7 @@ from veomni.parallel.pipeline_media import (
     encoder_part,
     has_media,
     hollow_encoders,
+    media_router,
 )
 from veomni.parallel.pipeline_plan import (
     GRAPH_SCHEDULES,
@@ -374,17 +376,19 @@ class Pipeline:
 def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                    parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
                    pp_mesh: DeviceMesh, device: torch.device, task: Task,
-                   encoder_mesh: DeviceMesh | None = None) -> Pipeline:
+                   meshes: ParallelMeshes | None = None) -> Pipeline:
     """This rank's stages (``build_stage_parts``) and the ``torch.distributed.pipelining``
     schedule that drives them. A model with media encoders (``parallel.encoder_colocate``) also
-    gets them on every rank, sharded over ``encoder_mesh`` (``ParallelMeshes.encoder``: every
-    pipeline x data-parallel rank) and run around the schedule (``pipeline_media.py``)."""
+    gets them on every rank, sharded over ``meshes.encoder_fsdp`` (every pipeline x data-parallel
+    rank), their work spread over ``meshes.media`` and run around the schedule
+    (``pipeline_media.py``)."""
     check_pipeline_task(task, cfg)
-    parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device,
-                                       encoder_mesh)
+    parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device, meshes)
     encoders = None
     if len(parts) > len(indices):
-        encoders = PipelineEncoders(parts.pop(), task.contract.media, 0 in indices, cfg.pp, device)
+        part = parts.pop()
+        encoders = PipelineEncoders(part, task.contract.media, media_router(part, meshes, cfg), 0 in indices,
+                                    cfg.pp, device)
     return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task,
                     encoders)
 
@@ -392,12 +396,12 @@ def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Modu
 def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                       parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
                       pp_mesh: DeviceMesh, device: torch.device,
-                      encoder_mesh: DeviceMesh | None = None) -> tuple[list[nn.Module], list[int]]:
+                      meshes: ParallelMeshes | None = None) -> tuple[list[nn.Module], list[int]]:
     """This rank's stage modules and their global stage indices, cut from the model ``build()``
     makes, parallelised by ``parallelize`` (FSDP / EP within the stage's ranks) and filled with
     rank 0's initial weights exactly as in one process (see ``materialize.py``). A model with
     media encoders colocated (``parallel.encoder_colocate``) gets one more part after the stages:
-    the encoders, sharded over ``encoder_mesh``; its stages hold none. Run inline, the encoders
+    the encoders, sharded over ``meshes.encoder_fsdp``; its stages hold none. Run inline, the encoders
     stay in the first stage only."""
     with torch.device("meta"):
         probe = build()
@@ -410,11 +414,12 @@ def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.M
     makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize,
                                 hollow=media and (colocate or i > 0)) for i in indices]
     if media and colocate:
-        if encoder_mesh is None:
-            raise ValueError("a pipelined model with media encoders needs the encoder mesh (ParallelMeshes.encoder)")
-        makers.append(functools.partial(encoder_part, cfg=cfg, mesh=encoder_mesh, device_type=device.type))
-        logger.info("media encoders on every pipeline rank, sharded over %d ranks, run around the schedule",
-                    encoder_mesh.size())
+        if meshes is None:
+            raise ValueError("a pipelined model with media encoders needs the layout's meshes (ParallelMeshes)")
+        makers.append(functools.partial(encoder_part, cfg=cfg, mesh=meshes.encoder_fsdp, device_type=device.type))
+        logger.info("media encoders on every pipeline rank (sharded %d-way over %d ranks), their work spread over "
+                    "the %d ranks around the schedule", meshes.dims.encoder_shard_size, meshes.dims.encoder_span,
+                    meshes.media.size())
     return build_sharded_parts(build, initialise, makers, device, strict=False), indices
 
 

@@ -7,22 +7,30 @@ step, while the other stages sit idle in the warm-up and cool-down bubbles. Here
 
 - every rank holds the encoders (``encoder_part``: the model with its LLM pieces hollowed out,
   so parameter names stay those of one process), FSDP-sharded over all pipeline x data-parallel
-  ranks (``ParallelMeshes.encoder``): gradient reduction sums every stage's share, the optimizer
-  updates each shard once, checkpoints hold the encoder once, and the clip norm counts it once;
+  ranks (``ParallelMeshes.encoder_fsdp``: ``parallel.encoder_fsdp`` ranks per shard group, all
+  of them by default): gradient reduction sums every stage's share, the optimizer updates each
+  shard once, checkpoints hold the encoder once, and the clip norm counts it once;
 - the stage modules keep the encoders' names but not their work (``hollow_encoders``): their
   ``media_fn`` splices features handed in with the micro-batch (``spliced_features``);
 - before the schedule, ``PipelineEncoders.encode`` encodes the media of all the step's
-  micro-batches at once, on every rank (a rank with no item runs the dummy input so the
-  encoder's collectives match), and hands the first stage each micro-batch's features as
-  slices of one detached leaf per modality;
+  micro-batches at once, spread over the ranks (below), and hands the first stage each
+  micro-batch's features as slices of one detached leaf per modality;
 - after the schedule, that leaf holds the features' gradients; ``PipelineEncoders.backward``
   runs the encoders' backward with them on every rank, before the optimizer step.
 
-Which rank encodes which item: today the first-stage rank of each data-parallel group encodes
-its own micro-batches' media and the other pipeline ranks run the dummy input (the routing step
-is where spreading the items over all ranks plugs in). Because the encoder mesh averages
-gradients over pp x dp ranks while the loss is normalised for the dp ranks only, the feature
-gradients are scaled by pp before the encoders' backward.
+Which rank encodes which item: every pipeline rank of a data-parallel group reads the same loader
+rows, so all of them hold the step's media. The encoders route it with the one media router
+(``colocate.RoutedMediaFn`` over ``media_route.route_media``, on ``ParallelMeshes.media``: every
+pp x dp rank, in rank order): the pp ranks of a data-parallel group are the *peers* of its rows
+(the first stage peer 0), they split the items by encoder cost among themselves with no input
+moving, and every feature row goes to the first stage (``holders`` all zero) by the router's
+differentiable all-to-all. With ``parallel.encoder_balance`` the items spread over all pp x dp
+ranks by cost; with ``parallel.encoder_sp`` long items run sequence-parallel over blocks of
+consecutive ranks. Every rank makes the same encoder calls (a rank with nothing to run runs the
+dummy input), so the encoders' FSDP collectives match. The backward goes from the first stage's
+feature gradients through the inverse all-to-all to the encoders of the ranks that ran each
+item. Because the encoder mesh averages gradients over pp x dp ranks while the loss is
+normalised for the dp ranks only, the feature gradients are scaled by pp before that backward.
 """
 
 from __future__ import annotations
@@ -36,7 +44,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
+from veomni.parallel.colocate import RoutedMediaFn, long_items
+from veomni.parallel.encoder_sp import apply_encoder_sp
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline_plan import SINGLE_STAGE_SCHEDULES, PipelineConfigError
 from veomni.parallel.plan import ParallelPlan
 from veomni.spec.media import MediaHost
@@ -59,9 +70,6 @@ def check_pipeline_media(model: nn.Module, cfg: ParallelConfig) -> None:
     if split:
         raise PipelineConfigError(f"parallel.pp={cfg.pp} with {', '.join(split)}: a model with media encoders is "
                                   "not pipelined with sequence or context parallelism yet; set them to 1")
-    if cfg.encoder_balance:
-        raise PipelineConfigError("parallel.encoder_balance with parallel.pp > 1: under pipelines the encoders run "
-                                  "outside the stages (parallel.encoder_colocate); remove encoder_balance")
 
 
 def spliced_features(name: str, encoder: nn.Module, media: Mapping[str, Any] | None,
@@ -96,10 +104,13 @@ def hollow_encoders(model: nn.Module) -> nn.Module:
 
 
 def encoder_part(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, device_type: str) -> nn.Module:
-    """The model reduced to its encoders (the LLM pieces hollowed out), each encoder
-    activation-checkpointed and FSDP-sharded over ``mesh`` by its own plan."""
+    """The model reduced to its encoders (the LLM pieces hollowed out), each encoder ready for
+    long items (``parallel.encoder_sp``), activation-checkpointed and FSDP-sharded over ``mesh``
+    by its own plan."""
     plan: ParallelPlan = model.parallel_plan()
     _replace(model, list(plan.stages))
+    if cfg.encoder_sp > 1:
+        apply_encoder_sp(model)
     policy = mixed_precision_policy(cfg.mixed_precision, device_type)
     for path, encoder_plan in plan.encoders.items():
         encoder = model.get_submodule(path)
@@ -108,51 +119,70 @@ def encoder_part(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, device
     return model
 
 
+def media_router(part: nn.Module, meshes: ParallelMeshes, cfg: ParallelConfig) -> RoutedMediaFn:
+    """The router of a pipeline's media (module doc): over ``meshes.media``, the peers of this
+    rank's rows the routing ranks of its pipeline (``meshes.pp``, the first stage first)."""
+    routing = meshes.media.mesh.flatten().tolist()
+    peers = [routing.index(rank) for rank in meshes.pp.mesh.flatten().tolist()]
+    config = part.media_config()
+    return RoutedMediaFn(meshes.media.get_group(), config.media_kinds(), config.encoder_configs, peers,
+                         cfg.encoder_balance, long_items(meshes.media, cfg))
+
+
 class PipelineEncoders:
     """The encoders' forward before a pipeline step and their backward after it (module doc).
 
-    ``part``: this rank's ``encoder_part``; ``first_stage``: this rank runs stage 0 (it splices
-    the features); ``pp``: the pipeline size (the gradient scale, see the module doc).
+    ``part``: this rank's ``encoder_part``; ``route``: the media router (``media_router``);
+    ``first_stage``: this rank runs stage 0 (it splices the features); ``pp``: the pipeline size
+    (the gradient scale, see the module doc).
     """
 
-    def __init__(self, part: nn.Module, media_field: str, first_stage: bool, pp: int, device: torch.device) -> None:
-        self.part, self.field, self.first_stage, self.pp, self.device = part, media_field, first_stage, pp, device
+    def __init__(self, part: nn.Module, media_field: str, route: RoutedMediaFn, first_stage: bool, pp: int,
+                 device: torch.device) -> None:
+        self.part, self.field, self.route = part, media_field, route
+        self.first_stage, self.pp, self.device = first_stage, pp, device
         self.names = list(part.media_config().encoder_configs)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def encode(self, rows: list[dict[str, Any]]) -> list[dict[str, dict]]:
-        """Per row: the media kwarg of stage 0 (``{name: {"inputs": {"features": ...}, "positions"}}``).
-        Every row gets every modality, zero rows where it holds no item: the first stage's inputs
-        then require grad alike on all its data-parallel ranks (the schedule infers input-gradient
-        shapes with a backward, which joins the stage's FSDP collectives only where some input
-        requires grad). With grad enabled the encoders' backward is pending until ``backward``."""
-        media = [row.get(self.field) or {} for row in rows] if self.first_stage else [{} for _ in rows]
+        """Per row, the media kwarg of stage 0 (``{name: {"inputs": {"features": ...}, "positions"}}``;
+        meaningful on the first stage's ranks only, which receive every feature row). Called by
+        every rank of the pipeline with the same ``rows``, once per step: per modality, the rows'
+        items joined make one routed call. Every row gets every modality, zero rows where it holds
+        no item: the first stage's inputs then require grad alike on all its data-parallel ranks
+        (the schedule infers input-gradient shapes with a backward, which joins the stage's FSDP
+        collectives only where some input requires grad). With grad enabled the encoders'
+        backward is pending until ``backward``."""
+        media = [row.get(self.field) or {} for row in rows]
+        placed = media if self.first_stage else [{} for _ in rows]  # where the first stage splices them
         spliced: list[dict[str, dict]] = [{} for _ in rows]
         for name in self.names:
-            holders = [i for i, m in enumerate(media) if name in m]
-            encoder = self.part.media_encoder(name)
-            if holders:
-                inputs = [media[i][name]["inputs"] for i in holders]
-                features = encoder(**{k: torch.cat([x[k] for x in inputs]) for k in inputs[0]})
-            else:  # no item here: the dummy joins the encoder's collectives, its zero rows go nowhere
-                features = encoder(**self.part.media_dummy_inputs(name, self.device))[:0]
+            held = [m[name] for m in media if name in m]
+            joined = None
+            if held:  # every feature row to the first stage: peer 0
+                joined = {"inputs": {k: torch.cat([h["inputs"][k] for h in held]) for k in held[0]["inputs"]},
+                          "holders": torch.zeros(sum(h["positions"].numel() for h in held), dtype=torch.long)}
+            features = self.route(name, self.part.media_encoder(name), joined,
+                                  self.part.media_dummy_inputs(name, self.device))
             leaf = features.detach().requires_grad_(torch.is_grad_enabled())
             if features.requires_grad:  # (not when frozen or without grad)
                 self._pending.append((features, leaf))
             start, none = 0, torch.zeros(0, dtype=torch.long, device=self.device)
-            for i, row_media in enumerate(media):
+            for i, row_media in enumerate(placed):
                 positions = row_media[name]["positions"] if name in row_media else none
                 spliced[i][name] = {"inputs": {"features": leaf[start:start + positions.numel()]},
                                     "positions": positions}
                 start += positions.numel()
             if start != features.shape[0]:
-                raise ValueError(f"{name}: the encoder produced {features.shape[0]} features for {start} "
+                raise ValueError(f"{name}: the encoders produced {features.shape[0]} features for {start} "
                                  "placeholder tokens")
         return spliced
 
     def backward(self) -> None:
         """The encoders' backward from the gradients the first stage left on the features (zero
-        where a feature reached no loss), one encoder at a time: each is its own FSDP root."""
+        where a feature reached no loss; no rows off the first stage), through the router's
+        inverse all-to-all to the ranks that ran each item, one encoder at a time: each is its
+        own FSDP root. Every rank takes part."""
         for features, leaf in self._pending:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             torch.autograd.backward(features, grad * self.pp)

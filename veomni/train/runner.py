@@ -24,7 +24,6 @@ from veomni.parallel.graph_pipeline import GraphPipeline
 from veomni.parallel.materialize import build_sharded
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline import Pipeline, build_pipeline, build_stage_parts, empty_row
-from veomni.parallel.pipeline_media import has_media
 from veomni.parallel.plan import flatten_plan
 from veomni.spec import ModelSpec
 from veomni.tasks.base import Task
@@ -114,7 +113,7 @@ def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
                                   device, task)
             return GraphPipelineRunner(graph, meta_model, cfg, spec, model_config, task, meshes)
         pipeline = build_pipeline(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum, meshes.pp,
-                                  device, task, meshes.encoder if has_media(meta_model) else None)
+                                  device, task, meshes)
         return PipelineRunner(pipeline, meta_model, cfg, spec, model_config, task, meshes)
     model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
     return PlainRunner(model, cfg, spec, model_config, task, meshes)
