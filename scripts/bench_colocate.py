@@ -73,7 +73,10 @@ from veomni.data.multimodal import SampleProcessor, pack_chat_samples  # noqa: E
 from veomni.launch import _validate_model  # noqa: E402  (the launcher's model checks)
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
+from veomni.parallel.pipeline import build_pipeline  # noqa: E402
 from veomni.spec import build_model, get_model_spec  # noqa: E402
+from veomni.train.optim import build_optimizer  # noqa: E402
+from veomni.train.pipeline_step import pipeline_forward_backward  # noqa: E402
 from veomni.train.step import clip_and_step, forward_backward  # noqa: E402
 
 RANKS = 2
@@ -87,9 +90,12 @@ WORDS = ("the", "a", "red", "blue", "small", "large", "square", "circle", "left"
 @dataclass(frozen=True)
 class Technique:
     """One row of the sweep: what turns it on (``ParallelConfig`` overrides over the recipe's
-    parallel section; ``{threshold}`` in a value stands for ``--long-threshold``)."""
+    parallel section; ``{threshold}`` in a value stands for ``--long-threshold``) and, when it is
+    not the plain recipe, the run it is compared with."""
 
     parallel: dict[str, Any]
+    baseline: dict[str, Any] | None = None
+    """Overrides of the technique's own "off" run; None: the shared plain recipe."""
 
 
 TECHNIQUES = {
@@ -97,7 +103,13 @@ TECHNIQUES = {
     "long_short": Technique({"encoder_sp": RANKS, "encoder_sp_threshold": "{threshold}"}),
     "balance+long_short": Technique({"encoder_balance": True, "encoder_sp": RANKS,
                                      "encoder_sp_threshold": "{threshold}"}),
+    "pp": Technique({"pp": RANKS}, baseline={"pp": RANKS, "encoder_colocate": False}),
 }
+
+
+def off_run(name: str) -> str:
+    """The name of the run ``name`` is compared with."""
+    return f"{name}:off" if TECHNIQUES[name].baseline is not None else "off"
 
 
 def long_tailed(rng: random.Random, low: float, high: float) -> float:
@@ -151,8 +163,14 @@ def configurations(cfg: RunConfig, techniques: list[str], args: argparse.Namespa
         return {k: int(v.format(threshold=args.long_threshold)) if isinstance(v, str) else v
                 for k, v in technique.parallel.items()}
 
-    runs = {"off": cfg, **{name: replace(cfg, parallel=replace(cfg.parallel, **overrides(TECHNIQUES[name])))
-                           for name in techniques}}
+    def with_parallel(values: dict[str, Any]) -> RunConfig:
+        return replace(cfg, parallel=replace(cfg.parallel, **overrides(Technique(values))))
+
+    runs = {"off": cfg}
+    for name in techniques:
+        if TECHNIQUES[name].baseline is not None:
+            runs[off_run(name)] = with_parallel(TECHNIQUES[name].baseline)
+        runs[name] = with_parallel(TECHNIQUES[name].parallel)
     problems = []
     for name, run in runs.items():
         try:
@@ -202,10 +220,31 @@ def rank_batches(rank: int, share: float, steps: int, args: argparse.Namespace, 
     return batches
 
 
-def train(run: RunConfig, batches: list[dict], modality: str) -> tuple[list[float], list[int], list[float]]:
-    """Step wall times of this rank (after a barrier), the step's global LLM tokens, and the encoder
-    FLOPs this rank ran in each step: every real encoder call counted by the family's cost model on
-    its inputs (a sequence-parallel share: its fraction of the input's rows), dummy runs as 0."""
+def encoder_counter(modules: list[torch.nn.Module], modality: str) -> list[float]:
+    """A one-element list that adds up the encoder FLOPs of every real call of the ``modality``
+    encoders in ``modules``, by the family's cost model on the call's inputs (a sequence-parallel
+    share: its fraction of the input's rows; the dummy input: nothing)."""
+    ran = [0.0]
+    for module in modules:
+        encoder = module.encoders[modality] if hasattr(module, "encoders") else None
+        if encoder is None or not list(encoder.parameters()):
+            continue  # a pipeline stage's hollow stand-in
+        kind = module.media_config().media_kinds()[modality]
+
+        def count(encoder: torch.nn.Module, args: tuple, kwargs: dict, kind: Any = kind) -> None:
+            inputs = {k: v for k, v in kwargs.items() if k != "share"}
+            if not bool(next(iter(inputs.values())).abs().sum() > 0):
+                return
+            share, flops = kwargs.get("share"), kind.flops(encoder, inputs)
+            ran[0] += flops if share is None else flops * (share.stop - share.start) / encoder.sequence_rows(inputs)
+
+        encoder.register_forward_pre_hook(count, with_kwargs=True)
+    return ran
+
+
+def train(run: RunConfig, batches: list[dict], modality: str) -> dict[str, list]:
+    """Per step on this rank: wall time (after a barrier), the step's global LLM tokens, and the
+    encoder FLOPs this rank ran (``encoder_counter``)."""
     meshes = build_mesh(ParallelDims.resolve(run.parallel, dist.get_world_size()), "cpu")
     torch.manual_seed(0)
     config, model = build_model(run.model.arch, run.model.options)
@@ -213,27 +252,69 @@ def train(run: RunConfig, batches: list[dict], modality: str) -> tuple[list[floa
     task = get_model_spec(run.model.arch).task(config)
     model = parallelize(model, run.parallel, meshes, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.train.lr, weight_decay=run.train.weight_decay)
-    kind, encoder, ran = model.media_config().media_kinds()[modality], model.encoders[modality], [0.0]
-
-    def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs = {k: v for k, v in kwargs.items() if k != "share"}
-        if not bool(next(iter(inputs.values())).abs().sum() > 0):
-            return  # the dummy input
-        share, flops = kwargs.get("share"), kind.flops(module, inputs)
-        ran[0] += flops if share is None else flops * (share.stop - share.start) / module.sequence_rows(inputs)
-
-    encoder.register_forward_pre_hook(count, with_kwargs=True)
-    times, tokens, loads = [], [], []
+    ran = encoder_counter([model], modality)
+    record: dict[str, list] = {"times": [], "tokens": [], "loads": []}
     for batch in batches:
         dist.barrier()
         ran[0] = 0.0
         start = time.perf_counter()
         metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), meshes.dims.loss_size)
         clip_and_step(model, optimizer, None, run.train.max_grad_norm)
-        times.append(time.perf_counter() - start)
-        tokens.append(metrics["units"])
-        loads.append(ran[0])
-    return times, tokens, loads
+        record["times"].append(time.perf_counter() - start)
+        record["tokens"].append(metrics["units"])
+        record["loads"].append(ran[0])
+    return record
+
+
+def train_pipeline(run: RunConfig, steps: list[list[dict]], modality: str, row_length: int) -> dict[str, list]:
+    """``train`` for a pipeline over all ranks (one data-parallel group): each step's micro-batches
+    are every rank's draw of that step; also the rank's busy seconds per step (inside its stage
+    chunks and its encoder passes; the rest of the step it waits: the bubble)."""
+    meshes = build_mesh(ParallelDims.resolve(run.parallel, dist.get_world_size()), "cpu")
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build_model(run.model.arch, run.model.options)[1]
+
+    with torch.device("meta"):
+        meta = build()
+    task = get_model_spec(run.model.arch).task(meta.config)
+    pipe = build_pipeline(build, lambda m: m.init_weights(), lambda m: parallelize(m, run.parallel, meshes, "cpu"),
+                          run.parallel, len(steps[0]), meshes.pp, torch.device("cpu"), task, meshes)
+    optimizer = build_optimizer(pipe.modules, run.train)
+    ran, busy = encoder_counter(pipe.modules, modality), [0.0]
+
+    def timed(obj: object, name: str) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+
+    for stage in pipe.stages:
+        timed(stage, "forward_one_chunk")
+        timed(stage, "backward_one_chunk")
+    if pipe.encoders is not None:
+        timed(pipe.encoders, "encode")
+        timed(pipe.encoders, "backward")
+    record: dict[str, list] = {"times": [], "tokens": [], "loads": [], "busy": []}
+    for micro_batches in steps:
+        dist.barrier()
+        ran[0] = busy[0] = 0.0
+        start = time.perf_counter()
+        metrics = pipeline_forward_backward(pipe, task, micro_batches, meshes.loss.get_group(),
+                                            meshes.dims.loss_size, meshes.dims.pp, row_length, meta)
+        clip_and_step(pipe.modules, optimizer, None, run.train.max_grad_norm, meshes.pp.get_group())
+        record["times"].append(time.perf_counter() - start)
+        record["tokens"].append(metrics["units"])
+        record["loads"].append(ran[0])
+        record["busy"].append(busy[0])
+    return record
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, runs: dict[str, RunConfig]) -> list[dict]:
@@ -252,10 +333,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace, runs: dict[str, Run
         inputs = [b["media"].get(workload.modality, {}).get("inputs") for b in measured]
         point = {"share": share, "flops": sum(cost.batch_flops(meta, b) for b in measured),
                  "encoder_flops": sum(kind.flops(encoder, i) for i in inputs if i is not None), "runs": {}}
+        every_rank = None
         for name, run in runs.items():
-            times, tokens, loads = train(run, batches, workload.modality)
-            point["runs"][name] = {"times": times[args.warmup:], "tokens": tokens[args.warmup:],
-                                   "loads": loads[args.warmup:]}
+            if run.parallel.pp > 1:  # one pipeline over the ranks: a step's micro-batches are every rank's draw
+                every_rank = every_rank or [rank_batches(r, share, args.warmup + args.steps, args, workload, process)
+                                            for r in range(world)]
+                record = train_pipeline(run, [list(step) for step in zip(*every_rank)], workload.modality,
+                                        args.tokens)
+            else:
+                record = train(run, batches, workload.modality)
+            point["runs"][name] = {key: values[args.warmup:] for key, values in record.items()}
             if rank == 0:
                 print(f"  {workload.modality} share {share:.0%}: {name} done", file=sys.stderr, flush=True)
         points.append(point)
@@ -278,29 +365,41 @@ def imbalance(points: list[dict], name: str) -> float:
     return sum(max(loads) for loads in steps) / mean if mean else 1.0
 
 
+def bubble(points: list[dict], name: str) -> float | None:
+    """A pipeline run's idle fraction: the ranks' step time outside their stage chunks and encoder
+    passes, over their step time, summed over steps and ranks; None for runs without a pipeline."""
+    runs = [p["runs"][name] for p in points]
+    if "busy" not in runs[0]:
+        return None
+    wall = sum(sum(r["times"]) for r in runs)
+    return (wall - sum(sum(r["busy"]) for r in runs)) / wall
+
+
 def summarize(ranks: list[list[dict]], techniques: list[str]) -> list[dict]:
     rows = []
     for points in zip(*ranks):
-        off = tokens_per_s(points, "off")
         encoder_share = sum(p["encoder_flops"] for p in points) / sum(p["flops"] for p in points)
         for name in techniques:
-            on = tokens_per_s(points, name)
+            off, on = tokens_per_s(points, off_run(name)), tokens_per_s(points, name)
             rows.append({"share": points[0]["share"], "technique": name, "tokens_per_s_off": off,
-                         "tokens_per_s_on": on, "ratio": on / off, "imbalance_off": imbalance(points, "off"),
-                         "imbalance_on": imbalance(points, name),
-                         "encoder_flops_share": encoder_share})
+                         "tokens_per_s_on": on, "ratio": on / off, "imbalance_off": imbalance(points, off_run(name)),
+                         "imbalance_on": imbalance(points, name), "bubble_off": bubble(points, off_run(name)),
+                         "bubble_on": bubble(points, name), "encoder_flops_share": encoder_share})
     return rows
 
 
 def print_table(rows: list[dict], modality: str) -> None:
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
     print(f"| {modality}:text | technique | tokens/s off | tokens/s on | on/off | imbalance off | imbalance on "
-          "| encoder FLOPs share |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| bubble off | bubble on | encoder FLOPs share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         media = round(10 * r["share"])
         print(f"| {media}:{10 - media} | {r['technique']} | {r['tokens_per_s_off']:,.0f} | {r['tokens_per_s_on']:,.0f} "
-              f"| {r['ratio']:.3f} | {r['imbalance_off']:.3f} | {r['imbalance_on']:.3f} "
-              f"| {r['encoder_flops_share']:.1%} |")
+              f"| {r['ratio']:.3f} | {r['imbalance_off']:.3f} | {r['imbalance_on']:.3f} | {percent(r['bubble_off'])} "
+              f"| {percent(r['bubble_on'])} | {r['encoder_flops_share']:.1%} |")
 
 
 def plot(path: Path, rows: list[dict], techniques: list[str], title: str, modality: str) -> None:
