@@ -67,3 +67,12 @@ def test_block_chunks_split_the_pack_like_the_encoder():
 def test_assignment_never_worse_than_leaving_items_home():
     owned = [[3.0, 3.0], [2.0, 2.0, 2.0]]  # 6 / 6 already; longest-first alone would give 5 / 7
     assert assign_items(owned) == [[0, 0], [1, 1, 1]]
+
+
+def test_placement_fills_around_work_the_ranks_already_have():
+    """A pipeline's stages: the rank already carrying 10 units of its own takes no item until the
+    other has caught up."""
+    assert assign_items([[4.0, 3.0, 2.0], []], loads=[0.0, 10.0]) == [[0, 0, 0], []]
+    assert assign_items([[4.0, 3.0, 2.0], []], loads=[0.0, 3.0]) == [[0, 1, 0], []]
+    assert assign_work([[6.0, 1.0], [], [], []], [[True, False], [], [], []], 2, balance=True,
+                       loads=[5.0, 5.0, 0.0, 0.0]) == [[(2, 3), (2,)], [], [], []]

@@ -102,11 +102,15 @@ def _reference(rank: int, world: int, options: dict, steps: list[list[dict]]) ->
     return record
 
 
-def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, steps: list[list[dict]]) -> dict:
+def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, steps: list[list[dict]],
+               stage_aware: bool = False) -> dict:
     """Also records per step the image encoder FLOPs of the images this rank's dp group holds
     (``owned``, counted on its first stage), of the real images this rank encoded whole
     (``encoded``) and the patch rows it held in sequence-parallel runs of long images
-    (``shared``), and this rank's pipeline rank (``pp_rank``)."""
+    (``shared``), and this rank's pipeline rank (``pp_rank``). Unless ``stage_aware``, the items
+    are placed as if the stages had no work of their own (the tiny LLM's last stage holds the
+    8200-word head, which would otherwise keep every item on the first stage), so the spreading
+    itself is exercised."""
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     with torch.device("meta"):
@@ -115,6 +119,8 @@ def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, s
     pipe = build_pipeline(lambda: build(options), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, MICROBATCHES, meshes.pp,
                           torch.device("cpu"), task, meshes)
+    if pipe.encoders is not None and not stage_aware:
+        pipe.encoders.stage_work = None
     optimizer = build_optimizer(pipe.modules, TrainConfig(optimizer="sgd", lr=0.1, weight_decay=0.0))
     every = [batches(options, steps, r, dims.dp_size) for r in range(dims.dp_size)]
     row = max(task.contract.row_length(mb) for rank_steps in every for step in rank_steps for mb in step)
@@ -196,6 +202,14 @@ def test_vlm_pp2_matches_one_process(vlm_reference, schedule, colocate):
     check(vlm_reference, records)
     if colocate:
         check_spread(records)
+
+
+def test_items_are_placed_around_the_stages_own_work(vlm_reference):
+    """With the stages' FLOPs counted, the last stage (a 32-wide block besides an
+    8200 x 32 head, far more than every image of a step) encodes nothing and the first does it all."""
+    records = run_distributed(_pipelined, 2, ParallelConfig(pp=2, pp_schedule="1F1B"), VLM, vlm_steps(), True)
+    check(vlm_reference, records)
+    assert sum(records[0]["encoded"]) > 0 and sum(records[1]["encoded"]) == 0
 
 
 @pytest.mark.parametrize("extra", [{}, {"encoder_balance": True}, {"encoder_fsdp": 2}],

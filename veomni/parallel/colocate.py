@@ -57,7 +57,9 @@ class RoutedMediaFn:
         self.long = long
 
     def __call__(self, name: str, encoder: nn.Module, media: Mapping[str, Any] | None,
-                 dummy_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                 dummy_inputs: Mapping[str, torch.Tensor], loads: Sequence[float] | None = None) -> torch.Tensor:
+        """``loads`` (a pipeline's call, not the model's): other work each rank of the group has in
+        the step, which the items are placed around."""
         kind = self.kinds[name]
         items = kind.split(media["inputs"], self.encoder_configs[name]) if media is not None else []
         rows = sum(item.num_tokens for item in items)
@@ -69,13 +71,14 @@ class RoutedMediaFn:
             holders = torch.zeros(rows, dtype=torch.long)
         holders = holders.cpu()
         announcer = assign_items([[kind.flops(encoder, item.inputs) for item in items]]
-                                 + [[] for _ in self.peers[1:]])[0]
+                                 + [[] for _ in self.peers[1:]],
+                                 None if loads is None else [loads[p] for p in self.peers])[0]
         starts = [0, *torch.tensor([item.num_tokens for item in items], dtype=torch.long).cumsum(0).tolist()]
         peers = torch.tensor(self.peers, dtype=torch.long)
         mine = [i for i, a in enumerate(announcer) if a == self.row_rank]
         features = route_media(self.group, kind, encoder, [items[i] for i in mine],
                                [peers[holders[starts[i]:starts[i + 1]]] for i in mine], self.balance, dummy_inputs,
-                               self.long)
+                               self.long, loads)
         # canonical order (announcer's group rank, item, row) -> the row order of this slice's positions
         received = [row for a in sorted(range(len(self.peers)), key=self.peers.__getitem__)
                     for i in range(len(items)) if announcer[i] == a

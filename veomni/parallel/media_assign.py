@@ -47,13 +47,14 @@ def assign_items(costs: Sequence[Sequence[float]], loads: Sequence[float] | None
 
 
 def assign_work(costs: Sequence[Sequence[float]], long: Sequence[Sequence[bool]], size: int,
-                balance: bool) -> list[list[Recipients]]:
+                balance: bool, loads: Sequence[float] | None = None) -> list[list[Recipients]]:
     """``recipients[r][i]``: the ranks encoding item ``i`` announced by rank ``r`` (see the module
-    doc). ``size`` divides the number of ranks; block ``b`` is ranks ``b*size .. b*size+size-1``."""
+    doc). ``size`` divides the number of ranks; block ``b`` is ranks ``b*size .. b*size+size-1``.
+    ``loads``: other work the ranks already have in the step (default none)."""
     ranks = len(costs)
     if ranks % size:
         raise ValueError(f"blocks of {size} ranks do not tile the {ranks} ranks of the routing group")
-    loads = [0.0] * ranks
+    loads = list(loads) if loads is not None else [0.0] * ranks
     recipients: list[list[Recipients]] = [[()] * len(owned) for owned in costs]
     blocks = [tuple(range(b * size, (b + 1) * size)) for b in range(ranks // size)]
     order = sorted((-cost, index, owner) for owner, owned in enumerate(costs)

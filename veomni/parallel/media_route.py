@@ -63,7 +63,7 @@ class LongItems:
 
 def route_media(group: dist.ProcessGroup, kind: MediaKind, encoder: nn.Module, announced: Sequence[MediaItem],
                 destinations: Sequence[torch.Tensor], balance: bool, dummy_inputs: Mapping[str, torch.Tensor],
-                long: LongItems | None = None) -> torch.Tensor:
+                long: LongItems | None = None, loads: Sequence[float] | None = None) -> torch.Tensor:
     """The feature rows destined to this rank, encoded from the items every rank of ``group`` announced.
 
     ``announced``: the items this rank puts forward (ranks holding the same media must announce
@@ -71,8 +71,10 @@ def route_media(group: dist.ProcessGroup, kind: MediaKind, encoder: nn.Module, a
     each feature row of ``announced[i]`` (``num_tokens`` of them, in order), the rank of ``group``
     that needs it. ``balance``: spread the short items over the group by encoder cost
     (``kind.flops``); else each runs on its announcer. ``long``: run long items sequence-parallel
-    over blocks of ranks. Every rank of ``group`` calls this once per modality and micro-batch,
-    with items or none, in the same order and with the same ``balance`` and ``long``.
+    over blocks of ranks. ``loads``: other work each rank of ``group`` has in the step (a pipeline
+    stage's), which the placement fills around. Every rank of ``group`` calls this once per
+    modality and micro-batch, with items or none, in the same order and with the same ``balance``,
+    ``long`` and ``loads``.
 
     Returns the rows whose destination is this rank, in the canonical order: by announcer rank,
     then the item's index in its announcer's ``announced``, then row within the item.
@@ -96,7 +98,7 @@ def route_media(group: dist.ProcessGroup, kind: MediaKind, encoder: nn.Module, a
         table = _all_gather(group, torch.tensor(rows, dtype=torch.float64, device=device).reshape(
             len(announced), 3 + len(keys)), counts)
         recipients = assign_work([t[:, 0].tolist() for t in table], [t[:, -1].bool().tolist() for t in table],
-                                 size, balance)
+                                 size, balance, loads)
     else:
         recipients = [[(announcer,)] * n for announcer, n in enumerate(counts)]
     chunks = _long_chunks(recipients, table, size)

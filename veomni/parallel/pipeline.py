@@ -49,6 +49,7 @@ from veomni.parallel.pipeline_media import (
     has_media,
     hollow_encoders,
     media_router,
+    stage_work_per_unit,
 )
 from veomni.parallel.pipeline_plan import (
     GRAPH_SCHEDULES,
@@ -387,8 +388,9 @@ def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Modu
     encoders = None
     if len(parts) > len(indices):
         part = parts.pop()
-        encoders = PipelineEncoders(part, task.contract.media, media_router(part, meshes, cfg), 0 in indices,
-                                    cfg.pp, device)
+        route = media_router(part, meshes, cfg)
+        encoders = PipelineEncoders(part, task.contract.media, route, 0 in indices, cfg.pp, device,
+                                    stage_work_per_unit(parts, route.group, device))
     return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task,
                     encoders)
 

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -129,17 +130,31 @@ def media_router(part: nn.Module, meshes: ParallelMeshes, cfg: ParallelConfig) -
                          cfg.encoder_balance, long_items(meshes.media, cfg))
 
 
+def stage_work_per_unit(parts: list[nn.Module], group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    """Forward + backward FLOPs per row element of each rank of ``group`` in its pipeline stages:
+    6 x the weights of their linear layers (blocks, the head; embeddings are lookups, hollow
+    encoders hold none; attention scores left out), gathered so that every rank knows them all."""
+    mine = 6.0 * sum(m.in_features * m.out_features for part in parts for m in part.modules()
+                     if isinstance(m, nn.Linear))
+    gathered = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.float64, device=device), group=group)
+    return [float(w) for w in gathered]
+
+
 class PipelineEncoders:
     """The encoders' forward before a pipeline step and their backward after it (module doc).
 
     ``part``: this rank's ``encoder_part``; ``route``: the media router (``media_router``);
     ``first_stage``: this rank runs stage 0 (it splices the features); ``pp``: the pipeline size
-    (the gradient scale, see the module doc).
+    (the gradient scale, see the module doc); ``stage_work``: each routing rank's stage FLOPs per
+    row element (``stage_work_per_unit``): the items are placed around the stages' own work (the
+    step's largest row total), so a pipeline whose last stage carries a heavy head leaves the
+    encoder work to the lighter stages instead of splitting it evenly.
     """
 
     def __init__(self, part: nn.Module, media_field: str, route: RoutedMediaFn, first_stage: bool, pp: int,
-                 device: torch.device) -> None:
-        self.part, self.field, self.route = part, media_field, route
+                 device: torch.device, stage_work: list[float] | None = None) -> None:
+        self.part, self.field, self.route, self.stage_work = part, media_field, route, stage_work
         self.first_stage, self.pp, self.device = first_stage, pp, device
         self.names = list(part.media_config().encoder_configs)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -154,6 +169,11 @@ class PipelineEncoders:
         collectives only where some input requires grad). With grad enabled the encoders'
         backward is pending until ``backward``."""
         media = [row.get(self.field) or {} for row in rows]
+        loads = None
+        if self.stage_work is not None:  # the stages' work this step, the same on every rank of the group
+            units = torch.tensor([float(sum(int(row.get("valid_tokens") or 0) for row in rows))], device=self.device)
+            dist.all_reduce(units, op=dist.ReduceOp.MAX, group=self.route.group)
+            loads = [w * float(units) for w in self.stage_work]
         placed = media if self.first_stage else [{} for _ in rows]  # where the first stage splices them
         spliced: list[dict[str, dict]] = [{} for _ in rows]
         for name in self.names:
@@ -163,7 +183,7 @@ class PipelineEncoders:
                 joined = {"inputs": {k: torch.cat([h["inputs"][k] for h in held]) for k in held[0]["inputs"]},
                           "holders": torch.zeros(sum(h["positions"].numel() for h in held), dtype=torch.long)}
             features = self.route(name, self.part.media_encoder(name), joined,
-                                  self.part.media_dummy_inputs(name, self.device))
+                                  self.part.media_dummy_inputs(name, self.device), loads)
             leaf = features.detach().requires_grad_(torch.is_grad_enabled())
             if features.requires_grad:  # (not when frozen or without grad)
                 self._pending.append((features, leaf))
