@@ -32,7 +32,11 @@ Per share, for each technique (the off run is shared by the techniques of a shar
   balancing of encoder work can win.
 
 Techniques are rows of ``TECHNIQUES``: ParallelConfig overrides (``balance``, ``long_short``,
-both), checked by the launcher's own model checks before any rank starts. The encoder is resized
+both, and ``pp``: one 2-stage pipeline over both ranks whose micro-batches are the two ranks'
+draws, the encoders colocated on both ranks and placed around each stage's work, against the
+same pipeline with the encoders inline in its first stage; its rows also give each run's
+bubble, the ranks' time outside their stage chunks and encoder passes), checked by the
+launcher's own model checks before any rank starts. The encoder is resized
 (``--encoder-width``, ``--encoder-layers``; default a 192-wide, 4-layer ViT) because the tiny
 recipe's is about 1% of the step's FLOPs, far below a real VLM's (a 675M ViT beside a 7B LLM
 costs about a third of an image token's FLOPs); the LLM stays the recipe's.
@@ -103,7 +107,10 @@ TECHNIQUES = {
     "long_short": Technique({"encoder_sp": RANKS, "encoder_sp_threshold": "{threshold}"}),
     "balance+long_short": Technique({"encoder_balance": True, "encoder_sp": RANKS,
                                      "encoder_sp_threshold": "{threshold}"}),
-    "pp": Technique({"pp": RANKS}, baseline={"pp": RANKS, "encoder_colocate": False}),
+    # The tiny LLM's 4 blocks split 3 / 1: its last stage carries the 8200-word head (5x a block's
+    # FLOPs) and the embedding is a lookup, so 3 / 1 is the split closest to even work.
+    "pp": Technique({"pp": RANKS, "pp_layer_split": [3, 1]},
+                    baseline={"pp": RANKS, "pp_layer_split": [3, 1], "encoder_colocate": False}),
 }
 
 
