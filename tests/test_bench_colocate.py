@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_colocate.py"
 COLUMNS = ("image:text", "technique", "tokens/s off", "tokens/s on", "on/off", "imbalance off", "imbalance on",
-           "encoder FLOPs share")
+           "bubble off", "bubble on", "encoder FLOPs share")
 
 
 def test_quick_sweep_reports_every_column_and_balancing_evens_encoder_work(tmp_path):
@@ -38,4 +38,4 @@ def test_unknown_technique_is_refused_before_any_rank_starts():
     result = subprocess.run([sys.executable, str(SCRIPT), "--techniques", "balance,pp9"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 2
-    assert "unknown ['pp9']; known: balance" in result.stderr
+    assert "unknown ['pp9']; known: balance, long_short, balance+long_short, pp" in result.stderr
