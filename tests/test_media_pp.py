@@ -146,7 +146,7 @@ def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, s
         record["shared"].append(sum(shared))
         encoded.clear()
         shared.clear()
-        stepped = clip_and_step(pipe.modules, optimizer, None, 0.0, meshes.pp.get_group())
+        stepped = clip_and_step(pipe.modules, optimizer, None, 0.0, meshes.pp.get_group(), uncounted=pipe.uncounted)
         record["grad_norm"].append(stepped["grad_norm"])
     record["params"] = {k: v for part in pipe.modules for k, v in full_params(part).items()}
     return record

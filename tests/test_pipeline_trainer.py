@@ -14,9 +14,9 @@ from veomni.parallel.pipeline_plan import PipelineConfigError, check_pipeline
 from veomni.train.trainer import Trainer
 
 
-def _config(tmp: str, pp: int, schedule: str = "1F1B", **train):
+def _config(tmp: str, pp: int, schedule: str = "1F1B", tied: bool = False, **train):
     cfg = tiny_run_config(Path(tmp), grad_accum=4, **train)
-    cfg.model.options.update(num_layers=4, tie_embeddings=False)
+    cfg.model.options.update(num_layers=4, tie_embeddings=tied)
     cfg.parallel = ParallelConfig(pp=pp, pp_schedule=schedule)
     return cfg
 

@@ -190,7 +190,7 @@ class Trainer(BadStepHandling):
         self.watchdog.beat(f"checkpoint load from {path}")
         try:
             app_state = self._app_state()
-            meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state)
+            meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state, self.runner.tied)
         except ValueError as exc:  # a rank-state file that is not plain data: the same on every rank
             raise RunStopped(str(exc)) from None
         self.scheduler.load_state_dict(app_state["scheduler"])
