@@ -97,8 +97,8 @@ def test_sharing_inside_the_blocks_is_refused():
         check_pipeline_model(model, ParallelConfig(pp=2), 2)
 
 
-def _run(rank, world, tmp, pp, steps):
-    trainer = Trainer(_config(tmp, pp, tied=True, max_steps=5))
+def _run(rank, world, tmp, pp, steps, schedule="1F1B"):
+    trainer = Trainer(_config(tmp, pp, schedule, tied=True, max_steps=5))
     if steps is None:
         history = trainer.train()
         return [m["loss"] for m in history if "loss" in m], trainer.evaluate()["eval_loss"], trainer.step
@@ -107,17 +107,20 @@ def _run(rank, world, tmp, pp, steps):
     return None
 
 
-@pytest.mark.parametrize("saved_pp, resumed_pp", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
-def test_tied_checkpoint_moves_between_pipeline_sizes(tmp_path, saved_pp, resumed_pp):
+@pytest.mark.parametrize("saved_pp, resumed_pp, schedule", [(2, 1, "1F1B"), (1, 2, "1F1B"), (1, 2, "ZBVZeroBubble")],
+                         ids=["pp2-to-pp1", "pp1-to-pp2", "pp1-to-pp2-zbv"])
+def test_tied_checkpoint_moves_between_pipeline_sizes(tmp_path, saved_pp, resumed_pp, schedule):
     """AdamW, tied: saved after 3 of 5 steps, resumed at the other layout; the last two losses and
     the eval loss equal the uninterrupted one-process run. (One process keys the tied optimizer
-    state by the embedding's name only; the pipeline's last stage reads it through that name.)"""
+    state by the embedding's name only; the pipeline's last stage reads it through that name; under
+    ZBV rank 0, holding both copies and two stage optimizers, reads it once for both and its LR
+    schedule keeps driving both optimizers after the load.)"""
     full, full_eval, _ = run_distributed(_run, 1, str(tmp_path / "full"), 1, None)[0]
     saved = tmp_path / "saved"
-    run_distributed(_run, saved_pp, str(saved), saved_pp, 3)
+    run_distributed(_run, saved_pp, str(saved), saved_pp, 3, schedule)
     resumed = tmp_path / "resumed"
     shutil.copytree(saved, resumed)
-    losses, eval_loss, step = run_distributed(_run, resumed_pp, str(resumed), resumed_pp, None)[0]
+    losses, eval_loss, step = run_distributed(_run, resumed_pp, str(resumed), resumed_pp, None, schedule)[0]
     assert step == 5
     assert losses == pytest.approx(full[3:], abs=1e-5)
     assert eval_loss == pytest.approx(full_eval, abs=1e-5)
