@@ -66,7 +66,7 @@ def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbat
         for part in pipe.parts:
             grads.update(full_grads(part))
         record["grads"].append(grads)
-        stepped = clip_and_step(pipe.parts, optimizer, None, 0.0, meshes.pp.get_group())
+        stepped = clip_and_step(pipe.parts, optimizer, None, 0.0, meshes.pp.get_group(), uncounted=pipe.uncounted)
         record["grad_norm"].append(stepped["grad_norm"])
     record["params"] = {k: v for part in pipe.parts for k, v in full_params(part).items()}
     record["buffers"] = {name.replace("_checkpoint_wrapped_module.", ""): b.detach().clone()

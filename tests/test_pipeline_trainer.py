@@ -14,9 +14,9 @@ from veomni.parallel.pipeline_plan import PipelineConfigError, check_pipeline
 from veomni.train.trainer import Trainer
 
 
-def _config(tmp: str, pp: int, schedule: str = "1F1B", **train):
+def _config(tmp: str, pp: int, schedule: str = "1F1B", tied: bool = False, **train):
     cfg = tiny_run_config(Path(tmp), grad_accum=4, **train)
-    cfg.model.options.update(num_layers=4, tie_embeddings=False)
+    cfg.model.options.update(num_layers=4, tie_embeddings=tied)
     cfg.parallel = ParallelConfig(pp=pp, pp_schedule=schedule)
     return cfg
 
@@ -83,7 +83,6 @@ def test_bad_pipeline_settings_fail_with_a_clear_message(settings, grad_accum, b
     (["--parallel.pp_schedule", "DualPipeV", "--train.grad_accum", "2"], 2,
      "DualPipeV needs at least as many micro-batches as stages"),
     (["--parallel.pp_microbatches", "3"], 2, "train.grad_accum=4 loader micro-batches do not divide"),
-    (["--model.tie_embeddings", "true"], 2, "tie_embeddings"),
     (["--parallel.pp", "3"], 4, "parallel.pp=3 must be >= 1 and divide the world size 4"),
 ])
 def test_launcher_rejects_bad_pipelines_before_any_worker(capsys, overrides, world, message):

@@ -260,12 +260,24 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
     # ----- load -------------------------------------------------------------------------
-    def load(self, path: Path, model, optimizer, app_state: dict[str, Any]) -> tuple[dict, list[dict] | None]:
+    def load(self, path: Path, model, optimizer, app_state: dict[str, Any],
+             tied: dict[str, list[str]] | None = None) -> tuple[dict, list[dict] | None]:
         """Restore model/optimizer in place and ``app_state`` values; return
-        (saved layout, per-rank states of the saved run, or None if unreadable)."""
+        (saved layout, per-rank states of the saved run, or None if unreadable). ``tied`` maps a
+        parameter name to the other names of its parameter (``pipeline_tied.aliases``): an entry
+        the checkpoint lacks under one name is read under another (a one-process run keys a tied
+        parameter's optimizer state by its first name only; a pipeline's last stage asks for the
+        head's)."""
         models, optims = _stage_state(model, optimizer)
         state = {"model": _union(models), "optim": _union(optims), "app": app_state}
+        twins: dict[str, list[tuple[str, Any, str]]] = {}
+        if tied:
+            stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+            twins = {section: _read_through(state[section], section, stored, tied) for section in ("model", "optim")}
         dcp.load(state, checkpoint_id=str(path))
+        for section, pairs in twins.items():
+            for key, value, twin in pairs:
+                _take(state[section], key, value, twin)
         # dcp.load fills tensors in place but replaces plain values (learning rates, steps) in
         # the united dicts: read each stage's entries back from them.
         for part, optim, model_sd, optim_sd in zip(_parts(model), _optimizers(optimizer), models, optims):
@@ -277,6 +289,36 @@ class CheckpointManager:
         layout = {k: v for k, v in meta.items() if k not in ("step", FILES_KEY)}
         logger.info("resumed from %s (saved at step %d, layout %s)", path, meta["step"], layout)
         return meta, rank_states
+
+
+def _read_through(entries: dict[str, Any], section: str, stored: set[str],
+                  tied: dict[str, list[str]]) -> list[tuple[str, Any, str]]:
+    """Take out of ``entries`` each key the checkpoint lacks and request a stored key of a tied twin
+    name in its place (its value, unless this rank wants that key itself: both copies on one
+    rank); return (key, value, twin key) for ``_take`` after loading."""
+    taken = []
+    for key in [k for k in entries if f"{section}.{k}" not in stored]:
+        for name, others in tied.items():
+            if f".{name}." not in f".{key}.":
+                continue
+            twin = next((t for t in (f".{key}.".replace(f".{name}.", f".{o}.")[1:-1] for o in others)
+                         if f"{section}.{t}" in stored), None)
+            if twin is not None:
+                value = entries.pop(key)
+                entries.setdefault(twin, value)
+                taken.append((key, value, twin))
+                break
+    return taken
+
+
+def _take(entries: dict[str, Any], key: str, value: Any, twin: str) -> None:
+    """After loading, what was read under ``twin`` back under ``key`` (into ``value`` in place
+    when it is a tensor another key was read into)."""
+    loaded = entries[twin]
+    if isinstance(value, torch.Tensor) and value is not loaded:
+        value.copy_(loaded)
+        loaded = value
+    entries[key] = loaded
 
 
 def load_rank_state(path: Path) -> dict[str, Any]:

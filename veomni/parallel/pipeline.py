@@ -60,6 +60,7 @@ from veomni.parallel.pipeline_plan import (
     stage_ids,
     virtual_stages,
 )
+from veomni.parallel.pipeline_tied import TiedCopies, check_tied, tied_across_pieces, tied_stage
 from veomni.parallel.plan import ParallelPlan, match_modules
 from veomni.spec.media import join_media
 from veomni.tasks.base import BatchContract, Task
@@ -195,16 +196,12 @@ def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int)
     if cfg.pp == 1:
         return
     plan = model.parallel_plan()
-    _, blocks = _container(model, plan)
+    piece, blocks = _container(model, plan)
     if plan.message_passing:  # first: its own schedules, whose rules replace the generic ones
         check_graph_pipeline(cfg, grad_accum)
     check_pipeline_media(model, cfg)  # before the generic rules: a schedule it refuses says so first
     check_pipeline(cfg, grad_accum, num_blocks=len(blocks), own_schedule=bool(plan.message_passing))
-    shared = _shared_across_pieces(model, plan)
-    if shared:
-        raise PipelineConfigError(f"parameters shared between pipeline pieces would sit on different stages: "
-                                  f"{'; '.join(' = '.join(names) for names in shared)}; untie them (for the zoo's "
-                                  "LMs: model.tie_embeddings=false) or set parallel.pp=1")
+    check_tied(model, plan, piece)
 
 
 def check_graph_pipeline(cfg: ParallelConfig, grad_accum: int) -> None:
@@ -217,18 +214,6 @@ def check_graph_pipeline(cfg: ParallelConfig, grad_accum: int) -> None:
         raise PipelineConfigError(f"parallel.pp_microbatches={cfg.pp_microbatches}: a graph pipeline runs one "
                                   f"micro-batch per chunk, and the chunks are train.grad_accum={grad_accum}; "
                                   "leave pp_microbatches at 0")
-
-
-def _shared_across_pieces(model: nn.Module, plan: ParallelPlan) -> list[list[str]]:
-    """Names of each parameter that appears under two different stage pieces (a tied embedding)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-
-    def piece(name: str) -> str | None:
-        return next((p for p in plan.stages if name == p or name.startswith(p + ".")), None)
-
-    return [group for group in names.values() if len({piece(n) for n in group}) > 1]
 
 
 def check_pipeline_task(task: Task, cfg: ParallelConfig) -> None:
@@ -267,7 +252,8 @@ class Pipeline:
 
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], cfg: ParallelConfig, microbatches: int,
                  pp_group: dist.ProcessGroup, device: torch.device,
-                 task: Task, encoders: PipelineEncoders | None = None) -> None:
+                 task: Task, encoders: PipelineEncoders | None = None,
+                 tied: list[dict[int, str]] | None = None) -> None:
         self.parts, self.stage_indices = parts, stage_indices
         self.encoders = encoders
         self.microbatches = microbatches
@@ -284,10 +270,17 @@ class Pipeline:
                        for part, index in zip(parts, stage_indices)]
         self.has_last_stage = any(s.is_last for s in self.stages)
         self.has_first_stage = 0 in stage_indices
+        self.tied = TiedCopies(tied, parts, stage_indices, self._owner, pp_group) if tied else None
         schedule_cls = get_schedule_class(cfg.pp_schedule)
         single = issubclass(schedule_cls, PipelineScheduleSingle)
         self.schedule = schedule_cls(self.stages[0] if single else self.stages, n_microbatches=microbatches,
                                      loss_fn=self._scaled_loss, scale_grads=False)
+
+    @property
+    def uncounted(self) -> list[nn.Parameter]:
+        """Parameters that grad-norm clipping must leave out of the norm: the tied copies past the
+        first (``pipeline_tied.py``)."""
+        return self.tied.uncounted if self.tied is not None else []
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -327,6 +320,8 @@ class Pipeline:
                 stage.on_output = None
         if self.encoders is not None:  # the cool-down: the features' gradients are all in
             self.encoders.backward()
+        if self.tied is not None:  # every copy of a tied parameter gets the one-process gradient
+            self.tied.sync()
         return sum(float(loss.detach()) for loss in losses) / scale if losses else 0.0
 
     @torch.no_grad()
@@ -392,7 +387,19 @@ def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Modu
         encoders = PipelineEncoders(part, task.contract.media, route, 0 in indices, cfg.pp, device,
                                     stage_work_per_unit(parts, route.group, device))
     return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task,
-                    encoders)
+                    encoders, tied_copies(build, cfg))
+
+
+def tied_copies(build: Callable[[], nn.Module], cfg: ParallelConfig) -> list[dict[int, str]]:
+    """Per group of parameter names tied across stage pieces, ``{global stage: name}`` of the
+    stages that hold a copy (``pipeline_tied.py``); empty for untied models."""
+    with torch.device("meta"):
+        model = build()
+    plan = model.parallel_plan()
+    piece, _ = _container(model, plan)
+    n_stages = cfg.pp * virtual_stages(cfg)
+    return [{tied_stage(name, plan, piece, n_stages): name for name in group}
+            for group in tied_across_pieces(model, plan)]
 
 
 def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],

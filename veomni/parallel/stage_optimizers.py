@@ -14,13 +14,22 @@ class StageOptimizers(torch.optim.Optimizer):
 
     Separate optimizers because checkpoints name optimizer state by the parameter names of one
     module (``get_optimizer_state_dict(module, optimizer)``); ``param_groups`` are the inner
-    optimizers' own group dicts, so an LR scheduler on this object drives all of them.
+    optimizers' own group dicts, read afresh each time (loading a checkpoint replaces an inner
+    optimizer's dicts), so an LR scheduler on this object drives all of them.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.optimizers = optimizers
+        self.optimizers: list[torch.optim.Optimizer] = []  # (no groups while the base class adds its own)
         super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, _groups: list[dict]) -> None:
+        """(``Optimizer.__init__`` assigns its own list: the inner optimizers own the groups.)"""
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         for optimizer in self.optimizers:

@@ -24,6 +24,7 @@ from veomni.parallel.graph_pipeline import GraphPipeline
 from veomni.parallel.materialize import build_sharded
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline import Pipeline, build_pipeline, build_stage_parts, empty_row
+from veomni.parallel.pipeline_tied import aliases, tied_names
 from veomni.parallel.plan import flatten_plan
 from veomni.spec import ModelSpec
 from veomni.tasks.base import Task
@@ -69,13 +70,15 @@ class PipelineRunner(RunnerBase):
                  model_config: Any, task: Task, meshes: ParallelMeshes) -> None:
         super().__init__(pipeline.modules, cfg, spec, model_config, task, meshes)
         self.pipeline, self.meta_model = pipeline, meta_model
+        self.tied = aliases(tied_names(meta_model))
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         metrics = pipeline_forward_backward(self.pipeline, self.task, micro_batches, self.meshes.loss.get_group(),
                                             self.dims.loss_size, self.dims.pp, self.cfg.data.tokens_per_micro_batch,
                                             self.meta_model, self.spec.cost, self.meshes.row_split)
         metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
-                                     self.meshes.pp.get_group(), self.guard, metrics["loss"]))
+                                     self.meshes.pp.get_group(), self.guard, metrics["loss"],
+                                     self.pipeline.uncounted))
         return metrics
 
     def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:

@@ -28,6 +28,9 @@ class StepRunner(Protocol):
     shards_rows: bool
     """True when the runner cuts rows to this rank's cp x sp positions itself (a pipeline joins a
     step's loader rows first): the trainer then hands it whole rows."""
+    tied: dict[str, list[str]]
+    """Each tied parameter name -> its other names, for a checkpoint load that reads a name
+    through its twin (``pipeline_tied.aliases``; a pipeline holds one copy per stage)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     guard: StepGuard
@@ -54,6 +57,7 @@ class RunnerBase:
         self.optimizer = build_optimizer(parts, cfg.train, spec.param_rules(model_config))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.guard = StepGuard(cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+        self.tied: dict[str, list[str]] = {}
 
     def eval_result(self, loss_sum: float, units: float, extra: dict[str, list[float]],
                     group: dist.ProcessGroup | None, units_divisor: int = 1) -> dict[str, float]:

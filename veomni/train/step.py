@@ -107,14 +107,15 @@ def step_flops(cost: CostModel | None, model: nn.Module, micro_batches: list[dic
 def clip_and_step(model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler | None, max_grad_norm: float,
                   pp_group: dist.ProcessGroup | None = None, guard: StepGuard | None = None,
-                  loss: float = 0.0) -> dict[str, Any]:
+                  loss: float = 0.0, uncounted: Sequence[nn.Parameter] = ()) -> dict[str, Any]:
     """Clip by the global gradient norm (0 = report only), step, zero the gradients. ``model``
     may be this rank's pipeline stage modules, with ``pp_group`` joining the stages' norms. With a
     ``guard``, a step it rejects (by the step's global ``loss`` and the norm) only zeroes the
-    gradients, and the metrics say why under ``skipped``."""
+    gradients, and the metrics say why under ``skipped``. ``uncounted``: parameters clipped but
+    left out of the norm (a pipeline's second copy of a tied parameter, ``Pipeline.uncounted``)."""
     parts = [model] if isinstance(model, nn.Module) else list(model)
     grad_norm = float(clip_grad_norm([p for part in parts for p in part.parameters()], max_grad_norm or math.inf,
-                                     pp_group))
+                                     pp_group, uncounted))
     lr = optimizer.param_groups[0]["lr"]
     skipped = guard.verdict(loss, grad_norm) if guard is not None else ""
     if not skipped:
@@ -125,8 +126,8 @@ def clip_and_step(model: nn.Module | Sequence[nn.Module], optimizer: torch.optim
     return {"grad_norm": grad_norm, "lr": lr, **({"skipped": skipped} if skipped else {})}
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
-                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                   uncounted: Sequence[nn.Parameter] = ()) -> torch.Tensor:
     """``clip_grad_norm_`` for gradients that live on several meshes.
 
     Under FSDP the gradients are DTensors; with expert parallelism the expert weights sit on
@@ -135,16 +136,22 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
     every group scaled by the same coefficient. Under pipeline parallelism each rank holds only
     its stages' parameters: the squared norms are summed over ``pp_group`` first, except those
     of gradients sharded over a mesh that spans the pipeline ranks (media encoders colocated on
-    every stage, ``pipeline_media.py``): their norm is already whole on every rank.
+    every stage, ``pipeline_media.py``): their norm is already whole on every rank. Parameters in
+    ``uncounted`` (copies of a tied parameter, whose gradient another copy already counts) are
+    clipped but not counted.
     """
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for param in params:
         if param.grad is not None:
             groups[getattr(param.grad, "device_mesh", None)].append(param)
+    skip = {id(p) for p in uncounted}
     stage_norms, whole_norms = [], []
     pp_ranks = set(dist.get_process_group_ranks(pp_group)) if pp_group is not None else set()
     for mesh, group in groups.items():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        counted = [p.grad for p in group if id(p) not in skip]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         spans_pp = mesh is not None and pp_ranks <= set(mesh.mesh.flatten().tolist())
         (whole_norms if pp_group is not None and spans_pp else stage_norms).append(norm)

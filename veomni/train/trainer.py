@@ -190,10 +190,14 @@ class Trainer(BadStepHandling):
         self.watchdog.beat(f"checkpoint load from {path}")
         try:
             app_state = self._app_state()
-            meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state)
+            meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state, self.runner.tied)
         except ValueError as exc:  # a rank-state file that is not plain data: the same on every rank
             raise RunStopped(str(exc)) from None
-        self.scheduler.load_state_dict(app_state["scheduler"])
+        # Only the schedule's position: its per-param-group lists (base_lrs, _last_lr) follow this
+        # layout's groups (a V pipeline rank holds two stage optimizers' groups, one process one set).
+        saved = app_state["scheduler"]
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), "last_epoch": saved["last_epoch"],
+                                        "_step_count": saved["_step_count"]})
         self.step = int(app_state["step"])
         self.units_seen = int(app_state["units_seen"])
         if self.ema is not None:
