@@ -330,5 +330,8 @@ def test_pipeline_refusals_say_what_the_recipe_needs():
 
     result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2", "--train.grad_accum", "1")
     assert result.returncode != 0 and "raise train.grad_accum" in result.stdout + result.stderr
+    result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2")  # the plan, memory included
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1F1B: 2 stages" in result.stdout + result.stderr
     with torch.device("meta"):  # a tied embedding and head, as the recipes have, is not refused
         check_pipeline_model(build(TINY_OMNI), ParallelConfig(pp=2), 2)
