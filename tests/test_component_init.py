@@ -17,11 +17,13 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from models.llm import hf_adapter as llm_adapter
+from models.llm.config import LLMConfig
 from models.vit import hf_adapter as vit_adapter
 from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, write_shard
 from tests.parity_utils import full_params
 from veomni.checkpoint.component_init import load_components
+from veomni.config.loader import load_config
 from veomni.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -154,11 +156,11 @@ def _launch(capfd, recipe: Path, *overrides: str) -> tuple[int, str]:
     return status, captured.out + captured.err
 
 
-def _tiny_vlm_llm_config(**dims) -> transformers.Qwen3Config:
-    """The LLM of recipes/seed1.5-vl/tiny.yaml as a Qwen3 config (config.json is all a pre-flight reads)."""
-    return _qwen3_config(**{"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
-                            "head_dim": 32, "max_position_embeddings": 512,
-                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **dims})
+def _tiny_vlm_llm_config(**changes) -> transformers.Qwen3Config:
+    """The LLM of recipes/seed1.5-vl/tiny.yaml, with recipe-key ``changes``, as a Qwen3 config; read
+    from the recipe so that the two cannot drift apart (config.json is all a pre-flight reads)."""
+    recipe_llm = load_config(TINY_VLM).model.options["llm"]
+    return llm_adapter.config_to_hf(LLMConfig(**{**recipe_llm, **changes}))
 
 
 def _launch_tiny_vlm(capfd, tmp: Path, *overrides: str) -> tuple[int, str]:
@@ -180,7 +182,7 @@ def test_launcher_refuses_a_frozen_component_that_nothing_loads(tmp_path, capfd)
 
 
 def test_launcher_refuses_a_folder_whose_config_differs_naming_each_field(tmp_path, capfd):
-    _tiny_vlm_llm_config(hidden_size=64, num_hidden_layers=2).save_pretrained(tmp_path / "llm")
+    _tiny_vlm_llm_config(hidden_size=64, num_layers=2).save_pretrained(tmp_path / "llm")
     status, output = _launch_tiny_vlm(capfd, tmp_path, "--checkpoint.init.llm", str(tmp_path / "llm"))
     assert status == 2, output
     assert f"checkpoint.init.llm: {tmp_path / 'llm'} does not fit the recipe's 'llm' (LLMConfig)" in output
