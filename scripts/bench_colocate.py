@@ -76,6 +76,7 @@ from veomni.data.loader import load_tokenizer  # noqa: E402
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples  # noqa: E402
 from veomni.launch import _validate_model  # noqa: E402  (the launcher's model checks)
 from veomni.parallel.apply import parallelize  # noqa: E402
+from veomni.parallel.encoder_work import watch_encoder_work  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.pipeline import build_pipeline  # noqa: E402
 from veomni.spec import build_model, get_model_spec  # noqa: E402
@@ -227,31 +228,9 @@ def rank_batches(rank: int, share: float, steps: int, args: argparse.Namespace, 
     return batches
 
 
-def encoder_counter(modules: list[torch.nn.Module], modality: str) -> list[float]:
-    """A one-element list that adds up the encoder FLOPs of every real call of the ``modality``
-    encoders in ``modules``, by the family's cost model on the call's inputs (a sequence-parallel
-    share: its fraction of the input's rows; the dummy input: nothing)."""
-    ran = [0.0]
-    for module in modules:
-        encoder = module.encoders[modality] if hasattr(module, "encoders") else None
-        if encoder is None or not list(encoder.parameters()):
-            continue  # a pipeline stage's hollow stand-in
-        kind = module.media_config().media_kinds()[modality]
-
-        def count(encoder: torch.nn.Module, args: tuple, kwargs: dict, kind: Any = kind) -> None:
-            inputs = {k: v for k, v in kwargs.items() if k != "share"}
-            if not bool(next(iter(inputs.values())).abs().sum() > 0):
-                return
-            share, flops = kwargs.get("share"), kind.flops(encoder, inputs)
-            ran[0] += flops if share is None else flops * (share.stop - share.start) / encoder.sequence_rows(inputs)
-
-        encoder.register_forward_pre_hook(count, with_kwargs=True)
-    return ran
-
-
 def train(run: RunConfig, batches: list[dict], modality: str) -> dict[str, list]:
     """Per step on this rank: wall time (after a barrier), the step's global LLM tokens, and the
-    encoder FLOPs this rank ran (``encoder_counter``)."""
+    encoder FLOPs this rank ran (``watch_encoder_work``)."""
     meshes = build_mesh(ParallelDims.resolve(run.parallel, dist.get_world_size()), "cpu")
     torch.manual_seed(0)
     config, model = build_model(run.model.arch, run.model.options)
@@ -259,17 +238,17 @@ def train(run: RunConfig, batches: list[dict], modality: str) -> dict[str, list]
     task = get_model_spec(run.model.arch).task(config)
     model = parallelize(model, run.parallel, meshes, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.train.lr, weight_decay=run.train.weight_decay)
-    ran = encoder_counter([model], modality)
+    ran = watch_encoder_work([model], modality)
     record: dict[str, list] = {"times": [], "tokens": [], "loads": []}
     for batch in batches:
         dist.barrier()
-        ran[0] = 0.0
+        ran.reset()
         start = time.perf_counter()
         metrics = forward_backward(model, task, [batch], meshes.loss.get_group(), meshes.dims.loss_size)
         clip_and_step(model, optimizer, None, run.train.max_grad_norm)
         record["times"].append(time.perf_counter() - start)
         record["tokens"].append(metrics["units"])
-        record["loads"].append(ran[0])
+        record["loads"].append(ran.flops)
     return record
 
 
@@ -289,7 +268,7 @@ def train_pipeline(run: RunConfig, steps: list[list[dict]], modality: str, row_l
     pipe = build_pipeline(build, lambda m: m.init_weights(), lambda m: parallelize(m, run.parallel, meshes, "cpu"),
                           run.parallel, len(steps[0]), meshes.pp, torch.device("cpu"), task, meshes)
     optimizer = build_optimizer(pipe.modules, run.train)
-    ran, busy = encoder_counter(pipe.modules, modality), [0.0]
+    ran, busy = watch_encoder_work(pipe.modules, modality), [0.0]
 
     def timed(obj: object, name: str) -> None:
         inner = getattr(obj, name)
@@ -312,14 +291,15 @@ def train_pipeline(run: RunConfig, steps: list[list[dict]], modality: str, row_l
     record: dict[str, list] = {"times": [], "tokens": [], "loads": [], "busy": []}
     for micro_batches in steps:
         dist.barrier()
-        ran[0] = busy[0] = 0.0
+        ran.reset()
+        busy[0] = 0.0
         start = time.perf_counter()
         metrics = pipeline_forward_backward(pipe, task, micro_batches, meshes.loss.get_group(),
                                             meshes.dims.loss_size, meshes.dims.pp, row_length, meta)
         clip_and_step(pipe.modules, optimizer, None, run.train.max_grad_norm, meshes.pp.get_group())
         record["times"].append(time.perf_counter() - start)
         record["tokens"].append(metrics["units"])
-        record["loads"].append(ran[0])
+        record["loads"].append(ran.flops)
         record["busy"].append(busy[0])
     return record
 

@@ -15,6 +15,7 @@ from veomni.config.schema import ParallelConfig
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
 from veomni.parallel.apply import parallelize
+from veomni.parallel.encoder_work import watch_encoder_work
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
 from veomni.spec import get_model_spec
@@ -45,20 +46,9 @@ def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
     model = parallelize(model, parallel, meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    encoded: list[float] = []  # encoder FLOPs of the real images this rank ran (dummy runs: 0)
-    shared: list[int] = []  # patch rows this rank held in sequence-parallel runs of long images
+    work = watch_encoder_work([model], "image")
     if "image" in model.encoders:
         encoder, modality = model.encoders["image"], get_modality("image")
-
-        def record_encoded(module, args, kwargs):
-            real = bool(kwargs["patches"].abs().sum() > 0)
-            share = kwargs.get("share")
-            if share is not None:
-                shared.append(share.stop - share.start)
-                return
-            encoded.append(modality.flops(module, kwargs) if real else 0.0)
-
-        encoder.register_forward_pre_hook(record_encoded, with_kwargs=True)
     record = {"loss": [], "metrics": [], "grads": [], "owned": [], "encoded": [], "shared": []}
     for samples in steps:
         batch = pack_chat_samples([process(r) for r in samples[meshes.dp_rank::dims.dp_size]])
@@ -71,10 +61,9 @@ def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list
         record["loss"].append(metrics["loss"])
         record["metrics"].append({k: v for k, v in metrics.items() if k.startswith("loss_")})
         record["grads"].append(full_grads(model))
-        record["encoded"].append(sum(encoded))
-        record["shared"].append(sum(shared))
-        encoded.clear()
-        shared.clear()
+        record["encoded"].append(work.whole)
+        record["shared"].append(work.share_rows)
+        work.reset()
         clip_and_step(model, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(model)
     dist.barrier()

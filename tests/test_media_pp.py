@@ -23,6 +23,7 @@ from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.colocate import check_media_routing
+from veomni.parallel.encoder_work import watch_encoder_work
 from veomni.parallel.mesh import LayoutError, ParallelDims, build_mesh
 from veomni.parallel.pipeline import build_pipeline, check_pipeline_model
 from veomni.parallel.pipeline_plan import PipelineConfigError
@@ -126,17 +127,7 @@ def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, s
     row = max(task.contract.row_length(mb) for rank_steps in every for step in rank_steps for mb in step)
     colocated = pipe.encoders is not None and "image" in pipe.encoders.names
     encoder = pipe.encoders.part.media_encoder("image") if colocated else None
-    encoded, shared = [], []
-    if encoder is not None:
-        modality = get_modality("image")
-
-        def record_encoded(module, args, kwargs):
-            if kwargs.get("share") is not None:
-                shared.append(kwargs["share"].stop - kwargs["share"].start)
-            elif kwargs["patches"].abs().sum() > 0:  # (the dummy input is all zeros)
-                encoded.append(modality.flops(module, kwargs))
-
-        encoder.register_forward_pre_hook(record_encoded, with_kwargs=True)
+    modality, work = get_modality("image"), watch_encoder_work(pipe.modules, "image")
     record = {"loss": [], "metrics": [], "grads": [], "grad_norm": [], "owned": [], "encoded": [], "shared": [],
               "pp_rank": meshes.pp.get_local_rank()}
     for micro_batches in every[meshes.dp_rank]:
@@ -148,10 +139,9 @@ def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, s
         record["loss"].append(metrics["loss"])
         record["metrics"].append({})
         record["grads"].append({k: v for part in pipe.modules for k, v in full_grads(part).items()})
-        record["encoded"].append(sum(encoded))
-        record["shared"].append(sum(shared))
-        encoded.clear()
-        shared.clear()
+        record["encoded"].append(work.whole)
+        record["shared"].append(work.share_rows)
+        work.reset()
         stepped = clip_and_step(pipe.modules, optimizer, None, 0.0, meshes.pp.get_group(), uncounted=pipe.uncounted)
         record["grad_norm"].append(stepped["grad_norm"])
     record["params"] = {k: v for part in pipe.modules for k, v in full_params(part).items()}
@@ -202,6 +192,8 @@ def test_vlm_pp2_matches_one_process(vlm_reference, schedule, colocate):
     check(vlm_reference, records)
     if colocate:
         check_spread(records)
+    else:  # inline: the first stage encodes every image
+        assert sum(records[0]["encoded"]) > 0 and sum(records[1]["encoded"]) == 0
 
 
 def test_items_are_placed_around_the_stages_own_work(vlm_reference):
