@@ -3,7 +3,7 @@
 Tokens of several samples are packed into one row ``[T, H, D]``; ``SeqInfo.cu_seqlens`` holds
 the sample boundaries. Attention is causal within a sample (``bidirectional_varlen_attention``:
 full within a sample) and never crosses samples; tokens after ``cu_seqlens[-1]`` are padding
-and get a zero output without being computed.
+and get a zero output.
 
 The kernel is picked per call: on CUDA in half precision, a real varlen kernel
 (``torch.nn.attention.varlen.varlen_attn``, else ``flash_attn``); everywhere else an exact
@@ -124,22 +124,21 @@ def sdpa_varlen_attention(
     """Exact fallback built on ``F.scaled_dot_product_attention``.
 
     Two strategies give the same result: one SDPA call per sample (no wasted compute, but a
-    Python loop), or one SDPA call over the whole row with a block-diagonal mask (one kernel,
-    but computes the masked-out cross-sample scores). ``block_diagonal=None`` picks by the
-    rule above; tests force each path.
+    Python loop and a host sync), or one SDPA call over the whole row with a block-diagonal mask
+    (one kernel, no host sync, so it compiles into the block's graph; but it computes the
+    masked-out cross-sample scores). ``block_diagonal=None`` picks by the rule above from the
+    shapes alone; tests force each path.
     """
-    bounds = seq.cu_seqlens.tolist()
-    lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    used = bounds[-1]
+    samples = seq.cu_seqlens.shape[0] - 1
     if block_diagonal is None:
-        work = used * used * q.shape[1] * q.shape[2]
-        block_diagonal = work <= BLOCK_DIAGONAL_WORK_PER_SAMPLE * len(lengths)
+        work = q.shape[0] * q.shape[0] * q.shape[1] * q.shape[2]
+        block_diagonal = work <= BLOCK_DIAGONAL_WORK_PER_SAMPLE * samples
     if block_diagonal:
-        out = _block_diagonal(q[:used], k[:used], v[:used], lengths, causal)
-    else:
-        out = torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], causal) for a, b in itertools.pairwise(bounds)])
-    if used < q.shape[0]:
-        out = torch.cat([out, out.new_zeros(q.shape[0] - used, *out.shape[1:])])
+        return _block_diagonal(q, k, v, seq.cu_seqlens, causal)
+    bounds = seq.cu_seqlens.tolist()
+    out = torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], causal) for a, b in itertools.pairwise(bounds)])
+    if bounds[-1] < q.shape[0]:
+        out = torch.cat([out, out.new_zeros(q.shape[0] - bounds[-1], *out.shape[1:])])
     return out
 
 
@@ -159,16 +158,19 @@ def _sdpa(
 
 
 def _block_diagonal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool
 ) -> torch.Tensor:
-    sample = torch.repeat_interleave(
-        torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
-    )
+    """One SDPA call under a sample mask built on the device from ``cu_seqlens``: no host sync and
+    no data-dependent shape, so a compiled block traces it as one graph. The padding rows form one
+    more "sample" (they attend only among themselves, so no softmax row is empty) and are zeroed."""
+    cu_seqlens = cu_seqlens.to(q.device)
+    pos = torch.arange(q.shape[0], device=q.device)
+    sample = torch.searchsorted(cu_seqlens[1:], pos, right=True)
     mask = sample[:, None] == sample[None, :]
     if causal:
-        pos = torch.arange(q.shape[0], device=q.device)
         mask = mask & (pos[:, None] >= pos[None, :])
-    return _sdpa(q, k, v, causal, mask)
+    out = _sdpa(q, k, v, causal, mask)
+    return out * (pos < cu_seqlens[-1])[:, None, None].to(out.dtype)
 
 
 def cross_varlen_attention(
