@@ -50,7 +50,6 @@ import argparse
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -65,7 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _plot import Series, line_chart  # noqa: E402
+from _colocate_report import plot, print_table, summarize  # noqa: E402
 
 import models  # noqa: E402,F401  (registers the zoo)
 from tests.dist_harness import run_distributed  # noqa: E402
@@ -336,71 +335,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, runs: dict[str, Run
     return points
 
 
-def tokens_per_s(points: list[dict], name: str) -> float:
-    """Median over measured steps of the global LLM tokens over the slower rank's step time."""
-    runs = [p["runs"][name] for p in points]
-    return statistics.median(tokens / max(times) for tokens, *times in
-                             zip(runs[0]["tokens"], *(r["times"] for r in runs)))
-
-
-def imbalance(points: list[dict], name: str) -> float:
-    """The encoder time the ranks wait for over the time a perfect split would take: summed over
-    the measured steps, the busiest rank's encoder FLOPs over the mean rank's (a step with one
-    small image weighs what its encoder work weighs)."""
-    steps = list(zip(*(p["runs"][name]["loads"] for p in points)))
-    mean = sum(statistics.mean(loads) for loads in steps)
-    return sum(max(loads) for loads in steps) / mean if mean else 1.0
-
-
-def bubble(points: list[dict], name: str) -> float | None:
-    """A pipeline run's idle fraction: the ranks' step time outside their stage chunks and encoder
-    passes, over their step time, summed over steps and ranks; None for runs without a pipeline."""
-    runs = [p["runs"][name] for p in points]
-    if "busy" not in runs[0]:
-        return None
-    wall = sum(sum(r["times"]) for r in runs)
-    return (wall - sum(sum(r["busy"]) for r in runs)) / wall
-
-
-def summarize(ranks: list[list[dict]], techniques: list[str]) -> list[dict]:
-    rows = []
-    for points in zip(*ranks):
-        encoder_share = sum(p["encoder_flops"] for p in points) / sum(p["flops"] for p in points)
-        for name in techniques:
-            off, on = tokens_per_s(points, off_run(name)), tokens_per_s(points, name)
-            rows.append({"share": points[0]["share"], "technique": name, "tokens_per_s_off": off,
-                         "tokens_per_s_on": on, "ratio": on / off, "imbalance_off": imbalance(points, off_run(name)),
-                         "imbalance_on": imbalance(points, name), "bubble_off": bubble(points, off_run(name)),
-                         "bubble_on": bubble(points, name), "encoder_flops_share": encoder_share})
-    return rows
-
-
-def print_table(rows: list[dict], modality: str) -> None:
-    def percent(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1%}"
-
-    print(f"| {modality}:text | technique | tokens/s off | tokens/s on | on/off | imbalance off | imbalance on "
-          "| bubble off | bubble on | encoder FLOPs share |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        media = round(10 * r["share"])
-        print(f"| {media}:{10 - media} | {r['technique']} | {r['tokens_per_s_off']:,.0f} | {r['tokens_per_s_on']:,.0f} "
-              f"| {r['ratio']:.3f} | {r['imbalance_off']:.3f} | {r['imbalance_on']:.3f} | {percent(r['bubble_off'])} "
-              f"| {percent(r['bubble_on'])} | {r['encoder_flops_share']:.1%} |")
-
-
-def plot(path: Path, rows: list[dict], techniques: list[str], title: str, modality: str) -> None:
-    def series(label: str, technique: str, key: str) -> Series:
-        points = [r for r in rows if r["technique"] == technique]
-        return Series(label, [100 * r["share"] for r in points], [r[key] for r in points])
-
-    lines = [series("imbalance off", techniques[0], "imbalance_off")]
-    for name in techniques:
-        lines += [series(f"imbalance {name}", name, "imbalance_on"), series(f"tokens/s {name}/off", name, "ratio")]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line_chart(str(path), title, f"{modality} samples (%)", "ratio", lines)
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(WORKLOADS), default="vlm")
@@ -440,7 +374,7 @@ def main() -> None:
           flush=True)
     started = time.perf_counter()
     ranks = run_distributed(_worker, RANKS, args, runs, timeout_s=3600)
-    rows = summarize(ranks, args.techniques)
+    rows = summarize(ranks, {name: off_run(name) for name in args.techniques})
     print_table(rows, workload.modality)
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     if args.out:

@@ -22,7 +22,7 @@ from tests.trainer_utils import tiny_run_config
 from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.parallel.context import ContextParallelAttention
-from veomni.parallel.pipeline import pad_row
+from veomni.parallel.pipeline_rows import pad_row
 from veomni.parallel.row_split import RowSplit, shard_batch
 from veomni.tasks import LM_CONTRACT
 

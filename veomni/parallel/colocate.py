@@ -70,13 +70,13 @@ class RoutedMediaFn:
                                  "no 'holders'; shard the batch with veomni.parallel.row_split.shard_batch")
             holders = torch.zeros(rows, dtype=torch.long)
         holders = holders.cpu()
-        announcer = assign_items([[kind.flops(encoder, item.inputs) for item in items]]
-                                 + [[] for _ in self.peers[1:]],
+        costs = [kind.flops(encoder, item.inputs) for item in items]
+        announcer = assign_items([costs] + [[] for _ in self.peers[1:]],
                                  None if loads is None else [loads[p] for p in self.peers])[0]
         starts = [0, *torch.tensor([item.num_tokens for item in items], dtype=torch.long).cumsum(0).tolist()]
         peers = torch.tensor(self.peers, dtype=torch.long)
         mine = [i for i, a in enumerate(announcer) if a == self.row_rank]
-        features = route_media(self.group, kind, encoder, [items[i] for i in mine],
+        features = route_media(self.group, encoder, [items[i] for i in mine], [costs[i] for i in mine],
                                [peers[holders[starts[i]:starts[i + 1]]] for i in mine], self.balance, dummy_inputs,
                                self.long, loads)
         # canonical order (announcer's group rank, item, row) -> the row order of this slice's positions

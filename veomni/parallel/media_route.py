@@ -44,7 +44,7 @@ from torch import nn
 
 from veomni.parallel.encoder_sp import is_long_item, run_encoder_share
 from veomni.parallel.media_assign import Recipients, assign_work, block_chunks
-from veomni.spec.media import MediaItem, MediaKind, collate_items
+from veomni.spec.media import MediaItem, collate_items
 
 Key = tuple[int, int]
 """An item by (announcer rank, index in its announcer's list): the canonical order."""
@@ -61,18 +61,20 @@ class LongItems:
     block: dist.ProcessGroup
 
 
-def route_media(group: dist.ProcessGroup, kind: MediaKind, encoder: nn.Module, announced: Sequence[MediaItem],
-                destinations: Sequence[torch.Tensor], balance: bool, dummy_inputs: Mapping[str, torch.Tensor],
-                long: LongItems | None = None, loads: Sequence[float] | None = None) -> torch.Tensor:
+def route_media(group: dist.ProcessGroup, encoder: nn.Module, announced: Sequence[MediaItem],
+                costs: Sequence[float], destinations: Sequence[torch.Tensor], balance: bool,
+                dummy_inputs: Mapping[str, torch.Tensor], long: LongItems | None = None,
+                loads: Sequence[float] | None = None) -> torch.Tensor:
     """The feature rows destined to this rank, encoded from the items every rank of ``group`` announced.
 
     ``announced``: the items this rank puts forward (ranks holding the same media must announce
-    disjoint subsets, or an item is encoded twice); ``destinations[i]``: a LongTensor with, for
+    disjoint subsets, or an item is encoded twice), ``costs[i]`` the encoder cost of ``announced[i]``
+    (its kind's ``flops``, priced once by the caller); ``destinations[i]``: a LongTensor with, for
     each feature row of ``announced[i]`` (``num_tokens`` of them, in order), the rank of ``group``
-    that needs it. ``balance``: spread the short items over the group by encoder cost
-    (``kind.flops``); else each runs on its announcer. ``long``: run long items sequence-parallel
-    over blocks of ranks. ``loads``: other work each rank of ``group`` has in the step (a pipeline
-    stage's), which the placement fills around. Every rank of ``group`` calls this once per
+    that needs it. ``balance``: spread the short items over the group by those costs; else each
+    runs on its announcer. ``long``: run long items sequence-parallel over blocks of ranks.
+    ``loads``: other work each rank of ``group`` has in the step (a pipeline stage's), which the
+    placement fills around. Every rank of ``group`` calls this once per
     modality and micro-batch, with items or none, in the same order and with the same ``balance``,
     ``long`` and ``loads``.
 
@@ -93,8 +95,9 @@ def route_media(group: dist.ProcessGroup, kind: MediaKind, encoder: nn.Module, a
     size = long.size if long is not None else 1
     table = None
     if balance or long is not None:  # per item: cost, feature rows, input rows of each key, long flag
-        rows = [[kind.flops(encoder, item.inputs), item.num_tokens, *(item.inputs[k].shape[0] for k in keys),
-                 float(long is not None and is_long_item(encoder, item.inputs, long.threshold))] for item in announced]
+        rows = [[cost, item.num_tokens, *(item.inputs[k].shape[0] for k in keys),
+                 float(long is not None and is_long_item(encoder, item.inputs, long.threshold))]
+                for item, cost in zip(announced, costs, strict=True)]
         table = _all_gather(group, torch.tensor(rows, dtype=torch.float64, device=device).reshape(
             len(announced), 3 + len(keys)), counts)
         recipients = assign_work([t[:, 0].tolist() for t in table], [t[:, -1].bool().tolist() for t in table],

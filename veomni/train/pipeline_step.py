@@ -20,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from veomni.parallel.pipeline import Pipeline, pack_rows, pad_row
+from veomni.parallel.pipeline import Pipeline
+from veomni.parallel.pipeline_rows import pack_rows, pad_row
 from veomni.parallel.row_split import RowSplit, shard_batch
 from veomni.spec.hooks import CostModel, has_moe
 from veomni.tasks.base import BatchContract, Task

@@ -23,7 +23,8 @@ from veomni.parallel.apply import parallelize
 from veomni.parallel.graph_pipeline import GraphPipeline
 from veomni.parallel.materialize import build_sharded
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.parallel.pipeline import Pipeline, build_pipeline, build_stage_parts, empty_row
+from veomni.parallel.pipeline import Pipeline, build_pipeline, build_stage_parts
+from veomni.parallel.pipeline_rows import empty_row
 from veomni.parallel.pipeline_tied import aliases, tied_names
 from veomni.parallel.plan import flatten_plan
 from veomni.spec import ModelSpec
