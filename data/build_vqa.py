@@ -33,7 +33,6 @@ import random
 from collections import Counter
 from pathlib import Path
 
-import webdataset
 from PIL import Image, ImageDraw
 
 from veomni.data.builders import (
@@ -157,6 +156,8 @@ def sample_record(index: int, rng: random.Random) -> tuple[dict, str, str]:
 
 def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str, Counter]:
     """Write ``count`` samples to a temporary folder, then rename it to ``out``; answer counts by type."""
+    import webdataset  # here, not at the top: it imports torch, and a cached run needs neither (1.5 s)
+
     tmp = staging_folder(out)
     rng = random.Random(f"{seed}:{out.name}")
     answers: dict[str, Counter] = {q: Counter() for q in QUESTION_TYPES}

@@ -1,5 +1,20 @@
-"""Every test sees the zoo registered, as a recipe with the default ``model.plugins`` does."""
+"""Every test sees the zoo registered, as a recipe with the default ``model.plugins`` does; the
+recipe tests of the tiny VLM share one small VQA build (``vqa_build``)."""
+
+from pathlib import Path
+
+import pytest
 
 from veomni.spec import load_plugins
 
 load_plugins()
+
+
+@pytest.fixture(scope="session")
+def vqa_build(tmp_path_factory) -> Path:
+    """A VQA build of 400 training and 40 held-out samples (``data/build_vqa.py``): ``train/``, ``eval/``."""
+    from tests.test_omni_recipes import build_vqa
+
+    folder = tmp_path_factory.mktemp("vqa")
+    build_vqa(folder, 400, 40)
+    return folder

@@ -114,20 +114,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_nodes_on_one_machine_train_together(tmp_path):
-    out = tmp_path / "run"
-    env = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "RDZV_ID": f"test-{os.getpid()}"}
-    args = ["bash", str(REPO / "scripts" / "train.sh"), str(QUICKSTART), *SMALL, "--train.max_steps", "2",
-            "--train.output_dir", str(out), "--checkpoint.interval", "0"]
-    nodes = [subprocess.Popen(args, cwd=REPO, env={**os.environ, **env, "NODE_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    logs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)[-4000:]
-    meta = json.loads((out / "checkpoints" / "step_00000002" / "complete.json").read_text())
-    assert meta["world_size"] == 2
-
-
 def test_long_context_recipe_trains_with_sequence_parallelism(tmp_path):
     """The 32k recipe's path (sp=2 through train.sh, long-document corpus, eval, checkpoint,
     decoding with full-sequence attention) at a CI-sized sequence length."""

@@ -277,18 +277,17 @@ PIPELINE_OVERRIDES = ("--parallel.pp", "2")
 their tied embedding and head become one copy on each end stage (``pipeline_tied.py``)."""
 
 
-def test_tiny_vlm_recipe_trains_with_pp2(tmp_path):
+def test_tiny_vlm_recipe_trains_with_pp2(tmp_path, vqa_build):
     """Through the launcher and the trainer, with the encoder work balanced over the ranks and
     long images (over 16 patches) sequence-parallel; eval and a checkpoint included."""
     from tests.test_launch import train_sh
-    from tests.test_omni_recipes import RECIPES, _build
+    from tests.test_omni_recipes import RECIPES
 
-    _build(tmp_path / "vqa", 200, 20)
     out = tmp_path / "out"
     result = train_sh(str(RECIPES / "tiny.yaml"), *PIPELINE_OVERRIDES, "--parallel.encoder_balance", "true",
                       "--parallel.encoder_sp", "2", "--parallel.encoder_sp_threshold", "16",
-                      "--data.train_path", str(tmp_path / "vqa" / "train"),
-                      "--data.eval_path", str(tmp_path / "vqa" / "eval"),
+                      "--data.train_path", str(vqa_build / "train"),
+                      "--data.eval_path", str(vqa_build / "eval"),
                       "--train.max_steps", "2", "--train.output_dir", str(out), "--train.eval_interval", "2",
                       "--train.eval_batches", "1", "--checkpoint.interval", "2", "--log.progress_bar", "false",
                       timeout=400)

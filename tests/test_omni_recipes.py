@@ -17,7 +17,7 @@ RECIPES = REPO / "recipes" / "seed1.5-vl"
 BUILDER = REPO / "data" / "build_vqa.py"
 
 
-def _build(out, train: int, held_out: int) -> str:
+def build_vqa(out, train: int, held_out: int) -> str:
     return subprocess.run(
         [
             sys.executable,
@@ -39,15 +39,15 @@ def _build(out, train: int, held_out: int) -> str:
 
 
 def test_vqa_builder_is_deterministic_and_reports_the_baseline(tmp_path):
-    first = _build(tmp_path / "a", 300, 100)
-    _build(tmp_path / "b", 300, 100)
-    assert "majority-class baseline" in first and "cached" in _build(tmp_path / "a", 300, 100)
+    first = build_vqa(tmp_path / "a", 100, 50)
+    build_vqa(tmp_path / "b", 100, 50)
+    assert "majority-class baseline" in first and "cached" in build_vqa(tmp_path / "a", 100, 50)
     for split in ("train", "eval"):  # same records (tar headers carry the write time)
         a, b = (
             list(iter_tar_samples(resolve_files(str(tmp_path / x / split))[1], 0.0, ReadStats()))
             for x in ("a", "b")
         )
-        assert len(a) == (300 if split == "train" else 100)
+        assert len(a) == (100 if split == "train" else 50)
         assert [{k: v for k, v in r.items() if k != "__url__"} for r in a] == [
             {k: v for k, v in r.items() if k != "__url__"} for r in b
         ]
@@ -55,15 +55,14 @@ def test_vqa_builder_is_deterministic_and_reports_the_baseline(tmp_path):
     assert set(manifest["majority_baseline"]) == {"color", "shape", "count", "position", "size"}
 
 
-def test_tiny_recipe_trains_and_the_eval_command_scores_it(tmp_path):
-    _build(tmp_path / "vqa", 400, 40)
+def test_tiny_recipe_trains_and_the_eval_command_scores_it(tmp_path, vqa_build):
     out = tmp_path / "out"
     result = train_sh(
         str(RECIPES / "tiny.yaml"),
         "--data.train_path",
-        str(tmp_path / "vqa" / "train"),
+        str(vqa_build / "train"),
         "--data.eval_path",
-        str(tmp_path / "vqa" / "eval"),
+        str(vqa_build / "eval"),
         "--train.max_steps",
         "4",
         "--train.output_dir",
@@ -105,13 +104,12 @@ def test_full_size_recipe_plans_at_256_ranks():
     assert "ep=8" in out
 
 
-def test_tiny_recipe_trains_with_sequence_parallelism(tmp_path):
+def test_tiny_recipe_trains_with_sequence_parallelism(tmp_path, vqa_build):
     """``--parallel.sp 2`` on 2 ranks: both split each row; the images' features reach the slices."""
-    _build(tmp_path / "vqa", 64, 8)
     out = tmp_path / "out"
     result = train_sh(str(RECIPES / "tiny.yaml"), "--parallel.sp", "2",
-                      "--data.train_path", str(tmp_path / "vqa" / "train"),
-                      "--data.eval_path", str(tmp_path / "vqa" / "eval"), "--train.max_steps", "2",
+                      "--data.train_path", str(vqa_build / "train"),
+                      "--data.eval_path", str(vqa_build / "eval"), "--train.max_steps", "2",
                       "--train.output_dir", str(out), "--train.eval_interval", "0", "--checkpoint.interval", "0",
                       "--log.progress_bar", "false", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
