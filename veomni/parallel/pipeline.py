@@ -331,8 +331,8 @@ def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Modu
     if len(parts) > len(indices):
         part = parts.pop()
         route = media_router(part, meshes, cfg)
-        encoders = PipelineEncoders(part, task.contract.media, route, 0 in indices, cfg.pp, device,
-                                    stage_work_per_unit(parts, route.group, device))
+        encoders = PipelineEncoders(part, task.contract.media, task.contract.row_length, route, 0 in indices,
+                                    cfg.pp, device, stage_work_per_unit(parts, route.group, device))
     return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task,
                     encoders, tied_copies(build, cfg))
 

@@ -35,7 +35,7 @@ normalised for the dp ranks only, the feature gradients are scaled by pp before 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -144,17 +144,20 @@ def stage_work_per_unit(parts: list[nn.Module], group: dist.ProcessGroup, device
 class PipelineEncoders:
     """The encoders' forward before a pipeline step and their backward after it (module doc).
 
-    ``part``: this rank's ``encoder_part``; ``route``: the media router (``media_router``);
-    ``first_stage``: this rank runs stage 0 (it splices the features); ``pp``: the pipeline size
-    (the gradient scale, see the module doc); ``stage_work``: each routing rank's stage FLOPs per
-    row element (``stage_work_per_unit``): the items are placed around the stages' own work (the
-    step's largest row total), so a pipeline whose last stage carries a heavy head leaves the
-    encoder work to the lighter stages instead of splitting it evenly.
+    ``part``: this rank's ``encoder_part``; ``media_field``, ``row_length``: the batch contract's
+    media field and row length; ``route``: the media router (``media_router``); ``first_stage``:
+    this rank runs stage 0 (it splices the features); ``pp``: the pipeline size (the gradient
+    scale, see the module doc); ``stage_work``: each routing rank's stage FLOPs per row element
+    (``stage_work_per_unit``): the items are placed around the stages' own work, so a pipeline
+    whose last stage carries a heavy head leaves the encoder work to the lighter stages instead of
+    splitting it evenly.
     """
 
-    def __init__(self, part: nn.Module, media_field: str, route: RoutedMediaFn, first_stage: bool, pp: int,
-                 device: torch.device, stage_work: list[float] | None = None) -> None:
-        self.part, self.field, self.route, self.stage_work = part, media_field, route, stage_work
+    def __init__(self, part: nn.Module, media_field: str, row_length: Callable[[dict[str, Any]], int],
+                 route: RoutedMediaFn, first_stage: bool, pp: int, device: torch.device,
+                 stage_work: list[float] | None = None) -> None:
+        self.part, self.field, self.row_length, self.route = part, media_field, row_length, route
+        self.stage_work = stage_work
         self.first_stage, self.pp, self.device = first_stage, pp, device
         self.names = list(part.media_config().encoder_configs)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -170,10 +173,9 @@ class PipelineEncoders:
         backward is pending until ``backward``."""
         media = [row.get(self.field) or {} for row in rows]
         loads = None
-        if self.stage_work is not None:  # the stages' work this step, the same on every rank of the group
-            units = torch.tensor([float(sum(int(row.get("valid_tokens") or 0) for row in rows))], device=self.device)
-            dist.all_reduce(units, op=dist.ReduceOp.MAX, group=self.route.group)
-            loads = [w * float(units) for w in self.stage_work]
+        if self.stage_work is not None:  # the stages run every row at its padded length, the same on every
+            # rank of the group (the pipeline's fixed row size), so every rank places the items alike
+            loads = [w * sum(self.row_length(row) for row in rows) for w in self.stage_work]
         placed = media if self.first_stage else [{} for _ in rows]  # where the first stage splices them
         spliced: list[dict[str, dict]] = [{} for _ in rows]
         for name in self.names:
