@@ -22,6 +22,6 @@ class OmniCost(LMCost):
 
 
 register_model(ModelSpec(name="omni", config_cls=OmniConfig, build=OmniModel, task=lambda config: VLMTask(),
-                         dataset="chat_media", cost=OmniCost()))
+                         dataset="chat_media", cost=OmniCost(), blocks_option="llm.num_layers"))
 
 __all__ = ["MediaItem", "Modality", "OmniConfig", "OmniModel", "get_modality", "register_modality"]

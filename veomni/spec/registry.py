@@ -77,6 +77,9 @@ class ModelSpec:
     sample_writer: Callable[[Any, Any], SampleWriter] | None = None
     """(model config, data config) -> the writer of validation samples (``train.sample_interval``);
     None for families that have nothing to show but their metrics."""
+    blocks_option: str = "num_layers"
+    """The option holding the count of the plan's ``blocks`` (dotted into a section: an omni
+    model's ``llm.num_layers``); the pipeline memory estimate builds the model with 1 and 2."""
 
     def instantiate(self, config: Any) -> nn.Module:
         """``build(config)``, checked to be a model the engine can train."""

@@ -54,21 +54,19 @@ def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: 
     return min(v * m, (v - 1) * p + 2 * (p - 1 - r) + 1)
 
 
-def _with_layers(options: Mapping[str, Any], layers: int) -> dict[str, Any]:
-    """``options`` with the pipelined blocks' count set to ``layers``: a top-level ``num_layers``,
-    else the first section holding one (an omni model's ``llm``)."""
-    if "num_layers" in options:
-        return {**options, "num_layers": layers}
-    for key, value in options.items():
-        if isinstance(value, Mapping) and "num_layers" in value:
-            return {**options, key: {**value, "num_layers": layers}}
-    raise ValueError("the pipeline memory estimate varies the block count, but the model options name no "
-                     "num_layers (top level or in one section)")
+def _with_blocks(arch: str, options: Mapping[str, Any], blocks: int) -> dict[str, Any]:
+    """``options`` with the pipelined blocks' count (the family's ``ModelSpec.blocks_option``) set."""
+
+    def replaced(section: Mapping[str, Any], keys: list[str]) -> dict[str, Any]:
+        inner = blocks if len(keys) == 1 else replaced(section.get(keys[0]) or {}, keys[1:])
+        return {**section, keys[0]: inner}
+
+    return replaced(options, get_model_spec(arch).blocks_option.split("."))
 
 
 def _activation_bytes(cfg: RunConfig, layers: int, bytes_per_elem: int) -> float:
     with torch.device("meta"):
-        _, model = build_model(cfg.model.arch, _with_layers(cfg.model.options, layers))
+        _, model = build_model(cfg.model.arch, _with_blocks(cfg.model.arch, cfg.model.options, layers))
     cost = get_model_spec(cfg.model.arch).cost
     return cost.activation_bytes_per_unit(model, bytes_per_elem, cfg.parallel.activation_checkpointing)
 
