@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.omni_utils import build_vqa
 from veomni.spec import load_plugins
 
 load_plugins()
@@ -13,8 +14,6 @@ load_plugins()
 @pytest.fixture(scope="session")
 def vqa_build(tmp_path_factory) -> Path:
     """A VQA build of 400 training and 40 held-out samples (``data/build_vqa.py``): ``train/``, ``eval/``."""
-    from tests.test_omni_recipes import build_vqa
-
     folder = tmp_path_factory.mktemp("vqa")
     build_vqa(folder, 400, 40)
     return folder

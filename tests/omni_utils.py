@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -92,3 +94,10 @@ def write_shard(path: Path, records: list[dict]) -> Path:
         for record in records:
             writer.write(record)
     return path
+
+
+def build_vqa(out: Path, train: int, held_out: int) -> str:
+    """``data/build_vqa.py`` into ``out/train`` and ``out/eval``; its report."""
+    command = [sys.executable, str(REPO / "data" / "build_vqa.py"), "--train-out", str(out / "train"),
+               "--eval-out", str(out / "eval"), "--train-samples", str(train), "--eval-samples", str(held_out)]
+    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=120).stdout

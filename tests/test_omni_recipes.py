@@ -8,34 +8,12 @@ import json
 import math
 import re
 import subprocess
-import sys
 
+from tests.omni_utils import build_vqa
 from tests.test_launch import REPO, train_sh
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 
 RECIPES = REPO / "recipes" / "seed1.5-vl"
-BUILDER = REPO / "data" / "build_vqa.py"
-
-
-def build_vqa(out, train: int, held_out: int) -> str:
-    return subprocess.run(
-        [
-            sys.executable,
-            str(BUILDER),
-            "--train-out",
-            str(out / "train"),
-            "--eval-out",
-            str(out / "eval"),
-            "--train-samples",
-            str(train),
-            "--eval-samples",
-            str(held_out),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
 
 
 def test_vqa_builder_is_deterministic_and_reports_the_baseline(tmp_path):

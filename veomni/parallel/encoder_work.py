@@ -49,7 +49,7 @@ def watch_encoder_work(modules: Iterable[nn.Module], modality: str) -> EncoderWo
         if not isinstance(module, MediaHost) or modality not in module.media_config().encoder_configs:
             continue
         encoder = module.media_encoder(modality)
-        if not any(True for _ in encoder.parameters()):
+        if next(encoder.parameters(), None) is None:
             continue
         kind = module.media_config().media_kinds()[modality]
 

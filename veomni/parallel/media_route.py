@@ -74,9 +74,8 @@ def route_media(group: dist.ProcessGroup, encoder: nn.Module, announced: Sequenc
     that needs it. ``balance``: spread the short items over the group by those costs; else each
     runs on its announcer. ``long``: run long items sequence-parallel over blocks of ranks.
     ``loads``: other work each rank of ``group`` has in the step (a pipeline stage's), which the
-    placement fills around. Every rank of ``group`` calls this once per
-    modality and micro-batch, with items or none, in the same order and with the same ``balance``,
-    ``long`` and ``loads``.
+    placement fills around. Every rank of ``group`` calls this once per modality and micro-batch,
+    with items or none, in the same order and with the same ``balance``, ``long`` and ``loads``.
 
     Returns the rows whose destination is this rank, in the canonical order: by announcer rank,
     then the item's index in its announcer's ``announced``, then row within the item.

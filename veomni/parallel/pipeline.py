@@ -319,14 +319,18 @@ class Pipeline:
 def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                    parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
                    pp_mesh: DeviceMesh, device: torch.device, task: Task,
-                   meshes: ParallelMeshes | None = None) -> Pipeline:
+                   meshes: ParallelMeshes | None = None, probe: nn.Module | None = None) -> Pipeline:
     """This rank's stages (``build_stage_parts``) and the ``torch.distributed.pipelining``
     schedule that drives them. A model with media encoders (``parallel.encoder_colocate``) also
     gets them on every rank, sharded over ``meshes.encoder_fsdp`` (every pipeline x data-parallel
     rank), their work spread over ``meshes.media`` and run around the schedule
-    (``pipeline_media.py``)."""
+    (``pipeline_media.py``). ``probe``: a meta build of the model, when the caller has one."""
     check_pipeline_task(task, cfg)
-    parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device, meshes)
+    if probe is None:
+        with torch.device("meta"):
+            probe = build()
+    parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device, meshes,
+                                       probe)
     encoders = None
     if len(parts) > len(indices):
         part = parts.pop()
@@ -334,14 +338,13 @@ def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Modu
         encoders = PipelineEncoders(part, task.contract.media, task.contract.row_length, route, 0 in indices,
                                     cfg.pp, device, stage_work_per_unit(parts, route.group, device))
     return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task,
-                    encoders, tied_copies(build, cfg))
+                    encoders, tied_copies(probe, cfg))
 
 
-def tied_copies(build: Callable[[], nn.Module], cfg: ParallelConfig) -> list[dict[int, str]]:
-    """Per group of parameter names tied across stage pieces, ``{global stage: name}`` of the
-    stages that hold a copy (``pipeline_tied.py``); empty for untied models."""
-    with torch.device("meta"):
-        model = build()
+def tied_copies(model: nn.Module, cfg: ParallelConfig) -> list[dict[int, str]]:
+    """Per group of parameter names tied across the stage pieces of ``model`` (a meta build),
+    ``{global stage: name}`` of the stages that hold a copy (``pipeline_tied.py``); empty for
+    untied models."""
     plan = model.parallel_plan()
     piece, _ = _container(model, plan)
     n_stages = cfg.pp * virtual_stages(cfg)
@@ -351,16 +354,17 @@ def tied_copies(build: Callable[[], nn.Module], cfg: ParallelConfig) -> list[dic
 
 def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                       parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
-                      pp_mesh: DeviceMesh, device: torch.device,
-                      meshes: ParallelMeshes | None = None) -> tuple[list[nn.Module], list[int]]:
+                      pp_mesh: DeviceMesh, device: torch.device, meshes: ParallelMeshes | None = None,
+                      probe: nn.Module | None = None) -> tuple[list[nn.Module], list[int]]:
     """This rank's stage modules and their global stage indices, cut from the model ``build()``
     makes, parallelised by ``parallelize`` (FSDP / EP within the stage's ranks) and filled with
     rank 0's initial weights exactly as in one process (see ``materialize.py``). A model with
     media encoders colocated (``parallel.encoder_colocate``) gets one more part after the stages:
     the encoders, sharded over ``meshes.encoder_fsdp``; its stages hold none. Run inline, the encoders
-    stay in the first stage only."""
-    with torch.device("meta"):
-        probe = build()
+    stay in the first stage only. ``probe``: a meta build of the model, when the caller has one."""
+    if probe is None:
+        with torch.device("meta"):
+            probe = build()
     check_pipeline_model(probe, cfg, grad_accum)
     counts = stage_block_counts(probe, cfg)
     indices = stage_ids(pp_mesh.get_local_rank(), cfg.pp, virtual_stages(cfg), cfg.pp_schedule)

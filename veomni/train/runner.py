@@ -112,12 +112,12 @@ def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
             meta_model = build()
         if flatten_plan(meta_model.parallel_plan()).message_passing:
             parts, stages = build_stage_parts(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum,
-                                              meshes.pp, device)
+                                              meshes.pp, device, probe=meta_model)
             graph = GraphPipeline(parts[0], stages[0], meshes.dims.pp, cfg.parallel.pp_schedule, meshes.pp.get_group(),
                                   device, task)
             return GraphPipelineRunner(graph, meta_model, cfg, spec, model_config, task, meshes)
         pipeline = build_pipeline(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum, meshes.pp,
-                                  device, task, meshes)
+                                  device, task, meshes, meta_model)
         return PipelineRunner(pipeline, meta_model, cfg, spec, model_config, task, meshes)
     model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
     return PlainRunner(model, cfg, spec, model_config, task, meshes)
