@@ -19,10 +19,10 @@ from models.audio import (
     wav_to_features,
     waveform_to_features,
 )
+from tests.parity_utils import assert_parity
 from veomni.parallel.plan import match_modules
 
 LENGTHS = [13, 7, 20, 1, 9]  # frames; 1 and odd lengths exercise the ceil of each stride
-ATOL = 1e-6
 
 
 def tiny_config(**overrides) -> AudioEncoderConfig:
@@ -107,7 +107,7 @@ def test_packed_clips_equal_each_clip_alone(strides) -> None:
     assert counts == [math.ceil(math.ceil(n / strides[0]) / strides[1]) for n in LENGTHS]
     assert packed.shape == (sum(counts), 24) and sum(counts) >= sum(LENGTHS) // factor
     for got, part in zip(packed.split(counts), parts):
-        torch.testing.assert_close(got, model(part, torch.tensor([part.shape[0]])), atol=ATOL, rtol=1e-5)
+        assert_parity(got, model(part, torch.tensor([part.shape[0]])), "got")
 
 
 def test_perturbing_one_clip_changes_only_its_tokens() -> None:
@@ -121,7 +121,7 @@ def test_perturbing_one_clip_changes_only_its_tokens() -> None:
         if index == 2:
             assert (a - b).abs().max() > 1e-3
         else:
-            torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-5)
+            assert_parity(a, b, "a")
 
 
 def test_gradients_reach_every_parameter() -> None:
@@ -150,7 +150,7 @@ def test_training_flops_match_flop_counter() -> None:
     fast = model(features, lengths)
     for _, module in match_modules(model, model.parallel_plan().attention):
         module.attn_fn = _naive_attention
-    torch.testing.assert_close(model(features, lengths), fast, atol=ATOL, rtol=1e-5)
+    assert_parity(model(features, lengths), fast, "model(features, lengths)")
     features.requires_grad_()
     with FlopCounterMode(display=False) as counter:
         model(features, lengths).sum().backward()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni, wav_bytes
+from tests.parity_utils import assert_parity
 from tests.test_launch import REPO, train_sh
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
@@ -48,7 +49,7 @@ def test_audio_features_replace_placeholders_next_to_images():
     assert audio["inputs"]["lengths"].tolist() == [51, 34] and audio["positions"].numel() == 13 + 9
     expected = torch.cat([model.encoders["audio"](**process.media(r)["audio"][0].inputs) for r in (records[0],
                                                                                                    records[3])])
-    torch.testing.assert_close(seen["x"][audio["positions"]], expected.detach(), rtol=1e-5, atol=1e-6)
+    assert_parity(seen["x"][audio["positions"]], expected.detach(), "seen['x'][audio['positions']]")
     assert batch["media"]["image"]["positions"].numel() == 6
     assert (batch["labels"][audio["positions"]] == -100).all()
 
@@ -60,7 +61,7 @@ def test_audio_sample_does_not_depend_on_packing_neighbours():
     alone = pack_chat_samples([process(a)])
     packed = pack_chat_samples([process(b), process(a)])
     start = int(packed["cu_seqlens"][1])
-    torch.testing.assert_close(_run(model, packed)[start:], _run(model, alone), rtol=1e-5, atol=1e-5)
+    assert_parity(_run(model, packed)[start:], _run(model, alone), "_run(model, packed)[start:]")
 
 
 def _builder():

@@ -56,7 +56,7 @@ def test_balanced_encoders_match_one_process_at_two_ranks(reference, balanced_tw
     assert owned[1][0] == 0 and owned[0][3] == owned[1][3] == 0  # step 0: rank 1 without image; step 3: none
     assert balanced_two_ranks[1]["encoded"][0] > 0  # ... yet rank 1 encodes some of rank 0's images
     for got in balanced_two_ranks:
-        assert_records_close(reference, got, atol=1e-6)
+        assert_records_close(reference, got)
 
 
 def test_skewed_step_is_balanced(balanced_two_ranks):
@@ -74,7 +74,7 @@ def test_balanced_encoders_match_one_process_at_four_ranks(reference):
     results = run_distributed(run_media_steps, 4, ParallelConfig(encoder_balance=True), global_steps())
     assert [r["owned"][0] == 0 for r in results] == [False, True, False, True]
     for got in results:
-        assert_records_close(reference, got, atol=1e-6)
+        assert_records_close(reference, got)
 
 
 def test_assignment_is_deterministic_complete_and_prefers_owners():

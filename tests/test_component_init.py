@@ -21,7 +21,7 @@ from models.llm.config import LLMConfig
 from models.vit import hf_adapter as vit_adapter
 from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, write_shard
-from tests.parity_utils import full_params
+from tests.parity_utils import assert_parity, full_params
 from veomni.checkpoint.component_init import load_components
 from veomni.config.loader import load_config
 from veomni.config.schema import (
@@ -145,7 +145,7 @@ def test_vlm_starts_from_a_pretrained_llm_and_vision_tower(tmp_path):
     with torch.no_grad():
         want = llm(torch.tensor([TEXT])).logits[0]
     assert want.abs().max() > 1.0, "logits too small for a meaningful tolerance"
-    torch.testing.assert_close(result["logits"], want, rtol=0, atol=1e-5)
+    assert_parity(result["logits"], want, "result['logits']")
 
 
 def _launch(capfd, recipe: Path, *overrides: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import TINY_LLM, assert_records_close, run_steps, sample_lengths, tiny_model
+from tests.parity_utils import TINY_LLM, assert_parity, assert_records_close, run_steps, sample_lengths, tiny_model
 from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo, sdpa_varlen_attention
@@ -106,20 +106,20 @@ def test_block_kernel_matches_sdpa_and_the_matmul_form(causal):
     segments = [Segment(a, b, a, b) for a, b in zip(BOUNDS, BOUNDS[1:])]
     out, lse = accumulators(q, v)
     attend_block(q.detach(), k.detach(), v.detach(), segments, causal, out, lse)
-    torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+    assert_parity(out, ref.detach(), "out")
     assert torch.isinf(lse[77:]).all() and torch.isfinite(lse[:77]).all()
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
     attend_block_backward(grad, q.detach(), k.detach(), v.detach(), out, lse, segments, causal, dq, dk, dv)
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_parity(got, want, "got")
     s = segments[1]  # the matmul form (CUDA fp32's kernel) on one segment, K/V heads repeated
     rows, keys = slice(s.q_start, s.q_end), slice(s.k_start, s.k_end)
     kr, vr = (t.detach()[keys].repeat_interleave(2, 1) for t in (k, v))
     m_out, m_lse = _math_forward(q.detach()[rows], kr, vr, causal, DIM ** -0.5)
-    torch.testing.assert_close(m_out, out[rows], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(m_lse, lse[rows], atol=1e-5, rtol=1e-5)
+    assert_parity(m_out, out[rows], "m_out")
+    assert_parity(m_lse, lse[rows], "m_lse")
     m_dq, _, _ = _math_backward(grad[rows], q.detach()[rows], kr, vr, out[rows], lse[rows], causal, DIM ** -0.5)
-    torch.testing.assert_close(m_dq, dq[rows], atol=1e-5, rtol=1e-5)
+    assert_parity(m_dq, dq[rows], "m_dq")
 
 
 def test_chunk_pairs_skip_other_samples_and_later_pieces():
@@ -141,9 +141,9 @@ def test_merge_of_split_keys_equals_attention_over_all_and_stays_finite_when_emp
     nothing = torch.full_like(first_lse, float("-inf"))
     out, lse = merge_partials(torch.zeros_like(first), nothing, first, first_lse)
     out, lse = merge_partials(out, lse, second, second_lse)
-    torch.testing.assert_close(out[:6], whole[:6], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(lse[:6], whole_lse[:6], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(out[6:], first[6:])  # only the first block's keys
+    assert_parity(out[:6], whole[:6], "out[:6]")
+    assert_parity(lse[:6], whole_lse[:6], "lse[:6]")
+    assert_parity(out[6:], first[6:], "out[6:]")  # only the first block's keys
     empty, empty_lse = merge_partials(torch.zeros_like(first), nothing, torch.zeros_like(first), nothing)
     assert torch.equal(empty, torch.zeros_like(first)) and torch.isinf(empty_lse).all()
 
@@ -185,9 +185,9 @@ def _attention_vs_whole_row(rank, world, a, b, sp, causal):
     with COMM_COUNTER.measure() as counter:
         (out * grad[positions]).sum().backward()
     backward = dict(counter.bytes)
-    torch.testing.assert_close(out, ref.detach()[positions], atol=2e-6, rtol=1e-5)
+    assert_parity(out, ref.detach()[positions], "out")
     for mine, full in ((ql, q), (kl, k), (vl, v)):
-        torch.testing.assert_close(mine.grad, full.grad[positions], atol=2e-6, rtol=1e-5)
+        assert_parity(mine.grad, full.grad[positions], "mine.grad")
     return forward, backward
 
 

@@ -13,10 +13,9 @@ from diffusers import WanTransformer3DModel
 from models.dit import hf_adapter
 from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig
 from models.dit.model import DiTModel
+from tests.parity_utils import assert_parity
 from veomni.checkpoint.component_init import load_components
 from veomni.checkpoint.hf_io import load_hf_pretrained, read_hf_config, save_hf_pretrained
-
-ATOL = 1e-5
 
 CONFIGS = {
     # Wan's own patch, cross-attention norm on
@@ -62,7 +61,7 @@ def test_imported_weights_match_diffusers(name):
         out = ours.forward_video(*inputs)
     expected = _diffusers_output(reference, inputs)
     assert out.shape == expected.shape == (2, cfg.out_channels, 4, 6, 8)
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    assert_parity(out, expected, "out")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -80,7 +79,7 @@ def test_export_loads_in_diffusers_with_same_outputs(name, tmp_path):
     inputs = _inputs(cfg)
     with torch.no_grad():
         expected = ours.forward_video(*inputs)
-    torch.testing.assert_close(_diffusers_output(reloaded, inputs), expected, atol=ATOL, rtol=0)
+    assert_parity(_diffusers_output(reloaded, inputs), expected, "_diffusers_output(reloaded, inputs)")
 
     arch, config, state_dict = load_hf_pretrained(folder)
     assert arch == "dit" and config == cfg
@@ -110,8 +109,7 @@ def test_init_from_hf_loads_a_diffusers_saved_folder_and_refuses_another_archite
     load_components(ours, {"": str(tmp_path / "wan")})
     inputs = _inputs(cfg)
     with torch.no_grad():
-        torch.testing.assert_close(ours.forward_video(*inputs), _diffusers_output(reference, inputs),
-                                   atol=ATOL, rtol=0)
+        assert_parity(ours.forward_video(*inputs), _diffusers_output(reference, inputs), "ours.forward_video(*inputs)")
     other = DiTModel(dataclasses.replace(cfg, ffn_dim=32))
     with pytest.raises(ValueError, match="ffn_dim"):
         load_components(other, {"": str(tmp_path / "wan")})

@@ -15,10 +15,10 @@ from models.dit.batch import pack_latents, unpack_tokens
 from models.dit.config import DiTConfig
 from models.dit.cost import DiTCost, forward_flops
 from models.dit.model import DiTModel
+from tests.parity_utils import assert_parity
 from veomni.ops.attention import cross_varlen_attention
 from veomni.spec import get_model_spec
 
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 CFG = DiTConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
                 out_channels=4, text_dim=16, freq_dim=32, ffn_dim=48, num_layers=2)
 # (C, F, H, W) latents: an image, a 3-frame clip, a 2-frame clip with another H/W; their caption lengths
@@ -61,7 +61,7 @@ def test_packed_row_equals_each_sample_alone_and_padding_is_zero():
         assert torch.equal(packed[-PADDING:], torch.zeros(PADDING, packed.shape[1]))
         for latent, text, t, out in zip(latents, texts, timesteps, unpack_tokens(packed, batch, CFG.patch_size)):
             alone = model.forward_video(latent[None], t[None], text[None])[0]
-            torch.testing.assert_close(out, alone, **TOL)
+            assert_parity(out, alone, "out")
 
 
 def test_a_slice_of_the_row_computes_its_tokens_as_the_whole_row_does():
@@ -79,7 +79,7 @@ def test_a_slice_of_the_row_computes_its_tokens_as_the_whole_row_does():
             local = dict(batch)
             for field in ("latents", "positions", "sample_index"):
                 local[field] = batch[field][piece]
-            torch.testing.assert_close(model(local["latents"], local), whole[piece], **TOL)
+            assert_parity(model(local["latents"], local), whole[piece], "model(local['latents'], local)")
 
 
 def test_gradients_reach_every_weight_through_the_diffusion_loss():
@@ -134,7 +134,7 @@ def test_cross_varlen_attention_keeps_to_each_samples_context(per_sample):
     k = torch.randn(12, 2, 8, generator=generator, requires_grad=True)
     v = torch.randn(12, 2, 8, generator=generator)
     out = cross_varlen_attention(q, k, v, q_sample_index, kv_cu_seqlens, per_sample=per_sample)
-    torch.testing.assert_close(out, _reference_cross_attention(q, k, v, q_sample_index, kv_cu_seqlens), **TOL)
+    assert_parity(out, _reference_cross_attention(q, k, v, q_sample_index, kv_cu_seqlens), "out")
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
     assert not q.grad[q_sample_index == -1].any() and not q.grad[q_sample_index == 2].any()

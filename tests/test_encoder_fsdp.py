@@ -31,7 +31,7 @@ def reference() -> dict:
                          ids=["replicated", "sharded-2-balanced"])
 def test_encoder_own_fsdp_group_matches_one_process(reference, parallel):
     for got in run_distributed(run_media_steps, 4, parallel, global_steps()):
-        assert_records_close(reference, got, atol=1e-6)
+        assert_records_close(reference, got)
 
 
 def _mesh_shapes(rank: int, world: int, parallel: ParallelConfig) -> dict:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tests.dist_harness import run_distributed
 from tests.omni_utils import TINY_OMNI
-from tests.parity_utils import full_grads
+from tests.parity_utils import assert_grads_parity, assert_parity, full_grads
 from veomni.config.schema import ParallelConfig
 from veomni.ops.attention import RowShare
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -111,12 +111,9 @@ def _sharded(rank: int, world: int, groups: list[list[int]], cases: list[str], c
 
 def _assert_matches_reference(results: list[dict], case: str) -> None:
     features, grads = _reference(case)
-    torch.testing.assert_close(torch.cat([r["features"] for r in results]), features, rtol=1e-5, atol=1e-6)
-    assert results[0]["grads"].keys() == grads.keys()
-    for name, grad in grads.items():  # fp32 rounding of sums in another order, relative to the tensor's scale
-        scale = max(1.0, float(grad.abs().max()))
-        torch.testing.assert_close(sum(r["grads"][name] for r in results), grad, rtol=1e-5, atol=1e-7 * scale,
-                                   msg=lambda m, name=name: f"{case}: gradient of {name}: {m}")
+    assert_parity(torch.cat([r["features"] for r in results]), features, f"{case}: features")
+    summed = {name: sum(r["grads"][name] for r in results) for name in results[0]["grads"]}
+    assert_grads_parity(summed, grads, case)
 
 
 @pytest.mark.parametrize("case, ranks", [

@@ -21,6 +21,7 @@ from tests.graph_utils import (
     train_units,
     views,
 )
+from tests.parity_utils import assert_grads_parity, assert_parity, assert_scalar_parity, assert_series_parity
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.graph import apply_graph_parallel
 from veomni.parallel.graph_pipeline import GraphPipeline, schedule_actions
@@ -61,10 +62,8 @@ def test_graph_parallel_equals_one_process(world, layer):
     graph = community_graph()
     ref_loss, ref_grads = reference_grads(tiny_gnn(layer, LAYERS, graph=graph), graph)
     for loss, grads, sent, rows in run_distributed(_graph_parallel, world, layer):
-        assert loss == pytest.approx(ref_loss, abs=1e-6)
-        assert grads.keys() == ref_grads.keys()
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+        assert_scalar_parity(loss, ref_loss, "loss")
+        assert_grads_parity(grads, ref_grads, "graph parallel")
         # every layer sends the rows others need forward, and the gradients of the rows it
         # received back: L (sent + received rows) d 4 bytes
         assert sent == LAYERS * rows * 16 * 4
@@ -97,11 +96,9 @@ def test_one_chunk_pipeline_equals_one_process(world, schedule):
     graph = community_graph()
     ref_loss, ref_grads = reference_grads(tiny_gnn("gcnii", LAYERS, graph=graph), graph)
     results = run_distributed(_pipeline, world, schedule, 1, 1)
-    assert results[-1][0][0] == pytest.approx(ref_loss, abs=1e-6)
+    assert_scalar_parity(results[-1][0][0], ref_loss, "loss")
     grads = {name: g for _, stage_grads, _ in results for name, g in stage_grads.items()}
-    assert grads.keys() == ref_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert_grads_parity(grads, ref_grads, "graph parallel")
     nodes = graph["x"].shape[0]
     for rank, (_, _, sent) in enumerate(results):
         # the GCNII state (h, h0) of every node crosses each stage boundary forward, its gradient back
@@ -118,7 +115,7 @@ def test_chunked_pipeline_equals_chunked_training_in_one_process(schedule, stale
     expected = chunked_reference(tiny_gnn("gcnii", LAYERS, graph=graph), graph, chunks=3, epochs=4,
                                  stale_gradients=stale_gradients)
     losses = run_distributed(_pipeline, 2, schedule, 3, 4, stale_gradients)[-1][0]
-    assert losses == pytest.approx(expected, abs=1e-6)
+    assert_series_parity(losses, expected, "losses")
     # and the history matters: the stale epochs differ from exact full-graph training
     ref_loss, _ = reference_grads(tiny_gnn("gcnii", LAYERS, graph=graph), graph)
     assert losses[0] != pytest.approx(ref_loss, abs=1e-4)
@@ -131,7 +128,7 @@ def test_stale_gradients_reach_the_rows_stale_edges_read():
     model = tiny_gnn("gcnii", LAYERS, graph=graph)
     without = chunked_reference(model, graph, chunks=3, epochs=6)
     with_grads = chunked_reference(model, graph, chunks=3, epochs=6, stale_gradients=True)
-    assert with_grads[:2] == pytest.approx(without[:2], abs=1e-7)
+    assert_series_parity(with_grads[:2], without[:2], "first two epochs")
     assert with_grads[2] != pytest.approx(without[2], abs=1e-5)
 
 
@@ -159,11 +156,9 @@ def test_hybrid_pipeline_by_partitions_equals_one_process():
     graph = community_graph()
     ref_loss, ref_grads = reference_grads(tiny_gnn("gcnii", LAYERS, graph=graph), graph)
     results = run_distributed(_hybrid, 4)
-    assert results[0][0] == pytest.approx(ref_loss, abs=1e-6)
+    assert_scalar_parity(results[0][0], ref_loss, "loss")
     grads = {name: g for _, stage_grads in results for name, g in stage_grads.items()}
-    assert grads.keys() == ref_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert_grads_parity(grads, ref_grads, "graph parallel")
 
 
 def test_schedules_run_every_chunk_once_each_way():
@@ -194,4 +189,4 @@ def test_history_written_by_a_whole_pass_makes_chunks_exact(world):
     results = [_fresh_history_forward(0, 1)] if world == 1 else run_distributed(_fresh_history_forward, world)
     for full, chunked in results:
         assert any(view["stale_edge_index"].shape[1] for view in views(community_graph(), tiny_gnn(), world, 0, 3)[0])
-        torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+        assert_parity(chunked, full, "chunked forward")

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import full_params
+from tests.parity_utils import assert_parity, full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.checkpoint.export import main as export_main
 from veomni.spec import build_model
@@ -36,7 +36,7 @@ def test_exported_checkpoint_loads_in_transformers_with_same_logits(tmp_path):
     with torch.no_grad():
         ours_logits = ours(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n)
         hf_logits = hf(ids[None]).logits[0]
-    assert (ours_logits - hf_logits).abs().max() < 1e-4
+    assert_parity(hf_logits, ours_logits, "exported logits in transformers")
 
 
 def test_export_rejects_incomplete_checkpoint(tmp_path, capsys):

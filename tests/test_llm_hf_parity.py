@@ -11,11 +11,11 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.llm import hf_adapter
+from tests.parity_utils import assert_parity
 from veomni.checkpoint.hf_io import load_hf_pretrained, save_hf_pretrained
 from veomni.data.packing import pack_samples
 from veomni.spec import build_model
 
-ATOL = 1e-4
 LENGTHS = (7, 13, 4)
 VOCAB = 101
 
@@ -105,16 +105,16 @@ def test_import_and_export_match_hf(case: str, tmp_path) -> None:
     assert reference.abs().max() > 1.0, "logits too small for a meaningful tolerance"
     diff = (ours - reference).abs().max().item()
     print(f"{case}: max |logits diff| import {diff:.3g}")
-    assert diff < ATOL
+    assert_parity(ours, reference, f"{case}: logits vs transformers")
 
     out = tmp_path / "export"
     tokenizer_dir = _tokenizer_dir(tmp_path / "tok")
     save_hf_pretrained("llm", cfg, model.state_dict(), out, tokenizer_dir=tokenizer_dir)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded) is type(hf)
-    export_diff = (ours - _hf_logits_per_sample(reloaded, batch)).abs().max().item()
-    print(f"{case}: max |logits diff| export {export_diff:.3g}")
-    assert export_diff < ATOL
+    exported = _hf_logits_per_sample(reloaded, batch)
+    print(f"{case}: max |logits diff| export {(ours - exported).abs().max().item():.3g}")
+    assert_parity(exported, ours, f"{case}: logits of the exported folder in transformers")
     text = "samples attend across packed boundaries"
     expected = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)(text)["input_ids"]
     assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == expected
@@ -132,8 +132,7 @@ def test_sharded_export_round_trips(tmp_path) -> None:
     assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     batch = _packed_batch()
-    diff = (_hf_logits_per_sample(reloaded, batch) - _hf_logits_per_sample(hf, batch)).abs().max().item()
-    assert diff < ATOL
+    assert_parity(_hf_logits_per_sample(reloaded, batch), _hf_logits_per_sample(hf, batch), "sharded export logits")
     _, _, sd_back = load_hf_pretrained(tmp_path / "out")
     assert sd_back.keys() == sd.keys()
 

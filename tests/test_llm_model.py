@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.llm import DecoderLM, LLMConfig
+from tests.parity_utils import assert_parity
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo, sdpa_varlen_attention, varlen_attention
 from veomni.parallel.plan import match_modules
@@ -84,13 +85,13 @@ def test_packed_logits_and_loss_equal_per_sample_runs() -> None:
     batch = pack_samples(samples)
     packed = _run(model, batch)
     alone = torch.cat([_run(model, pack_samples([s])) for s in samples])
-    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    assert_parity(packed, alone, "packed")
 
     packed_loss = F.cross_entropy(packed, batch["labels"], ignore_index=-100, reduction="sum")
     alone_loss = sum(
         F.cross_entropy(_run(model, b := pack_samples([s])), b["labels"], reduction="sum") for s in samples
     )
-    torch.testing.assert_close(packed_loss, alone_loss, atol=1e-4, rtol=1e-5)
+    assert_parity(packed_loss, alone_loss, "packed_loss")
 
 
 @pytest.mark.parametrize("block_diagonal", [False, True, None])
@@ -98,7 +99,7 @@ def test_packed_logits_and_loss_equal_per_sample_runs() -> None:
 def test_varlen_attention_matches_dense_reference(block_diagonal, hkv) -> None:
     q, k, v, seq = _qkv([5, 1, 9, 4], hkv=hkv, pad=3)
     out = sdpa_varlen_attention(q, k, v, seq, block_diagonal=block_diagonal)
-    torch.testing.assert_close(out, _dense_reference(q, k, v, seq), atol=1e-5, rtol=1e-5)
+    assert_parity(out, _dense_reference(q, k, v, seq), "out")
     assert out[-3:].abs().max() == 0  # padding tail: zero output
 
 
@@ -109,8 +110,8 @@ def test_fallback_paths_agree_in_values_and_gradients() -> None:
         out = sdpa_varlen_attention(q, k, v, seq, block_diagonal=block_diagonal)
         grads.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(varlen_attention(q, k, v, seq), grads[0][0], atol=1e-5, rtol=1e-5)
+        assert_parity(a, b, "a")
+    assert_parity(varlen_attention(q, k, v, seq), grads[0][0], "varlen_attention(q, k, v, seq)")
 
 
 def test_training_flops_match_flop_counter() -> None:
@@ -138,7 +139,7 @@ def test_default_attention_dispatch_is_used_and_injectable() -> None:
     for layer in model.layers:
         assert layer.attn.attn_fn is varlen_attention
         layer.attn.attn_fn = functools.partial(sdpa_varlen_attention, block_diagonal=True)
-    torch.testing.assert_close(_run(model, batch), reference, atol=1e-5, rtol=1e-5)
+    assert_parity(_run(model, batch), reference, "_run(model, batch)")
 
 
 def test_parallel_plan_globs_match_the_intended_modules() -> None:
@@ -205,3 +206,4 @@ def test_a_family_whose_build_returns_no_trainable_model_is_refused():
                      task=lambda config: None, dataset="packed_text", cost=None)
     with pytest.raises(TypeError, match="parallel_plan"):
         spec.instantiate(LLMConfig())
+

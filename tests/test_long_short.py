@@ -32,7 +32,7 @@ def test_long_items_run_sequence_parallel_and_match_one_process(reference, world
     parallel = ParallelConfig(encoder_sp=2, encoder_sp_threshold=THRESHOLD, **extra)
     results = run_distributed(run_media_steps, world, parallel, sp_steps(), BIG)
     for got in results:
-        assert_records_close(reference, got, atol=1e-6)
+        assert_records_close(reference, got)
     shared = [r["shared"][SPANNING_STEP] for r in results]
     assert sum(shared) == 144 and sorted(shared)[-2:] == [72, 72]  # the big image: 2 x 18 merge groups
     assert all(r["shared"][step] == 0 for r in results for step in range(len(sp_steps())) if step != SPANNING_STEP)
@@ -43,7 +43,7 @@ def test_long_audio_clip_runs_sequence_parallel_and_matches_one_process():
     parallel = ParallelConfig(encoder_sp=2, encoder_sp_threshold=20, encoder_balance=True)
     reference = run_distributed(run_media_steps, 1, ParallelConfig(), audio_steps(), overrides)[0]
     for got in run_distributed(run_media_steps, 2, parallel, audio_steps(), overrides):
-        assert_records_close(reference, got, atol=1e-6)
+        assert_records_close(reference, got)
 
 
 def test_long_items_take_the_least_loaded_block_and_short_ones_fill_around():

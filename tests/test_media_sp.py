@@ -86,7 +86,7 @@ def reference() -> dict:
 def test_sequence_parallel_media_match_one_process(reference, world, balance):
     results = run_distributed(run_media_steps, world, ParallelConfig(sp=2, encoder_balance=balance), sp_steps(), BIG)
     for got in results:
-        assert_records_close(reference, got, atol=1e-6)
+        assert_records_close(reference, got)
     for step in range(len(sp_steps())):  # each row's images are owned by both its ranks, encoded once
         encoded = sum(r["encoded"][step] for r in results)
         assert encoded == pytest.approx(sum(r["owned"][step] for r in results) / 2)
@@ -106,7 +106,7 @@ def test_audio_model_under_sequence_parallelism_matches_one_process():
     overrides = {"encoders": ENCODERS}
     reference = run_distributed(run_media_steps, 1, ParallelConfig(), audio_steps(), overrides)[0]
     for got in run_distributed(run_media_steps, 2, ParallelConfig(sp=2), audio_steps(), overrides):
-        assert_records_close(reference, got, atol=1e-6)
+        assert_records_close(reference, got)
 
 
 def test_sequence_parallelism_is_accepted_for_omni_models_and_context_parallelism_refused():

@@ -1,6 +1,6 @@
 """Our MoE DecoderLM against HF Qwen3-MoE / Qwen2-MoE built from config with random weights:
-same logits (fp32, atol 1e-4) and the same experts chosen for every token, both on import and
-after our export is loaded back by ``AutoModelForCausalLM``."""
+same logits (fp32, by the parity rule of tests/parity_utils.py) and the same experts chosen for
+every token, both on import and after our export is loaded back by ``AutoModelForCausalLM``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 import transformers
 
 from models.llm import hf_adapter
+from tests.parity_utils import assert_parity
 from veomni.checkpoint.hf_io import load_hf_pretrained, save_hf_pretrained
 from veomni.data.packing import pack_samples
 from veomni.spec import build_model
 
-ATOL = 1e-4
 VOCAB = 101
 LENGTHS = (17, 23, 11)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -82,7 +82,7 @@ def test_moe_import_and_export_match_hf(case, tmp_path):
     assert reference.abs().max() > 1.0
     diff = (ours - reference).abs().max().item()
     print(f"{case}: max |logits diff| import {diff:.3g}")
-    assert diff < ATOL
+    assert_parity(ours, reference, f"{case}: logits vs transformers")
     for layer, (a, b) in enumerate(zip(our_choice, hf_choice, strict=True)):
         assert torch.equal(a, b), f"layer {layer}: router choices differ"
     if case.startswith("qwen3"):  # every expert is used, so a mis-mapped one would show in the logits
@@ -93,9 +93,8 @@ def test_moe_import_and_export_match_hf(case, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded) is type(hf)
     export_logits, export_choice = _hf_run(reloaded, batch)
-    export_diff = (ours - export_logits).abs().max().item()
-    print(f"{case}: max |logits diff| export {export_diff:.3g}")
-    assert export_diff < ATOL
+    print(f"{case}: max |logits diff| export {(ours - export_logits).abs().max().item():.3g}")
+    assert_parity(export_logits, ours, f"{case}: logits of the exported folder in transformers")
     assert all(torch.equal(a, b) for a, b in zip(our_choice, export_choice, strict=True))
     arch, cfg_back, sd_back = load_hf_pretrained(out)
     assert (arch, cfg_back) == ("llm", cfg)

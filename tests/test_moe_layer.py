@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from models.llm.config import LLMConfig
 from models.llm.moe import MoE
+from tests.parity_utils import assert_parity
 from veomni.ops.grouped_gemm import grouped_mm
 
 CFG = dict(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -43,7 +44,7 @@ def test_grouped_mm_matches_per_expert_matmuls_with_empty_groups(fused):
     counts = torch.tensor([5, 0, 15, 0])
     got = grouped_mm(x, w, counts, fused=fused)
     ref = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
-    torch.testing.assert_close(got, ref)
+    assert_parity(got, ref, "got")
     got.pow(2).sum().backward()
     assert w.grad[1].abs().max() == 0 and w.grad[3].abs().max() == 0 and w.grad[0].abs().max() > 0
 
@@ -59,7 +60,7 @@ def test_grouped_mm_without_rows_still_gives_zero_weight_gradient():
 def test_grouped_dispatch_matches_naive_loop(overrides):
     moe = _moe(**overrides)
     x = torch.randn(40, 32)
-    torch.testing.assert_close(moe(x), _naive(moe, x), atol=1e-5, rtol=1e-5)
+    assert_parity(moe(x), _naive(moe, x), "moe(x)")
 
 
 def test_capacity_factor_drops_only_overflow():
@@ -74,7 +75,7 @@ def test_capacity_factor_drops_only_overflow():
     # rows past capacity lose only their expert-0 contribution
     loaded = _moe(capacity_factor=0.0)
     loaded.load_state_dict(moe.state_dict())
-    assert torch.allclose(out[:capacity], loaded(x)[:capacity], atol=1e-5)
+    assert_parity(out[:capacity], loaded(x)[:capacity], "rows within capacity")
     assert not torch.allclose(out[capacity:], loaded(x)[capacity:], atol=1e-3)
 
 
@@ -86,7 +87,7 @@ def test_balance_and_z_losses_follow_their_definitions():
     fraction = torch.bincount(idx.flatten(), minlength=6).float() / idx.numel()
     balance = 6 * (fraction * probs.mean(0)).sum()
     z = torch.logsumexp(logits, -1).pow(2).mean()
-    torch.testing.assert_close(moe.last_aux, 0.1 * balance + 0.01 * z)
+    assert_parity(moe.last_aux, 0.1 * balance + 0.01 * z, "moe.last_aux")
     assert moe.last_load.tolist() == torch.bincount(idx.flatten(), minlength=6).tolist()
 
 
@@ -115,8 +116,8 @@ def test_padding_rows_are_not_routed_and_change_no_statistic():
     real = moe(x[:23])
     load, aux = moe.last_load, moe.last_aux
     padded = moe(x, valid_tokens=23)
-    torch.testing.assert_close(padded[:23], real)
+    assert_parity(padded[:23], real, "padded[:23]")
     assert padded[23:].abs().max() == 0
     assert moe.last_load.tolist() == load.tolist() and int(load.sum()) == 23 * 2
-    torch.testing.assert_close(moe.last_aux, aux)
+    assert_parity(moe.last_aux, aux, "moe.last_aux")
     assert moe(x, valid_tokens=0).abs().max() == 0 and int(moe.last_load.sum()) == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
+from tests.parity_utils import assert_parity
 from veomni.config.schema import TrainConfig
 from veomni.data.loader import load_tokenizer
 from veomni.data.multimodal import SampleProcessor, pack_chat_samples
@@ -43,7 +44,7 @@ def test_features_replace_placeholder_embeddings_in_order():
     )
     positions = image["positions"]
     assert positions.numel() == expected_features.shape[0] == (6 + 3)  # 2x3 and 3x1 merged tokens
-    torch.testing.assert_close(x[positions], expected_features.detach(), rtol=1e-5, atol=1e-6)
+    assert_parity(x[positions], expected_features.detach(), "x[positions]")
     text = torch.ones(x.shape[0], dtype=torch.bool)
     text[positions] = False
     torch.testing.assert_close(
@@ -68,7 +69,7 @@ def test_sample_logits_do_not_depend_on_packing_neighbours():
                      media=batch["media"])
 
     start = int(packed["cu_seqlens"][1])
-    torch.testing.assert_close(run(packed)[start:], run(alone), rtol=1e-5, atol=1e-5)
+    assert_parity(run(packed)[start:], run(alone), "run(packed)[start:]")
 
 
 def test_without_media_equals_the_bare_llm():

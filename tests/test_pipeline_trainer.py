@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_harness import run_distributed
+from tests.parity_utils import assert_scalar_parity, assert_series_parity
 from tests.trainer_utils import tiny_run_config
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.pipeline_plan import PipelineConfigError, check_pipeline
@@ -31,8 +32,8 @@ def test_trainer_pp2_matches_one_process(tmp_path, schedule):
     """Same seed, data and steps (SGD, clipping on): losses and clipped grad norms agree."""
     ref_loss, ref_norm = run_distributed(_train, 1, str(tmp_path / "a"), 1, "1F1B", "sgd")[0]
     for loss, norm in run_distributed(_train, 2, str(tmp_path / "b"), 2, schedule, "sgd"):
-        assert loss == pytest.approx(ref_loss, abs=1e-5)
-        assert norm == pytest.approx(ref_norm, abs=1e-5)
+        assert_series_parity(loss, ref_loss, "losses")
+        assert_series_parity(norm, ref_norm, "grad norms")
 
 
 def _losses_and_eval(rank, world, tmp, pp, max_steps):
@@ -58,8 +59,8 @@ def test_checkpoint_moves_between_pipeline_sizes(tmp_path):
         shutil.copytree(saved, resumed)
         losses, eval_loss, step = run_distributed(_losses_and_eval, pp, str(resumed), pp, 5)[0]
         assert step == 5
-        assert losses == pytest.approx(full[3:], abs=1e-5), f"pp=2 -> pp={pp}"
-        assert eval_loss == pytest.approx(full_eval, abs=1e-5)
+        assert_series_parity(losses, full[3:], f"pp=2 -> pp={pp} losses")
+        assert_scalar_parity(eval_loss, full_eval, f"pp=2 -> pp={pp} eval loss")
 
 
 @pytest.mark.parametrize("settings, grad_accum, blocks, message", [

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.parity_utils import assert_scalar_parity
 from veomni.config.schema import DataConfig
 from veomni.data.registry import DatasetRequest
 from veomni.spec import load_plugins
@@ -69,7 +70,7 @@ def test_plugin_family_trains_from_outside_the_repo_and_resumes_exactly(tmp_path
     steps_b = [r for r in records_b if "loss" in r]
     assert [r["step"] for r in steps_b] == [1, 2, 3, 4, 5, 6]  # the resumed run ran steps 4-6 once each
     for record in steps_b[3:]:
-        assert abs(record["loss"] - steps_a[record["step"]]["loss"]) <= 1e-6, (steps_a, steps_b)
+        assert_scalar_parity(record["loss"], steps_a[record["step"]]["loss"], f"step {record['step']} loss")
 
     # Throughput is named after the task's unit (a sample), never after tokens.
     for record in records_a + records_b:

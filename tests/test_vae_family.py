@@ -16,6 +16,7 @@ import models  # noqa: F401  (registers the vae family)
 from models.vae.hf_adapter import VAEAdapter
 from tests.clip_shards import write_clip_shards
 from tests.dist_harness import run_distributed
+from tests.parity_utils import assert_grads_parity, assert_parity, assert_scalar_parity, assert_series_parity
 from veomni.checkpoint.manager import COMPLETE_MARKER
 from veomni.config.loader import dump_config
 from veomni.config.schema import DataConfig, ModelConfig, ParallelConfig, RunConfig
@@ -62,8 +63,8 @@ def test_wrapper_equals_diffusers_autoencoder_kl():
         posterior = reference.encode(x).latent_dist
         model.eval()
         got, kl = model(x, {"images": x})
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(kl, posterior.kl(), atol=1e-5, rtol=1e-5)
+    assert_parity(got, expected, "got")
+    assert_parity(kl, posterior.kl(), "kl")
 
     # Training decodes the posterior sample: the task's noise plays diffusers' generator's part.
     task = get_model_spec("vae").task(config)
@@ -72,7 +73,7 @@ def test_wrapper_equals_diffusers_autoencoder_kl():
         sampled = reference(x, sample_posterior=True, generator=torch.Generator().manual_seed(7)).sample
         model.train()
         got, _ = model(x, batch)
-    torch.testing.assert_close(got, sampled, atol=1e-6, rtol=1e-5)
+    assert_parity(got, sampled, "got")
 
 
 def test_init_weights_fills_every_parameter_from_the_seed():
@@ -103,7 +104,7 @@ def test_exported_folder_reloads_in_diffusers(tmp_path):
     x = images(2)
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(x).sample, model(x, {"images": x})[0], atol=1e-6, rtol=1e-5)
+        assert_parity(reloaded(x).sample, model(x, {"images": x})[0], "reloaded(x).sample")
     adapter = VAEAdapter()
     assert adapter.config_from_hf(dict(reloaded.config)) == config
 
@@ -123,9 +124,8 @@ def test_loss_normalisation_is_independent_of_the_micro_batch_split():
 
     whole_loss, whole_grads = mean_loss_and_grads([slice(0, 8)])
     split_loss, split_grads = mean_loss_and_grads([slice(0, 3), slice(3, 8)])
-    assert split_loss == pytest.approx(whole_loss, rel=1e-6)
-    for name, grad in whole_grads.items():
-        torch.testing.assert_close(split_grads[name], grad, atol=1e-7, rtol=1e-4, msg=name)
+    assert_scalar_parity(split_loss, whole_loss, "loss")
+    assert_grads_parity(split_grads, whole_grads, "micro-batch split")
     out = task(model, batch)
     assert out.loss_units == 8 * 3 * 16 * 16
     recon, kl = (float(out.metrics[k][0]) for k in ("loss_recon", "loss_kl"))
@@ -219,7 +219,7 @@ def _train(rank, world):
 def test_fsdp_two_ranks_equal_one_process():
     (ref_losses, ref_params), = run_distributed(_train, 1)
     for losses, params in run_distributed(_train, 2):
-        for want, got in zip(ref_losses, losses):
-            assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):  # loss, its recon and KL terms
+            assert_series_parity(got, want, f"step {step} loss, recon, kl")
         for name, value in ref_params.items():
-            torch.testing.assert_close(params[name], value, atol=1e-6, rtol=1e-5, msg=name)
+            assert_parity(params[name], value, f"param {name}")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import full_grads, full_params
+from tests.parity_utils import assert_grads_parity, assert_parity, full_grads, full_params
 from tests.test_vit_model import GRIDS, inputs, tiny_model
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
@@ -38,9 +38,7 @@ def _train_step(rank: int, world: int) -> dict:
 def test_fsdp_two_ranks_match_one_process() -> None:
     reference = run_distributed(_train_step, 1)[0]
     for got in run_distributed(_train_step, 2):
-        torch.testing.assert_close(got["loss"], reference["loss"], atol=1e-6, rtol=1e-6)
-        assert got["grads"].keys() == reference["grads"].keys()
-        for name, grad in reference["grads"].items():
-            torch.testing.assert_close(got["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        assert_parity(got["loss"], reference["loss"], "loss")
+        assert_grads_parity(got["grads"], reference["grads"], "fsdp 2")
         for name, param in reference["params"].items():
-            torch.testing.assert_close(got["params"][name], param, atol=1e-6, rtol=1e-5, msg=name)
+            assert_parity(got["params"][name], param, f"param {name}")

@@ -17,6 +17,7 @@ import transformers
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
 from models.vit import NativeResolutionViT, ViTConfig, hf_adapter
+from tests.parity_utils import assert_parity
 
 GRIDS = [(1, 4, 4), (1, 2, 6), (1, 8, 2), (1, 2, 2)]
 TEMPORAL = 2
@@ -75,7 +76,7 @@ def test_matches_qwen2_vl_vision_tower(hidden_act) -> None:
         want = reference(hf_pixels, grid_thw=grid).pooler_output
         got = ours(patches, grid)
     assert got.shape == want.shape == (sum(t * h * w for t, h, w in GRIDS) // 4, 24)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_parity(got, want, "got")
 
     exported_config = hf_adapter.config_to_hf(cfg)  # and back: our weights in a tower of HF's
     exported_config._attn_implementation = "eager"
@@ -84,5 +85,4 @@ def test_matches_qwen2_vl_vision_tower(hidden_act) -> None:
     )
     exported.load_state_dict(hf_adapter.state_dict_to_hf(ours.state_dict(), cfg), strict=True)
     with torch.no_grad():
-        torch.testing.assert_close(exported.eval()(hf_pixels, grid_thw=grid).pooler_output, want,
-                                   atol=1e-5, rtol=1e-5)
+        assert_parity(exported.eval()(hf_pixels, grid_thw=grid).pooler_output, want, "exported pooler output")

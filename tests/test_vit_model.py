@@ -11,13 +11,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.vit import NativeResolutionViT, ViTConfig
+from tests.parity_utils import assert_parity
 from veomni.ops.attention import SeqInfo, bidirectional_varlen_attention, sdpa_varlen_attention
 from veomni.ops.rope import apply_rope, rope_2d_cos_sin
 from veomni.parallel.plan import match_modules
 
 # (t, gh, gw) in patches: square, wide, tall, a 3-frame video, the smallest image
 GRIDS = [(1, 4, 4), (1, 2, 6), (1, 8, 2), (3, 4, 2), (1, 2, 2)]
-ATOL = 1e-6
 
 
 def tiny_config(**overrides) -> ViTConfig:
@@ -75,7 +75,7 @@ def test_packed_batch_equals_each_image_alone(path) -> None:
     assert counts == [t * h * w // 4 for t, h, w in GRIDS]
     assert packed.shape == (sum(counts), cfg.out_hidden_size)
     for got, want in zip(packed.split(counts), alone):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+        assert_parity(got, want, "got")
 
 
 def test_perturbing_one_image_changes_only_its_tokens() -> None:
@@ -89,7 +89,7 @@ def test_perturbing_one_image_changes_only_its_tokens() -> None:
         if index == 1:
             assert (a - b).abs().max() > 1e-3
         else:
-            torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-5)
+            assert_parity(a, b, "a")
 
 
 def test_video_frames_attend_within_their_frame_only() -> None:
@@ -104,9 +104,7 @@ def test_video_frames_attend_within_their_frame_only() -> None:
     changed[2 * per_frame :] += 1.0
     after = model(changed, torch.tensor([grid]))
     tokens_per_frame = per_frame // 4
-    torch.testing.assert_close(
-        before[: 2 * tokens_per_frame], after[: 2 * tokens_per_frame], atol=ATOL, rtol=1e-5
-    )
+    assert_parity(before[: 2 * tokens_per_frame], after[: 2 * tokens_per_frame], "before[:2 * tokens_per_frame]")
     assert (before[2 * tokens_per_frame :] - after[2 * tokens_per_frame :]).abs().max() > 1e-3
 
 
@@ -125,7 +123,7 @@ def test_2d_rope_scores_depend_only_on_relative_position() -> None:
     base = score((2, 3), (5, 1))
     for shift in [(1, 0), (0, 7), (4, 4), (-2, 9)]:
         moved = score((2 + shift[0], 3 + shift[1]), (5 + shift[0], 1 + shift[1]))
-        torch.testing.assert_close(moved, base, atol=1e-5, rtol=1e-5)
+        assert_parity(moved, base, "moved")
     # rows and columns are different axes: the same offset along each gives different scores
     assert (score((0, 0), (3, 0)) - score((0, 0), (0, 3))).abs() > 1e-3
     with pytest.raises(ValueError, match="divisible by 4"):
@@ -151,7 +149,7 @@ def test_merge_adapter_pools_each_group_of_four(merge_mode) -> None:
     out = model.merger(x)
     within = model.merger(x[[1, 0, 3, 2, 4, 5, 6, 7]])
     swapped = model.merger(x[[4, 5, 6, 7, 0, 1, 2, 3]])
-    torch.testing.assert_close(swapped, out.flip(0))
+    assert_parity(swapped, out.flip(0), "swapped")
     assert torch.allclose(within, out, atol=1e-6) == (merge_mode == "avg")
 
 
@@ -194,11 +192,9 @@ def test_bidirectional_varlen_attention_matches_dense_reference(block_diagonal) 
     reference = _naive_attention(
         q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), SeqInfo(cu, 9)
     )
-    torch.testing.assert_close(out[: sum(lengths)], reference, atol=1e-5, rtol=1e-5)
+    assert_parity(out[: sum(lengths)], reference, "out[:sum(lengths)]")
     assert out[-pad:].abs().max() == 0
-    torch.testing.assert_close(
-        bidirectional_varlen_attention(q, k, v, SeqInfo(cu, 9)), out, atol=1e-5, rtol=1e-5
-    )
+    assert_parity(bidirectional_varlen_attention(q, k, v, SeqInfo(cu, 9)), out, "bidirectional varlen attention")
 
 
 def test_naive_attention_is_the_bidirectional_kernel() -> None:
@@ -206,7 +202,7 @@ def test_naive_attention_is_the_bidirectional_kernel() -> None:
     images = torch.cat(inputs(GRIDS, model.config.patch_dim))
     fast = model(images, torch.tensor(GRIDS))
     _set_attention(model, _naive_attention)
-    torch.testing.assert_close(model(images, torch.tensor(GRIDS)), fast, atol=ATOL, rtol=1e-5)
+    assert_parity(model(images, torch.tensor(GRIDS)), fast, "model(images, torch.tensor(GRIDS))")
 
 
 def test_training_flops_match_flop_counter() -> None:

@@ -11,6 +11,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.vwn.hyper_connection import GeneralizedHyperConnection
+from tests.parity_utils import assert_parity
 from tests.test_llm_model import _naive_attention
 from veomni.config.schema import TrainConfig
 from veomni.data.packing import pack_samples
@@ -122,11 +123,11 @@ def test_packed_row_equals_each_sample_alone_with_mtp():
     samples = _samples()
     packed_ntp, packed_mtp = _forward(model, pack_samples(samples), mtp=True)
     alone = [_forward(model, pack_samples([s]), mtp=True) for s in samples]
-    torch.testing.assert_close(packed_ntp, torch.cat([a for a, _ in alone]), atol=1e-5, rtol=1e-5)
+    assert_parity(packed_ntp, torch.cat([a for a, _ in alone]), "packed_ntp")
     packed = pack_samples(samples)
     valid = next_two_token_labels(packed["labels"], packed["cu_seqlens"]) != -100
     alone_mtp = torch.cat([b for _, b in alone])
-    torch.testing.assert_close(packed_mtp[valid], alone_mtp[valid], atol=1e-5, rtol=1e-5)
+    assert_parity(packed_mtp[valid], alone_mtp[valid], "packed_mtp[valid]")
 
 
 def test_mtp_task_reports_both_losses_and_weights_the_sum():
@@ -137,7 +138,7 @@ def test_mtp_task_reports_both_losses_and_weights_the_sum():
     out = task(model, batch)
     (ntp, n_ntp), (mtp, n_mtp) = out.metrics["loss_ntp"], out.metrics["loss_mtp"]
     assert n_ntp == sum(LENGTHS) - len(LENGTHS) and n_mtp == sum(n - 2 for n in LENGTHS)
-    torch.testing.assert_close(out.loss_sum.detach(), ntp + 0.5 * mtp)
+    assert_parity(out.loss_sum.detach(), ntp + 0.5 * mtp, "out.loss_sum.detach()")
 
 
 def test_static_maps_do_not_decay_dynamic_parts_do():
