@@ -1,4 +1,11 @@
-"""Process-group start-up: device and backend picked at run time (NCCL on GPUs, gloo on CPU)."""
+"""Process-group start-up: device and backend picked at run time.
+
+On a GPU the process group serves both devices: NCCL carries CUDA tensors (gradients,
+activations, features) and gloo the host-side values that steer the run (loss and token
+totals, guard verdicts, data counts, checkpoint and straggler bookkeeping, Python objects).
+Every sub-group (the DeviceMesh dimensions) inherits that pair, so a collective cannot meet a
+device its group does not serve, wherever in the engine it is called. On a CPU it is gloo.
+``tests/test_collective_devices.py`` checks this against the collectives a real run makes."""
 
 from __future__ import annotations
 
@@ -29,13 +36,12 @@ def init_distributed(preference: str = "auto", timeout_s: float = 600) -> torch.
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    backend = process_group_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
         # NCCL's flight recorder: the watchdog dumps it when a rank hangs (veomni.train.watchdog)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     else:
-        backend = "gloo"
         # Several ranks share the CPU: split its cores so they do not oversubscribe it, unless
         # the launcher already decided (OMP_NUM_THREADS).
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -43,10 +49,22 @@ def init_distributed(preference: str = "auto", timeout_s: float = 600) -> torch.
         torch.set_num_threads(int(threads))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        # No ``device_id``: bound to a device, DeviceMesh splits its sub-groups off the NCCL
+        # communicator (``split_group``), and whether a split keeps the gloo half has changed
+        # between torch releases; unbound, every sub-group is a ``new_group`` with both backends.
         dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(timeout),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                device_id=device if device.type == "cuda" else None)
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return device
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The default process group's backend for a run on ``device`` (see the module docstring)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def backend_serves(backend: str) -> set[str]:
+    """The device types a process group created with ``backend`` serves (``"nccl"``: CUDA only)."""
+    return set(dist.BackendConfig(dist.Backend(backend)).get_device_backend_map())
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
