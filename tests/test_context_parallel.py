@@ -281,6 +281,7 @@ def test_llm_rows_do_not_divide_by_the_split():
     assert TINY_LLM["num_heads"] % 8 == 4  # 4 heads: Ulysses alone stops at 4 ranks
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused varlen block kernel needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_flash_blocks_match_the_fp32_matmul_form(dtype):

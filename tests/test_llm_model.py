@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import math
 
@@ -14,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from models.llm import DecoderLM, LLMConfig
 from tests.parity_utils import assert_parity
 from veomni.data.packing import pack_samples
-from veomni.ops.attention import SeqInfo, sdpa_varlen_attention, varlen_attention
+from veomni.ops.attention import SeqInfo, gqa_keywords, sdpa_varlen_attention, varlen_attention
 from veomni.parallel.plan import match_modules
 from veomni.spec import ModelSpec, build_model, get_model_spec
 
@@ -207,3 +208,17 @@ def test_a_family_whose_build_returns_no_trainable_model_is_refused():
     with pytest.raises(TypeError, match="parallel_plan"):
         spec.instantiate(LLMConfig())
 
+
+def test_the_cuda_varlen_kernel_gets_gqa_the_way_its_torch_release_takes_it() -> None:
+    """torch 2.13's ``varlen_attn`` needs ``enable_gqa=True`` for fewer K/V heads; 2.11's has no such
+    keyword (calling it with one raised TypeError at the first bf16 forward on a GPU) and takes
+    GQA as it is. The keyword set is read from the signature, here from both."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    def varlen_attn_of_torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                                  scale=None, window_size=(-1, -1)):
+        raise AssertionError("only its signature is read")
+
+    assert gqa_keywords(varlen_attn_of_torch_2_11) == {}
+    expected = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+    assert gqa_keywords(varlen_attn) == expected

@@ -14,6 +14,7 @@ cross-attention of a DiT's patch tokens to their own sample's text states.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -65,9 +66,11 @@ def _cuda_varlen_kernel() -> VarlenKernel | None:
     if torch.backends.cuda.is_flash_attention_available():
         from torch.nn.attention.varlen import varlen_attn
 
+        gqa = gqa_keywords(varlen_attn)
+
         def torch_varlen(q, k, v, seq, causal):
             cu, n = seq.cu_seqlens, seq.max_seqlen
-            return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0 if causal else -1), enable_gqa=True)
+            return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0 if causal else -1), **gqa)
 
         return torch_varlen
     try:
@@ -80,6 +83,14 @@ def _cuda_varlen_kernel() -> VarlenKernel | None:
         return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=causal)
 
     return flash_varlen
+
+
+def gqa_keywords(varlen_attn: Callable) -> dict[str, bool]:
+    """What ``torch.nn.attention.varlen.varlen_attn`` needs to take fewer K/V heads than query
+    heads: ``enable_gqa=True`` where it has that keyword (torch 2.13 has it); torch 2.11's has none and
+    its flash kernel takes GQA as it is (checked on an H200: GQA 8:2 and MHA, causal and full,
+    equal an fp32 reference)."""
+    return {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
 
 
 def varlen_attention(
