@@ -31,7 +31,7 @@ import torch
 
 from veomni.config.schema import DataConfig
 from veomni.data.chat import ChatEncoder, EncodedChat
-from veomni.data.loader import PackedTextDataset, check_text_data
+from veomni.data.loader import PackedTextDataset, check_sample_length, check_text_data
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_samples
 from veomni.data.registry import DatasetKind, DatasetRequest, register_dataset
@@ -207,4 +207,5 @@ def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
 
 
 register_dataset(DatasetKind("chat_media", _build_chat_media, needs_tokenizer=True, check=check_text_data,
+                             check_plan=check_sample_length,
                              balances=True))
