@@ -23,7 +23,7 @@ def _networkx_graph(nodes_per_class: int = 20, weighted: bool = False) -> nx.Gra
     graph = nx.stochastic_block_model([nodes_per_class] * CLASSES, [[0.3, 0.02, 0.02], [0.02, 0.3, 0.02],
                                                                     [0.02, 0.02, 0.3]], seed=0)
     generator = torch.Generator().manual_seed(0)
-    for node, data in graph.nodes(data=True):
+    for _, data in graph.nodes(data=True):
         label = data["block"]
         data["y"] = label
         data["x"] = (torch.nn.functional.one_hot(torch.tensor(label), FEATURES).float()
