@@ -94,7 +94,7 @@ def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], list[str]]:
     if dry_run:  # a dry run builds nothing, and plans from the recipe's declared shapes
         return [], [f"{k} ({p})" for k, p in missing.items()]
     hint = "" if builds else " (and no data.prepare builder is set)"
-    return [f"{k}: path does not exist: {p}{hint}" for k, p in missing.items()], []
+    return [f"{k}: path does not exist: {p}{hint if k != 'data.tokenizer' else ''}" for k, p in missing.items()], []
 
 
 def _data_kind(cfg: RunConfig) -> Any:
