@@ -1,5 +1,6 @@
 """Malformed recipes fail in the launcher, in a dry run exactly as in a real run: exit 2 with a
-``config error:`` naming the key (and where it was set), no traceback, before any worker starts."""
+``config error:`` naming the key (and where it was set), no traceback, before any worker starts.
+Absent data or tokenizer folders are the exception: a dry run plans without them and names them."""
 
 from __future__ import annotations
 
@@ -112,17 +113,10 @@ CASES = [
     ("seq-over-positions", [], ["--data.max_seq_len", "512", "--data.tokens_per_micro_batch", "512"],
      r"data\.max_seq_len \(512\) exceeds model\.max_position_embeddings \(256\)"),
     ("small-vocab", [], ["--model.vocab_size", "1000"], r"model\.vocab_size=1000 is smaller than the tokenizer's"),
-    ("missing-train-path", [], ["--data.train_path", "/nonexistent/shards"],
-     r"data\.train_path: path does not exist: /nonexistent/shards"),
-    ("missing-eval-path", [], ["--data.eval_path", "/nonexistent/eval"], r"data\.eval_path: path does not exist"),
     ("no-train-path", [], ["--data.train_path", "''"], r"data\.train_path is not set"),
     ("missing-prepare", [], ["--data.train_path", "/nonexistent/x", "--data.prepare", "/nonexistent/build.py"],
      r"data\.prepare: script not found"),
-    ("missing-tokenizer", [], ["--data.tokenizer", "/nonexistent/tokenizer"],
-     r"data\.tokenizer.*/nonexistent/tokenizer"),
     ("unknown-kind", [], ["--data.kind", "nonsense"], r"data\.kind"),
-    ("source-missing", [], ["--data.train_path", "''", "--data.sources", "[{path: /nonexistent/web, name: web}]"],
-     r"data\.sources\[0\] \('web'\): path does not exist"),
     ("source-negative-weight", [], ["--data.train_path", "''", "--data.sources",
                                     "[{path: corpus/train, weight: -0.5, name: code}]"],
      r"data\.sources\[0\] \('code'\): weight -0\.5 is negative"),
@@ -141,6 +135,20 @@ CASES = [
     ("empty-init-folder", [], ["--checkpoint.init_from_hf", "corpus"], r"checkpoint\.init_from_hf: .*holds neither"),
     ("init-unknown-module", [], ["--checkpoint.init.vision", "corpus"], r"checkpoint\.init\.vision: the model has no"),
     ("bad-override-flag", [], ["train.lr", "1"], r"unexpected argument 'train\.lr'"),
+]
+
+
+ABSENT = [
+    # (id, the key, CLI overrides, regex of the real run's refusal): inputs a dry run plans without
+    ("missing-train-path", "data.train_path", ["--data.train_path", "/nonexistent/shards"],
+     r"data\.train_path: path does not exist: /nonexistent/shards"),
+    ("missing-eval-path", "data.eval_path", ["--data.eval_path", "/nonexistent/eval"],
+     r"data\.eval_path: path does not exist"),
+    ("missing-tokenizer", "data.tokenizer", ["--data.tokenizer", "/nonexistent/tokenizer"],
+     r"data\.tokenizer: path does not exist: /nonexistent/tokenizer"),
+    ("source-missing", "data.sources[0] ('web')",
+     ["--data.train_path", "''", "--data.sources", "[{path: /nonexistent/web, name: web}]"],
+     r"data\.sources\[0\] \('web'\): path does not exist"),
 ]
 
 
@@ -187,6 +195,19 @@ def test_malformed_recipe_fails_in_launcher(workdir, case_id, edit, overrides, n
         errors = "\n".join(line for line in text.splitlines() if line.startswith("config error:"))
         assert re.search(needle, errors), text
     assert dry_output == output, "a dry run must fail with the real run's message"
+
+
+@pytest.mark.parametrize("case_id, key, overrides, needle", ABSENT, ids=[case[0] for case in ABSENT])
+def test_absent_input_is_refused_but_planned_in_a_dry_run(workdir, case_id, key, overrides, needle, monkeypatch,
+                                                           capsys):
+    """A real run refuses a missing data folder or tokenizer; a dry run (a cluster's plan on a laptop)
+    plans without it, and says which input was absent and that its checks were skipped."""
+    monkeypatch.chdir(workdir)
+    (dry_status, dry_output), (status, output) = launch_both_modes(_recipe(workdir, None), overrides, capsys)
+    assert status == 2 and re.search(needle, output) and "Traceback" not in output, output
+    assert dry_status == 0 and "# plan" in dry_output, dry_output
+    note = next(line for line in dry_output.splitlines() if "dry run: absent here" in line)
+    assert key in note and "Skipped until they exist" in note, note
 
 
 @pytest.mark.parametrize("case_id", ["duplicate-key", "empty-file", "small-vocab", "missing-init-from-hf"])

@@ -95,6 +95,13 @@ def test_training_fields_are_free_and_folder_config_reads_back(tmp_path):
     assert set(adapter.free_fields).isdisjoint(ARCHITECTURE_FIELDS)
 
 
+def test_a_null_qk_norm_reads_as_wan_default():
+    """diffusers' Wan attention normalises q and k across heads whatever ``qk_norm`` says, so a
+    folder with ``qk_norm: null`` is the same model, not a refusal."""
+    cfg = CONFIGS["patch-1x2x2"]
+    assert hf_adapter.config_from_hf({**hf_adapter.config_to_hf(cfg), "qk_norm": None}) == cfg
+
+
 def test_image_conditioned_wan_is_refused():
     config = {"_class_name": "WanTransformer3DModel", **hf_adapter.config_to_hf(DiTConfig()), "image_dim": 1280}
     with pytest.raises(ValueError, match="image_dim=1280"):

@@ -21,6 +21,9 @@ DENSE = dict(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_l
 """The recipe's model (BASE) as a Hugging Face Qwen3 config."""
 MOE_FLAGS = ["--model.num_experts", "4", "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "16"]
 MOE = dict(DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+QWEN2 = {k: v for k, v in DENSE.items() if k != "head_dim"}
+"""The recipe's model as a Qwen2 config, which derives head_dim (hidden_size / heads = 8) and states none."""
+QWEN2_FLAGS = ["--model.family", "qwen2", "--model.qkv_bias", "true", "--model.qk_norm", "false"]
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -37,7 +40,7 @@ def workdir(tmp_path_factory) -> Path:
 def _hf_folder(folder: Path, config: transformers.PretrainedConfig) -> Path:
     """A Hugging Face folder as ``save_pretrained`` writes it, random weights, offline."""
     model_class = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-                   "llama": transformers.LlamaForCausalLM}[config.model_type]
+                   "llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[config.model_type]
     model_class(config).save_pretrained(folder)
     return folder
 
@@ -45,7 +48,9 @@ def _hf_folder(folder: Path, config: transformers.PretrainedConfig) -> Path:
 @pytest.mark.parametrize("config_class, kwargs, flags", [
     (transformers.Qwen3Config, DENSE, []),
     (transformers.Qwen3MoeConfig, MOE, MOE_FLAGS),
-], ids=["qwen3", "qwen3-moe"])
+    (transformers.Qwen2Config, QWEN2, QWEN2_FLAGS),
+    (transformers.Qwen2Config, dict(QWEN2, head_dim=8), [*QWEN2_FLAGS, "--model.head_dim", "null"]),
+], ids=["qwen3", "qwen3-moe", "qwen2-derived-head-dim", "qwen2-stated-head-dim"])
 def test_a_matching_folder_passes(workdir, tmp_path, config_class, kwargs, flags, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
     folder = _hf_folder(tmp_path / "hf", config_class(**kwargs))
@@ -83,6 +88,10 @@ DIFFERENCES = [
     ("moe-top-k", transformers.Qwen3MoeConfig, dict(MOE, num_experts_per_tok=1), MOE_FLAGS,
      r"num_experts_per_tok: recipe 2, folder 1"),
     ("dense-folder-moe-recipe", transformers.Qwen3Config, DENSE, MOE_FLAGS, r"num_experts: recipe 4, folder 0"),
+    ("moe-capacity", transformers.Qwen3MoeConfig, MOE, [*MOE_FLAGS, "--model.capacity_factor", "1.0"],
+     r"capacity_factor: recipe 1\.0, folder 0\.0"),
+    ("qwen2-moe-no-qkv-bias", transformers.Qwen2MoeConfig, dict(MOE, qkv_bias=False, shared_expert_intermediate_size=0),
+     [*MOE_FLAGS, *QWEN2_FLAGS], r"qkv_bias=false"),
 ]
 
 

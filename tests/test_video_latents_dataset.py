@@ -245,6 +245,24 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, caplog):
         assert loader.dataset.state_dict()["bad_prior_epochs"] == 2
 
 
+def test_a_truncated_shard_counts_the_records_its_manifest_lists(tmp_path):
+    """A shard cut in half loses half its records, not one: with the manifest's per-shard counts the
+    loss is counted, so ``max_bad_fraction`` trips on a large shard (24 records, 12 cut off)."""
+    write_split(tmp_path / "split", samples=48, shards=2)
+    manifest = json.loads((tmp_path / "split" / "manifest.json").read_text())
+    manifest["shard_records"] = {"shard-00000.tar": 24, "shard-00001.tar": 24}
+    (tmp_path / "split" / "manifest.json").write_text(json.dumps(manifest))
+    shard = tmp_path / "split" / "shard-00001.tar"
+    with tarfile.open(shard) as tar:
+        cut = tar.getmembers()[24].offset  # the header of record 12's first member: a record boundary
+    shard.write_bytes(shard.read_bytes()[:cut])
+    loader = _loader(tmp_path / "split", "eval", max_bad_fraction=0.5)
+    list(loader)
+    assert loader.dataset.state_dict()["bad_prior_epochs"] == 12
+    with pytest.raises(BadDataError, match=r"12 of 48 records were bad"):
+        list(_loader(tmp_path / "split", "eval", max_bad_fraction=0.2))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"shapes": {"4x1x5x4": 3}, "example_keys": {"4x1x5x4": "odd_0001"}},
      r"sample 'odd_0001' of .*: latent shape \[4, 1, 5, 4\] \(C, F, H, W\): patch size \[1, 2, 2\] \(t, h, w\) "

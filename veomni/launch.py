@@ -33,10 +33,17 @@ def _needs_prepare(paths: dict[str, str | None]) -> bool:
     return any(p and (not Path(p).exists() or (Path(p) / MANIFEST).is_file()) for p in paths.values())
 
 
+def _held_out(path: str) -> str:
+    """Where a source's ``prepare`` writes its held-out split: ``eval`` next to a folder named
+    ``train``, else ``<path>-eval``."""
+    folder = Path(path)
+    return str(folder.with_name("eval") if folder.name == "train" else folder.with_name(folder.name + "-eval"))
+
+
 def _builds(cfg: RunConfig) -> list[tuple[str, list[str], dict[str, str | None]]]:
     """Every builder the data names: ``(key, command, the paths it writes)``: ``data.prepare`` for
-    ``train_path`` / ``eval_path``, and each source's own ``prepare`` for its path (its held-out split
-    beside it: ``eval`` next to a folder named ``train``, else ``<path>-eval``)."""
+    ``train_path`` / ``eval_path``, and each source's own ``prepare`` for its path (and its held-out
+    split, ``_held_out``)."""
     builds = []
     if cfg.data.prepare:
         cmd = ["--train-out", cfg.data.train_path] + (["--eval-out", cfg.data.eval_path] if cfg.data.eval_path else [])
@@ -44,10 +51,8 @@ def _builds(cfg: RunConfig) -> list[tuple[str, list[str], dict[str, str | None]]
                        {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}))
     for index, source in enumerate(cfg.data.sources):
         if source.prepare:
-            path = Path(source.path)
-            held_out = str(path.with_name("eval") if path.name == "train" else path.with_name(path.name + "-eval"))
             builds.append((f"data.sources[{index}].prepare",
-                           [source.prepare, "--train-out", source.path, "--eval-out", held_out,
+                           [source.prepare, "--train-out", source.path, "--eval-out", _held_out(source.path),
                             *map(str, source.prepare_args)], {_source_key(index, source): source.path}))
     return builds
 
@@ -56,37 +61,40 @@ def _source_key(index: int, source: SourceConfig) -> str:
     return f"data.sources[{index}]" + (f" ({source.name!r})" if source.name else "")
 
 
-def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
-    """``(missing inputs as messages, whether the data is there to read)``; runs the data's builders
-    first where needed, except in a dry run, which only says what they would build."""
+def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], list[str]]:
+    """``(missing inputs as messages, the inputs a dry run plans without)``; runs the data's builders
+    first where needed, except in a dry run, which only says what they would build. A dry run plans
+    a cluster's recipe on a laptop: data that is absent there is named, not refused."""
     paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
     paths.update({_source_key(i, source): source.path for i, source in enumerate(cfg.data.sources)})
+    if _data_kind(cfg).needs_tokenizer:
+        paths["data.tokenizer"] = cfg.data.tokenizer
     if not cfg.data.train_path and not cfg.data.sources:
-        return ["data.train_path is not set (or list weighted data.sources)"], False
+        return ["data.train_path is not set (or list weighted data.sources)"], []
     if cfg.data.prepare and cfg.data.sources:
         return ["data.prepare builds data.train_path, which data.sources replaces: give each source that needs "
-                "building its own prepare (data.sources[i].prepare)"], False
+                "building its own prepare (data.sources[i].prepare)"], []
     builds = _builds(cfg)
     for key, (script, *args), written in builds:
         if not _needs_prepare(written):
             continue
         if not Path(script).is_file():
-            return [f"{key}: script not found: {script}"], False
+            return [f"{key}: script not found: {script}"], []
         if dry_run:
             missing = [k for k, p in written.items() if p and not Path(p).exists()]
             if missing:
-                print(f"[launch] dry run: the run builds {', '.join(missing)} first with {Path(script).name}; the "
-                      "dataset kind's checks of them run then", file=sys.stderr)
+                print(f"[launch] dry run: the run builds {', '.join(missing)} first with {Path(script).name}",
+                      file=sys.stderr)
             continue
         cmd = [sys.executable, script, *args]
         print(f"[launch] preparing data: {' '.join(cmd)}", file=sys.stderr, flush=True)
         if subprocess.run(cmd).returncode != 0:
-            return [f"{key}: {script} failed (its output is above)"], False
+            return [f"{key}: {script} failed (its output is above)"], []
     missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
-    built = {k for _, _, written in builds for k in written} if dry_run else set()  # a dry run builds nothing
-    problems = [f"{k}: path does not exist: {p}" + ("" if builds else " (and no data.prepare builder is set)")
-                for k, p in missing.items() if k not in built]
-    return problems, not missing
+    if dry_run:  # a dry run builds nothing, and plans from the recipe's declared shapes
+        return [], [f"{k} ({p})" for k, p in missing.items()]
+    hint = "" if builds else " (and no data.prepare builder is set)"
+    return [f"{k}: path does not exist: {p}{hint if k != 'data.tokenizer' else ''}" for k, p in missing.items()], []
 
 
 def _data_kind(cfg: RunConfig) -> Any:
@@ -115,7 +123,7 @@ def _check_data_plan(cfg: RunConfig, dims: ParallelDims) -> list[str]:
         run_sources(cfg.data, "train")
     except ValueError as exc:
         problems.append(str(exc))
-    return problems
+    return problems + kind.check_plan(cfg.data)
 
 
 def _check_dataset(cfg: RunConfig, model_config: Any) -> list[str]:
@@ -137,6 +145,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
     from veomni.parallel.expert import check_model_experts
     from veomni.parallel.fsdp import check_encoder_fsdp
     from veomni.parallel.pipeline import check_pipeline_model, check_pipeline_task
+    from veomni.parallel.pipeline_plan import TooFewBlocksError
     from veomni.parallel.sequence import check_sequence_parallel
     from veomni.spec import build_model
 
@@ -149,7 +158,11 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         spec = get_model_spec(cfg.model.arch)
         check_model_experts(model, cfg.parallel.ep)
         check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
-        check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
+        try:
+            check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
+        except TooFewBlocksError as exc:  # the engine counts blocks; the spec knows the key that sets them
+            raise ValueError(f"{exc} (model.{spec.blocks_option}); raise model.{spec.blocks_option} or lower "
+                             "parallel.pp / parallel.pp_virtual_stages") from None
         problems = (check_sequence_parallel(model, cfg.parallel.sp, cfg.parallel.cp)
                     + check_media_routing(model, cfg.parallel) + check_encoder_fsdp(model, cfg.parallel.encoder_fsdp)
                     + _sample_problems(cfg, spec))
@@ -224,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     if problems:  # no data is built for a run that cannot start
         return _fail(problems)
     # the same checks, in the same order, with the same messages in a dry run: only no data is built
-    problems, data_ready = _check_data(cfg, args.dry_run)
-    if data_ready:
+    problems, absent = _check_data(cfg, args.dry_run)
+    if absent:
+        print(f"[launch] dry run: absent here, so planned from the recipe's declared shapes: {'; '.join(absent)}. "
+              f"Skipped until they exist: the {_data_kind(cfg).name!r} dataset kind's checks of the data "
+              "(records, shapes, tokenizer fit)", file=sys.stderr)
+    elif not problems:
         problems = _check_dataset(cfg, model_cfg)
     if problems:
         return _fail(problems)

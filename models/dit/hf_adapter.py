@@ -54,6 +54,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DiTConfig:
     defaults = DiTConfig()
     options = {key: hf_config.get(key, getattr(defaults, key)) for key in ARCHITECTURE_FIELDS}
     options["out_channels"] = options["out_channels"] or options["in_channels"]
+    # diffusers' Wan attention normalises q and k across heads whatever qk_norm says (null included)
+    options["qk_norm"] = options["qk_norm"] or defaults.qk_norm
     config = DiTConfig(**options)
     config.validate()
     return config

@@ -32,9 +32,11 @@ from .config import LLMConfig
 
 hf_model_types = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Fields a recipe may set apart from a pretrained folder: the context length (RoPE is computed on
-# the fly), the init scale, and the MoE training-only options (losses, bias updates, capacity).
+# the fly), the init scale, and the MoE training-only options (losses, bias updates). Not
+# ``capacity_factor``: dropping tokens past an expert's capacity changes the outputs in eval too,
+# and Hugging Face's MoE models drop none (0.0).
 free_fields = ("max_position_embeddings", "init_std", "router_aux_loss_coef", "router_z_loss_coef",
-               "router_bias_update_rate", "capacity_factor")
+               "router_bias_update_rate")
 
 _HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -136,6 +138,9 @@ def config_from_hf(hf_config: Any) -> LLMConfig:
         raise ValueError("mlp_bias=True is not supported")
     if family != "qwen2" and _get(hf_config, "attention_bias", False):
         raise ValueError(f"{family} attention_bias=True (bias on o_proj) is not supported")
+    if family == "qwen2" and _get(hf_config, "qkv_bias", True) is False:
+        raise ValueError(f"{model_type} with qkv_bias=false (no q/k/v biases) is not supported: our qwen2 family "
+                         "always has them")
     if _get(hf_config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")
     _refuse_unmodelled(hf_config)

@@ -122,13 +122,32 @@ def config_problems(path: str, module: nn.Module, folder: PretrainedFolder) -> l
                 f"{type(ours).__name__}: point it at a folder of that kind, or the key at the matching "
                 "sub-module"]
     compared = [f.name for f in dataclasses.fields(theirs) if f.name not in folder.adapter.free_fields]
+    spelled = [name for name in compared if getattr(ours, name) != getattr(theirs, name)]
+    derived = {id(config): _derived(folder.adapter, config) for config in (ours, theirs)}
+
+    def same_derived(name: str) -> bool:
+        """Both sides derive the same value, and each states it or leaves it unset (None): a value
+        the round trip loses (``capacity_factor``, which Hugging Face cannot state) still differs."""
+        values = [(getattr(config, name), getattr(derived[id(config)], name)) for config in (ours, theirs)]
+        return values[0][1] == values[1][1] and all(given is None or given == value for given, value in values)
+
     differences = [f"{name}: recipe {getattr(ours, name)!r}, folder {getattr(theirs, name)!r}"
-                   for name in compared if getattr(ours, name) != getattr(theirs, name)]
+                   for name in spelled if not same_derived(name)]
     if not differences:
         return []
     return [f"{where} does not fit the recipe's {_label(path)} ({type(ours).__name__}): "
             f"{'; '.join(differences)}. Set the recipe's model config to the folder's {CONFIG_FILE}, or "
             "point at a folder that matches"]
+
+
+def _derived(adapter: Any, config: Any) -> Any:
+    """``config`` as the folder would state it: through the adapter to Hugging Face's config and back,
+    so that a value left to be derived (Qwen2's ``head_dim``: hidden size / heads) and the same value
+    written out compare equal; ``config`` itself when the adapter cannot write it."""
+    try:
+        return adapter.config_from_hf(adapter.config_to_hf(config))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return config
 
 
 def check_init(model: nn.Module, entries: Mapping[str, str]) -> list[str]:

@@ -373,6 +373,7 @@ def _check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),
         (0 <= cfg.data.max_bad_fraction <= 1, ("data", "max_bad_fraction"), "must be in [0, 1]"),
         (cfg.data.tokens_per_micro_batch >= 1, ("data", "tokens_per_micro_batch"), "must be >= 1"),
+        (cfg.data.max_seq_len >= 1, ("data", "max_seq_len"), "must be >= 1 (the longest sample, in the task's units)"),
         (cfg.data.shuffle_window >= 1, ("data", "shuffle_window"), "must be >= 1 (1 keeps the read order)"),
         (cfg.data.balance_group >= 0, ("data", "balance_group"), "must be >= 0 (0: the ranks of one node)"),
         (cfg.data.balance_max_wait >= 1, ("data", "balance_max_wait"), "must be >= 1 step"),

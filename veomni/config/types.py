@@ -2,12 +2,15 @@
 
 ``coerce`` converts only where it is lossless (an int where a float is expected, YAML 1.1's
 "3e-4" string for a float) and otherwise raises ``ConfigError`` naming where the value came
-from; kept apart from the loader, which decides *where* values go.
+from; kept apart from the loader, which decides *where* values go. A float must be finite: no key
+gives ``.nan`` or ``.inf`` a meaning, and a non-finite value passes every range check silently
+(``.nan < 0`` is false) to do something else than asked (a source of weight ``.inf`` is never drawn).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -60,12 +63,13 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is float:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
         try:
-            return float(value)  # YAML 1.1 reads "3e-4" as a string
+            number = float(value)  # YAML 1.1 reads "3e-4" as a string
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if annotation is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")

@@ -149,7 +149,7 @@ def _prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int
     problems = check_graph(graph)
     if problems:
         raise ValueError("the graph cannot be trained on: " + "; ".join(problems))
-    edges, weights = edge_weights(graph.edge_index, graph.num_nodes, norm)
+    edges, weights = edge_weights(graph.edge_index, graph.num_nodes, norm, graph.edge_weight)
     part = partition_nodes(graph.edge_index, graph.num_nodes, parts, method, seed)
     chunk = chunk_nodes(graph.edge_index, part, parts, chunks, method, seed)
     return graph, edges, weights, part, chunk

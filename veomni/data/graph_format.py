@@ -13,7 +13,8 @@ A graph folder::
                          ``format_version`` for ``veomni.data.builders``' cache and stats)
     graph.safetensors   x float32 [N, F]; y int64 [N] (-1: unlabelled, in no split); edge_index int64 [2, E] (row 0 the
                          source, row 1 the destination; an undirected graph stores both
-                         directions); train_mask, val_mask, test_mask bool [N] (disjoint)
+                         directions); train_mask, val_mask, test_mask bool [N] (disjoint);
+                         optionally edge_weight float32 [E] (finite, > 0; 1 when absent)
 
 ``save_graph`` writes a hidden sibling folder and renames it into place, so a reader sees the old
 graph or the whole new one. ``load_graph`` verifies the file's size and sha256 before parsing it
@@ -41,9 +42,13 @@ MANIFEST = "manifest.json"
 TENSORS = "graph.safetensors"
 MASKS = ("train_mask", "val_mask", "test_mask")
 FIELDS = ("x", "y", "edge_index", *MASKS)
+EDGE_WEIGHT = "edge_weight"
+"""The optional tensor: one weight per edge, which the layers' neighbour normalisation scales by."""
 UNLABELLED = -1
 """The label of a node in no split: it carries features and edges but is never a loss target."""
-REBUILD_HINT = "rebuild the folder with its builder (data/build_graph.py, or delete it and let data.prepare run)"
+REBUILD_HINT = ("rewrite the folder: your own graph with veomni.data.graph_writer.write_graph_folder (format: "
+                "docs/data.md), a built one with its builder (data/build_graph.py, or delete it and let "
+                "data.prepare run)")
 
 
 class GraphFormatError(ValueError):
@@ -67,6 +72,7 @@ class GraphData:
     class_names: list[str] | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
     folder: Path | None = None
+    edge_weight: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -81,7 +87,8 @@ class GraphData:
         return self.x.shape[1] if self.x.dim() == 2 else 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in FIELDS}
+        names = (*FIELDS, EDGE_WEIGHT) if self.edge_weight is not None else FIELDS
+        return {name: getattr(self, name) for name in names}
 
     def where(self) -> str:
         return str(self.folder) if self.folder is not None else f"graph {self.name!r}"
@@ -184,7 +191,8 @@ def load_graph(folder: str | Path) -> GraphData:
     missing = [name for name in FIELDS if name not in tensors]
     if missing:
         raise GraphFormatError(f"{folder / TENSORS} lacks {missing} (it holds {sorted(tensors)}); {REBUILD_HINT}")
-    return GraphData(**{name: tensors[name] for name in FIELDS}, num_classes=int(manifest.get("num_classes", -1)),
+    return GraphData(**{name: tensors[name] for name in FIELDS}, edge_weight=tensors.get(EDGE_WEIGHT),
+                     num_classes=int(manifest.get("num_classes", -1)),
                      name=manifest.get("name", folder.name), description=manifest.get("description", ""),
                      source=manifest.get("source", ""), class_names=manifest.get("class_names"),
                      manifest=manifest, folder=folder)
@@ -207,6 +215,8 @@ def check_graph(graph: GraphData, against_manifest: bool = True) -> list[str]:
             both = int((getattr(graph, a) & getattr(graph, b)).sum())
             if both:
                 problems.append(f"{a} and {b} overlap on {both} nodes: a node belongs to at most one split")
+    if graph.edge_weight is not None and not bool((torch.isfinite(graph.edge_weight) & (graph.edge_weight > 0)).all()):
+        problems.append("edge_weight holds weights that are not finite and > 0: drop those edges instead")
     bad_rows = int((~torch.isfinite(graph.x)).any(1).sum())
     if bad_rows:
         problems.append(f"{bad_rows} rows of x hold NaN or inf: fix or drop those nodes' features")
@@ -234,7 +244,7 @@ def check_graph(graph: GraphData, against_manifest: bool = True) -> list[str]:
 def _shape_problems(graph: GraphData) -> list[str]:
     n = graph.num_nodes
     expected = {"x": (torch.float32, 2), "y": (torch.int64, 1), "edge_index": (torch.int64, 2),
-                **{mask: (torch.bool, 1) for mask in MASKS}}
+                **{mask: (torch.bool, 1) for mask in MASKS}, EDGE_WEIGHT: (torch.float32, 1)}
     problems = [f"{name} is {t.dtype} with {t.dim()} dims, expected {dtype} with {dims}"
                 for name, t in graph.tensors().items()
                 for dtype, dims in [expected[name]] if t.dtype != dtype or t.dim() != dims]
@@ -244,4 +254,7 @@ def _shape_problems(graph: GraphData) -> list[str]:
         problems.append(f"edge_index has shape {tuple(graph.edge_index.shape)}, expected [2, E]")
     problems += [f"{name} has {getattr(graph, name).shape[0]} rows, x has {n}: one per node"
                  for name in ("y", *MASKS) if getattr(graph, name).shape[0] != n]
+    if graph.edge_weight is not None and graph.edge_weight.shape[0] != graph.edge_index.shape[1]:
+        problems.append(f"edge_weight has {graph.edge_weight.shape[0]} entries, edge_index {graph.edge_index.shape[1]} "
+                        "edges: one per edge")
     return problems

@@ -30,29 +30,35 @@ from veomni.tasks.base import IGNORE_INDEX
 Normalization = Literal["gcn", "mean", "sum"]
 
 
-def edge_weights(edge_index: torch.Tensor, num_nodes: int, norm: Normalization) -> tuple[torch.Tensor, torch.Tensor]:
+def edge_weights(edge_index: torch.Tensor, num_nodes: int, norm: Normalization,
+                 given: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(edges, weights) holding a layer's neighbour normalisation, from the whole graph.
 
-    Duplicate edges are merged first (a graph is a set of edges). ``gcn``: a self-loop added to
-    every node that has none, then ``w = d_s^-1/2 d_t^-1/2`` with d the in-degree counting
-    self-loops (``torch_geometric``'s ``gcn_norm``); ``mean``: ``1 / d_t`` (GraphSAGE's mean
-    aggregation); ``sum``: 1.
+    Duplicate edges are merged first (a graph is a set of edges), their ``given`` weights summed
+    (absent: 1 each, so a merged edge weighs 1, where ``torch_geometric`` would count it twice).
+    ``gcn``: a self-loop of weight 1 added to every node that has none, then
+    ``w = d_s^-1/2 g d_t^-1/2`` with d the weighted in-degree counting self-loops
+    (``torch_geometric``'s ``gcn_norm``); ``mean``: ``g / d_t`` (GraphSAGE's mean aggregation,
+    weighted); ``sum``: ``g``.
     """
-    edge_index = torch.unique(edge_index.long(), dim=1)
+    edge_index, slot = torch.unique(edge_index.long(), dim=1, return_inverse=True)
+    given_weight = torch.ones(edge_index.shape[1], dtype=torch.float64)
+    if given is not None:
+        given_weight = torch.zeros_like(given_weight).index_add_(0, slot, given.double())
     if norm == "gcn":
         has_loop = torch.zeros(num_nodes, dtype=torch.bool)
         has_loop[edge_index[0][edge_index[0] == edge_index[1]]] = True
         missing = (~has_loop).nonzero().squeeze(1)
         edge_index = torch.cat([edge_index, missing.unsqueeze(0).expand(2, -1)], dim=1)
-    ones = torch.ones(edge_index.shape[1], dtype=torch.float64)
-    degree = torch.zeros(num_nodes, dtype=torch.float64).index_add_(0, edge_index[1], ones)
+        given_weight = torch.cat([given_weight, torch.ones(missing.numel(), dtype=torch.float64)])
+    degree = torch.zeros(num_nodes, dtype=torch.float64).index_add_(0, edge_index[1], given_weight)
     if norm == "gcn":
         inv_sqrt = degree.pow(-0.5).masked_fill(degree == 0, 0)
-        weight = inv_sqrt[edge_index[0]] * inv_sqrt[edge_index[1]]
+        weight = inv_sqrt[edge_index[0]] * given_weight * inv_sqrt[edge_index[1]]
     elif norm == "mean":
-        weight = 1.0 / degree[edge_index[1]]
+        weight = given_weight / degree[edge_index[1]]
     elif norm == "sum":
-        weight = ones
+        weight = given_weight
     else:
         raise ValueError(f"unknown neighbour normalisation {norm!r}; use 'gcn', 'mean' or 'sum'")
     return edge_index, weight.float()

@@ -354,9 +354,9 @@ def check_sample_length(cfg: DataConfig) -> list[str]:
 
 
 def check_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """A text dataset's sources are readable and hold records, its samples fit its micro-batches, and
-    its tokenizer fits the model's vocabulary."""
-    return check_sources(cfg) + check_sample_length(cfg) + _check_tokenizer(cfg, model_config)
+    """A text dataset's sources are readable and hold records, and its tokenizer fits the model's
+    vocabulary (that its samples fit its micro-batches is the plan's check, ``check_sample_length``)."""
+    return check_sources(cfg) + _check_tokenizer(cfg, model_config)
 
 
 def _check_tokenizer(cfg: DataConfig, model_config: Any) -> list[str]:
@@ -381,4 +381,5 @@ def _build_packed_text(request: DatasetRequest) -> PackedTextDataset:
 
 
 register_dataset(DatasetKind("packed_text", _build_packed_text, needs_tokenizer=True, check=check_text_data,
+                             check_plan=check_sample_length,
                              balances=True))

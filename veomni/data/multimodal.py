@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from veomni.config.schema import DataConfig
-from veomni.data.chat import ChatEncoder, EncodedChat
-from veomni.data.loader import PackedTextDataset, check_text_data
+from veomni.data.chat import ChatEncoder, EncodedChat, add_placeholder_tokens
+from veomni.data.loader import PackedTextDataset, check_sample_length, check_text_data
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_samples
 from veomni.data.registry import DatasetKind, DatasetRequest, register_dataset
@@ -206,5 +206,24 @@ def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
     return MultimodalChatDataset(r.cfg, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed, r.model_config)
 
 
-register_dataset(DatasetKind("chat_media", _build_chat_media, needs_tokenizer=True, check=check_text_data,
+def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
+    """The text kind's checks, then room in the LLM's vocabulary for the tokenizer with one placeholder
+    token per modality added (the tokenizer and the model config suffice: a worker would meet it first)."""
+    problems = check_text_data(cfg, model_config)
+    if problems:
+        return problems
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
+    markers = sorted(m.placeholder for m in model_config.media_kinds().values())
+    add_placeholder_tokens(tokenizer, markers)
+    if len(tokenizer) <= model_config.vocab_size:
+        return []
+    return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "
+            f"tokenizer ({cfg.tokenizer}) holds {len(tokenizer)} tokens with them; raise model.llm.vocab_size to at "
+            f"least {len(tokenizer)}"]
+
+
+register_dataset(DatasetKind("chat_media", _build_chat_media, needs_tokenizer=True, check=check_chat_media_data,
+                             check_plan=check_sample_length,
                              balances=True))

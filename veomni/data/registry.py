@@ -100,6 +100,10 @@ def _no_problems(cfg: DataConfig, model_config: Any) -> list[str]:
     return []
 
 
+def _no_plan_problems(cfg: DataConfig) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class DatasetKind:
     name: str
@@ -107,7 +111,11 @@ class DatasetKind:
     needs_tokenizer: bool = False
     """Whether ``data.tokenizer`` must name a tokenizer folder (loaded by the engine)."""
     check: Callable[[DataConfig, Any], list[str]] = _no_problems
-    """(data config, model config) -> problems found before any worker starts (cheap checks)."""
+    """(data config, model config) -> problems found before any worker starts (cheap checks that
+    read the data, its manifests or the tokenizer)."""
+    check_plan: Callable[[DataConfig], list[str]] = _no_plan_problems
+    """data config -> problems found from the recipe alone: a dry run makes them on a
+    machine without the data."""
     balances: bool = False
     """Whether the kind reads ``data.sources`` mixtures and yields single samples for ``data.balance``
     (a ``PackedTextDataset``)."""

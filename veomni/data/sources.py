@@ -33,6 +33,15 @@ class BadDataError(RuntimeError):
     """Too large a fraction of the records could not be read."""
 
 
+class ShardLossError(RuntimeError):
+    """A shard that yielded fewer records than its manifest lists (truncated or damaged): ``lost``
+    records are counted bad, so that ``max_bad_fraction`` sees a large shard's loss."""
+
+    def __init__(self, message: str, lost: int) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
 class InvalidSampleError(ValueError):
     """A record that reads fine but contradicts itself (e.g. more media placeholders than media):
     a bug in the data's producer that skipping would hide, so it stops the run, naming the sample."""
@@ -167,7 +176,8 @@ def iter_records(
     warn: bool = True,
 ) -> Iterator[T]:
     """Every good record ``read_file`` yields for ``files`` (``None`` marks a bad one), counting
-    into ``stats``; a file that raises while being read counts as one bad record."""
+    into ``stats``; a file that raises while being read counts as one bad record, or as the records
+    it lost (``ShardLossError``, where a manifest says how many it holds)."""
     log = logger.warning if warn else logger.debug
     for file in files:
         bad_before, records_before = stats.bad, stats.records
@@ -180,9 +190,10 @@ def iter_records(
                 else:
                     yield record
         except Exception as error:  # noqa: BLE001 - any damage in one file must not stop the run
-            stats.records += 1
-            stats.bad += 1
-            stats.bad_by_file[str(file)] += 1
+            lost = error.lost if isinstance(error, ShardLossError) else 1  # unknown without a manifest count
+            stats.records += lost
+            stats.bad += lost
+            stats.bad_by_file[str(file)] += lost
             log(
                 "%s: unreadable after %d record(s), skipping the rest (%s: %s)",
                 file,

@@ -56,7 +56,7 @@ from veomni.data.registry import (
     find_dataset_states,
     register_dataset,
 )
-from veomni.data.sources import ReadStats, count_bad, iter_records, resolve_files, tar_samples
+from veomni.data.sources import ReadStats, ShardLossError, count_bad, iter_records, resolve_files, tar_samples
 from veomni.data.video_packing import LatentSample, best_fit_rows, check_fits, pack_row, patch_count
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ class VideoLatentsDataset(ResumableDataset):
         if problems:
             raise ValueError("; ".join(problems))
         _, self.files = resolve_files(request.path, "webdataset")
+        self.shard_records: dict[str, int] = read_latent_manifest(request.path).get("shard_records", {})
+        """Records per shard file, from the manifest (builders since FORMAT_VERSION 2): what a damaged shard lost."""
         self.cfg, self.split, self.seed = cfg, request.split, request.seed
         self.patch = tuple(model.patch_size)
         self.channels, self.text_dim = model.in_channels, model.text_dim
@@ -123,13 +125,19 @@ class VideoLatentsDataset(ResumableDataset):
 
     def _shard_records(self, file: Path, epoch: int) -> Iterator[dict]:
         """A shard's records, shuffled in train; the good records before damage come first, then
-        the damage is raised (``iter_records`` counts the rest of the shard as one bad record)."""
+        the damage is raised: as the records it lost when the manifest says how many the shard
+        holds (``ShardLossError``; a truncation at a record boundary raises nothing else), else as
+        it came (``iter_records`` counts it as one bad record)."""
         records: list[dict] = []
         damage: Exception | None = None
         try:
             records.extend(tar_samples(file))
         except Exception as error:  # noqa: BLE001 - re-raised below, after the good records
             damage = error
+        expected = self.shard_records.get(file.name)
+        if expected is not None and len(records) < expected:
+            damage = ShardLossError(f"{file}: read {len(records)} of the manifest's {expected} records "
+                                    f"({damage or 'the file ends early'})", lost=expected - len(records))
         if self._shuffled:
             random.Random(f"video_latents:{self.seed}:{epoch}:{file.name}").shuffle(records)
         yield from records

@@ -61,8 +61,11 @@ class ParallelDims:
             if value < 1:
                 raise LayoutError(f"parallel.{name} must be >= 1, got {value}")
             if world_size % value:
-                raise LayoutError(f"parallel.{name}={value} does not divide the world size {world_size}; "
-                                  f"pick a divisor of {world_size}")
+                stage = (f"the ranks of one pipeline stage, world size {total_world} / parallel.pp={cfg.pp} = "
+                         f"{world_size}" if cfg.pp > 1 else f"the world size {world_size}")
+                raise LayoutError(f"parallel.{name}={value} does not divide {stage}; pick a divisor of "
+                                  f"{world_size}" + (f", or lower parallel.pp so that parallel.pp x parallel.{name} "
+                                                     f"divides {total_world}" if cfg.pp > 1 else ""))
         others = cfg.dp_replicate * cfg.cp * cfg.sp
         if world_size % others:
             raise LayoutError(f"parallel.dp_replicate x parallel.cp x parallel.sp = {others} does not divide the "

@@ -50,6 +50,7 @@ from veomni.parallel.pipeline_media import (
 from veomni.parallel.pipeline_plan import (
     GRAPH_SCHEDULES,
     PipelineConfigError,
+    TooFewBlocksError,
     balanced_split,
     check_pipeline,
     microbatch_count,
@@ -105,7 +106,7 @@ def stage_block_counts(model: nn.Module, cfg: ParallelConfig) -> list[int]:
     if cfg.pp_layer_split:
         return list(cfg.pp_layer_split)
     if n_stages > len(blocks):
-        raise PipelineConfigError(f"{n_stages} pipeline stages but the model has only {len(blocks)} blocks")
+        raise TooFewBlocksError(f"{n_stages} pipeline stages but the model has only {len(blocks)} blocks")
     if plan.message_passing:  # a graph layer's work is its aggregation over every edge, not its weights
         return balanced_split([1] * len(blocks), n_stages)
     index = plan.stages.index(piece)

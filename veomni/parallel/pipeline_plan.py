@@ -31,6 +31,10 @@ class PipelineConfigError(ValueError):
     """The pipeline settings do not fit the model, the schedule or the batch; says how to fix it."""
 
 
+class TooFewBlocksError(PipelineConfigError):
+    """More pipeline stages than blocks; the launcher adds the model key that sets the block count."""
+
+
 def virtual_stages(cfg: ParallelConfig) -> int:
     """Stages per rank: ``pp_virtual_stages``, or the schedule's natural count when 0."""
     if cfg.pp_virtual_stages:
@@ -94,7 +98,7 @@ def check_pipeline(cfg: ParallelConfig, grad_accum: int, num_blocks: int | None 
             raise PipelineConfigError(f"parallel.pp_layer_split={split} sums to {sum(split)} but the model has "
                                       f"{num_blocks} blocks")
     if num_blocks is not None and stages > num_blocks:
-        raise PipelineConfigError(f"{stages} pipeline stages (parallel.pp {cfg.pp} x {v} per rank) but the model "
+        raise TooFewBlocksError(f"{stages} pipeline stages (parallel.pp {cfg.pp} x {v} per rank) but the model "
                                   f"has only {num_blocks} blocks; every stage needs at least one block")
 
 

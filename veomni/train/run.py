@@ -1,6 +1,11 @@
 """Worker entry point, started by torchrun from ``scripts/train.sh``:
 
     python -m veomni.train.run RECIPE.yaml [--section.key VALUE ...]
+
+An error a restart cannot fix (``veomni.train.stop.restart_cannot_fix``: bad data, config or
+checkpoint) stops the run with its message and no traceback; torchrun restarts the group once
+more, and those workers leave at once, before importing torch, on finding the message. A crash
+(a dead peer, a collective that failed) prints its traceback and restarts the group.
 """
 
 from __future__ import annotations
@@ -9,15 +14,17 @@ import os
 import sys
 import traceback
 
-import torch.distributed as dist
-
-from veomni.config.loader import load_config
-from veomni.logging_setup import setup_logging
-from veomni.train.stop import RunStopped, report_stop
-from veomni.train.trainer import Trainer
+from veomni.train.stop import earlier_stop, report_input_error, restart_cannot_fix
 
 
 def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from veomni.config.loader import load_config
+    from veomni.logging_setup import setup_logging
+    from veomni.train.stop import RunStopped, report_stop
+    from veomni.train.trainer import Trainer
+
     setup_logging()
     cfg = load_config(argv[0], argv[1:])
     try:
@@ -30,15 +37,25 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _run(argv: list[str]) -> int:
+    if earlier_stop():  # a worker of this run stopped it; train.sh reports why
+        return 0
+    try:
+        return main(argv)
+    except BaseException as exc:  # say why, then leave at once (below)
+        if restart_cannot_fix(exc):
+            return report_input_error(exc)
+        if earlier_stop():  # a peer's collective failed because that worker stopped the run: no crash
+            return 0
+        traceback.print_exc()
+        return 1
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    try:
-        code = main(sys.argv[1:])
-    except BaseException:  # a crash: say where, then leave at once (below)
-        traceback.print_exc()
-        code = 1
+    code = _run(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown, after success and after a crash alike: gloo occasionally aborts

@@ -7,6 +7,11 @@ point; the worker entry point then writes the message to ``VEOMNI_STOP_FILE`` (a
 ``scripts/train.sh`` creates on each node and reads when torchrun returns) and exits 0, and
 ``train.sh`` prints the message and exits 1. Without ``VEOMNI_STOP_FILE`` (a worker started by
 hand) the message goes to stderr and the exit status is 1.
+
+An error that one rank meets alone (a corrupt shard, a vocabulary without room for placeholders, a
+pretrained folder whose parameters do not match) cannot wait for the others: that rank writes the
+message, exits 1 so that torchrun ends the group, and the group torchrun restarts finds the
+message and exits 0 before it imports torch (``report_input_error``, ``earlier_stop``).
 """
 
 from __future__ import annotations
@@ -32,3 +37,31 @@ def report_stop(exc: RunStopped) -> int:
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one writer per node; the file is node-local
         Path(stop_file).write_text(f"{exc}\n")
     return 0
+
+
+def restart_cannot_fix(exc: BaseException) -> bool:
+    """Whether ``exc`` says the input is wrong (bad data, config or checkpoint: a ``ValueError``, a
+    missing file, too many bad records), which a restart would read again; a dead peer, a hang or a
+    lost node shows as a collective's ``RuntimeError`` or a kill instead, and those restart."""
+    from veomni.data.sources import BadDataError
+
+    return isinstance(exc, (ValueError, FileNotFoundError, BadDataError))
+
+
+def report_input_error(exc: BaseException) -> int:
+    """Stop a run that one rank found unfixable: the message once, without a traceback, and an exit
+    status that makes torchrun end the group (the other ranks would wait for this one). The group
+    torchrun then restarts finds the message (``earlier_stop``) and leaves before it starts."""
+    message = str(exc).rsplit(f"\n{type(exc).__name__}: ", 1)[-1].strip()  # a data worker's wraps a traceback
+    stop_file = os.environ.get(STOP_FILE_ENV)
+    if stop_file and not earlier_stop():
+        Path(stop_file).write_text(f"{message}\n")
+    else:
+        print(f"run stopped: {message}", file=sys.stderr, flush=True)
+    return STOPPED_EXIT
+
+
+def earlier_stop() -> str:
+    """The message of a stop an earlier worker of this run left in ``VEOMNI_STOP_FILE`` ('' if none)."""
+    stop_file = os.environ.get(STOP_FILE_ENV)
+    return Path(stop_file).read_text().strip() if stop_file and Path(stop_file).is_file() else ""
