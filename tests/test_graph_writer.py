@@ -46,6 +46,21 @@ def test_a_networkx_graph_round_trips(tmp_path):
     assert bool((masks == 1).all()) and int(loaded.train_mask.sum()) == 36  # 0.6 of the 60 labelled nodes
 
 
+def test_a_torch_geometric_data_round_trips_with_its_own_masks(tmp_path):
+    from torch_geometric.data import Data
+    from torch_geometric.utils import from_networkx
+
+    data = from_networkx(_networkx_graph(), group_node_attrs=["x"])  # PyG's own conversion, both directions
+    data.train_mask = torch.arange(data.num_nodes) % 2 == 0
+    data.val_mask, data.test_mask = ~data.train_mask, torch.zeros(data.num_nodes, dtype=torch.bool)
+    folder = write_graph_folder(tmp_path / "g", Data(x=data.x, y=data.y, edge_index=data.edge_index,
+                                                     train_mask=data.train_mask, val_mask=data.val_mask,
+                                                     test_mask=data.test_mask), undirected=False)
+    loaded = load_graph(folder)
+    assert torch.equal(loaded.edge_index, data.edge_index) and torch.equal(loaded.x, data.x)
+    assert torch.equal(loaded.train_mask, data.train_mask) and int(loaded.test_mask.sum()) == 0
+
+
 def test_a_bad_graph_is_refused_naming_the_problem(tmp_path):
     with pytest.raises(ValueError, match=r"edge_weight holds weights that are not finite and > 0"):
         write_graph_folder(tmp_path / "g", x=torch.zeros(3, 2), y=[0, 1, 0], edge_index=[[0, 1], [1, 2]],
