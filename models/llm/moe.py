@@ -62,12 +62,20 @@ class Dispatcher(Protocol):
                  experts: GroupedExperts) -> torch.Tensor: ...
 
 
+def count_per_expert(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] how many of the assignments ``expert_idx`` (any shape, values in [0, E)) land on each
+    expert. A scatter-add, not ``bincount``: bincount's output size is the data's max + 1, which
+    a GPU must read back to the host (a sync per call)."""
+    flat = expert_idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def sort_by_expert(expert_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): ``order`` sorts the flattened [T*k] assignments by expert (stable, so
     ties keep token order), ``counts`` [E] is how many land on each expert."""
     flat = expert_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=num_experts)
+    return order, count_per_expert(flat, num_experts)
 
 
 def local_dispatch(x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
@@ -153,7 +161,7 @@ class MoE(nn.Module):
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted output for every row of ``x``; records the statistics."""
         logits, probs, expert_idx, weights = self.router(x)
-        load = torch.bincount(expert_idx.reshape(-1), minlength=self.num_experts)
+        load = count_per_expert(expert_idx, self.num_experts)
         self.last_load = load
         self.last_aux = self._aux_losses(logits, probs, load)
         if self.capacity_factor > 0:
