@@ -82,16 +82,17 @@ def local_dispatch(x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Ten
                    experts: GroupedExperts) -> torch.Tensor:
     """Single-device dispatch: gather rows sorted by expert, grouped GEMM, weighted scatter-add.
 
-    ``expert_idx`` [T, k] may hold -1 for assignments dropped by the capacity limit.
+    ``expert_idx`` [T, k] may hold -1 for assignments dropped by the capacity limit. Those still
+    run through the last expert and are then masked out: every row count stays ``T * k``, known
+    without reading the counts back to the host, at the price of the dropped rows' FLOPs.
     """
     num_experts = experts.gate_up_proj.shape[0]
     k = expert_idx.shape[1]
     kept = expert_idx >= 0
-    order, counts = sort_by_expert(expert_idx.masked_fill(~kept, num_experts), num_experts + 1)
-    order = order[: int(counts[:num_experts].sum())]  # dropped ones sort last
+    order, counts = sort_by_expert(expert_idx.masked_fill(~kept, num_experts - 1), num_experts)
     token = order // k
-    y = experts(x[token], counts[:num_experts])
-    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    y = experts(x[token], counts)
+    y = torch.where(kept.reshape(-1)[order, None], y * weights.reshape(-1)[order, None].to(y.dtype), 0.0)
     return torch.zeros_like(x).index_add(0, token, y)
 
 
