@@ -17,6 +17,8 @@ import functools
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.dit.config import DiTConfig  # noqa: E402
@@ -34,7 +36,11 @@ PAIRS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("family", choices=sorted(PAIRS))
-    costs = block_costs(PAIRS[parser.parse_args().family])
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16 shows the casts a GPU run makes (slow on most CPUs)")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    costs = block_costs(functools.partial(PAIRS[args.family], dtype=dtype))
     (ours_saved, ref_saved), (ours_ops, ref_ops) = costs.saved_per_token, costs.ops
     print(f"saved for backward per token per block: ours {ours_saved:,.0f} B, reference {ref_saved:,.0f} B "
           f"({ours_saved / ref_saved:.3f}x)")

@@ -83,7 +83,7 @@ class Pair(NamedTuple):
 
 
 def qwen3_pair(layers: int, hidden: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-               intermediate: int = 48, vocab: int = 64, tokens: int = 24) -> Pair:
+               intermediate: int = 48, vocab: int = 64, tokens: int = 24, dtype: torch.dtype = torch.float32) -> Pair:
     """Our DecoderLM against transformers' ``Qwen3ForCausalLM`` (sdpa) on one sample, summed
     cross-entropy in fp32 logits on both sides."""
     hf_config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -95,6 +95,7 @@ def qwen3_pair(layers: int, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
     cfg = llm_hf_adapter.config_from_hf(reference.config)
     _, ours = build_model("llm", vars(cfg))
     ours.load_state_dict(llm_hf_adapter.state_dict_from_hf(reference.state_dict(), cfg), strict=True)
+    ours.to(dtype), reference.to(dtype)
     batch = llm_batch((tokens,), vocab)
     labels = batch["labels"]
 
@@ -107,7 +108,7 @@ def qwen3_pair(layers: int, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
 
 
 def wan_pair(layers: int, cfg: DiTConfig = DIT_CONFIG, latent: tuple[int, int, int] = (2, 8, 8),
-             text_tokens: int = 6) -> Pair:
+             text_tokens: int = 6, dtype: torch.dtype = torch.float32) -> Pair:
     """Our DiT against diffusers' ``WanTransformer3DModel`` on one latent [C, *latent] with
     ``text_tokens`` caption states; the loss is the summed square of the prediction."""
     cfg = dataclasses.replace(cfg, num_layers=layers)
@@ -115,9 +116,10 @@ def wan_pair(layers: int, cfg: DiTConfig = DIT_CONFIG, latent: tuple[int, int, i
     reference = WanTransformer3DModel(**{key: getattr(cfg, key) for key in ARCHITECTURE_FIELDS})
     ours = DiTModel(cfg)
     ours.load_state_dict(dit_hf_adapter.state_dict_from_hf(reference.state_dict(), cfg), strict=True)
+    ours.to(dtype), reference.to(dtype)
     gen = torch.Generator().manual_seed(1)
-    latents = torch.randn(1, cfg.in_channels, *latent, generator=gen)
-    text = torch.randn(1, text_tokens, cfg.text_dim, generator=gen)
+    latents = torch.randn(1, cfg.in_channels, *latent, generator=gen).to(dtype)
+    text = torch.randn(1, text_tokens, cfg.text_dim, generator=gen).to(dtype)
     timestep = torch.tensor([500.0])
     batch = pack_latents(list(latents), list(text), timestep, cfg.patch_size)
     return Pair(lambda: ours(batch["latents"], batch).pow(2).sum(),
