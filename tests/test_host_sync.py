@@ -10,13 +10,12 @@ from tests.perf_models import MOE_OPTIONS, dit_batch, dit_step, llm_batch, llm_s
 from veomni.ops.host_sync import HostSyncCounter
 
 # Syncs allowed by name of the function they happen in (docs/performance.md); any other fails the test.
+# The MoE's one-process dispatch needs none (fused grouped_mm); what does sync is documented there:
+# grouped_mm's segment loop where no fused kernel applies, and expert parallelism's uneven
+# all-to-all (its split sizes are host lists), neither on this path.
 STEP_ALLOWED = {
     "count_loss_units": "the task reads its unit count before the forward, when no kernel is queued yet",
 }
-# The MoE's one-process dispatch is sync-free too (fused grouped_mm); what does sync is documented in
-# docs/performance.md: grouped_mm's segment loop where no fused kernel applies, and expert
-# parallelism's uneven all-to-all (its split sizes are host lists), neither on this path.
-MOE_ALLOWED = STEP_ALLOWED
 
 
 def test_counter_sees_each_kind_of_sync_and_names_the_caller():
@@ -37,17 +36,16 @@ def test_counter_sees_each_kind_of_sync_and_names_the_caller():
     assert syncs.outside({"test_counter_sees_each_kind_of_sync_and_names_the_caller": "test"}) == []
 
 
-@pytest.mark.parametrize("family", ["llm", "dit"])
+MODELS = {
+    "llm": lambda: (tiny_llm(), llm_batch(), llm_step),
+    "moe": lambda: (tiny_llm(MOE_OPTIONS), llm_batch(), llm_step),
+    "dit": lambda: (tiny_dit(), dit_batch(), dit_step),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
 def test_a_training_step_has_no_host_sync(family):
-    model, batch, step = ((tiny_llm(), llm_batch(), llm_step) if family == "llm"
-                          else (tiny_dit(), dit_batch(), dit_step))
+    model, batch, step = MODELS[family]()
     with HostSyncCounter() as syncs:
         step(model, batch)
     assert syncs.outside(STEP_ALLOWED) == [], "\n".join(map(str, syncs.outside(STEP_ALLOWED)))
-
-
-def test_an_moe_step_syncs_only_where_documented():
-    model, batch = tiny_llm(MOE_OPTIONS), llm_batch()
-    with HostSyncCounter() as syncs:
-        llm_step(model, batch)
-    assert syncs.outside(MOE_ALLOWED) == [], "\n".join(map(str, syncs.outside(MOE_ALLOWED)))
