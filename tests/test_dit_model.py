@@ -124,6 +124,19 @@ def _reference_cross_attention(q, k, v, q_sample_index, kv_cu_seqlens):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("context", [5, 0])
+def test_cross_attention_to_one_caption_needs_no_mask(context):
+    generator = torch.Generator().manual_seed(6)
+    q_sample_index = torch.tensor([0, 0, 0, 0, -1])
+    q = torch.randn(5, 2, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(context, 2, 8, generator=generator) for _ in range(2))
+    kv_cu_seqlens = torch.tensor([0, context], dtype=torch.int32)
+    out = cross_varlen_attention(q, k, v, q_sample_index, kv_cu_seqlens)
+    assert_parity(out, _reference_cross_attention(q, k, v, q_sample_index, kv_cu_seqlens), "one caption")
+    out.sum().backward()
+    assert not q.grad[-1].any()
+
+
 @pytest.mark.parametrize("per_sample", [False, True, None])
 def test_cross_varlen_attention_keeps_to_each_samples_context(per_sample):
     generator = torch.Generator().manual_seed(5)

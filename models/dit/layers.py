@@ -20,6 +20,7 @@ from veomni.ops.attention import SeqInfo, bidirectional_varlen_attention, cross_
 from veomni.ops.rope import apply_interleaved_rope
 
 from .config import DiTConfig
+from .modulation import gated_add, modulate
 
 
 def layer_norm_fp32(x: torch.Tensor, norm: nn.LayerNorm | None = None, eps: float = 1e-6) -> torch.Tensor:
@@ -149,14 +150,13 @@ class DiTBlock(nn.Module):
                 text_cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         per_sample = self.scale_shift_table.float() + modulation.float()
         index = sample_index.clamp(min=0)
-        # six separate [T, D] gathers, not one [T, 6, D]: backward keeps only the scales and gates
-        shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = (per_sample[:, k][index] for k in range(6))
+        shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = per_sample.unbind(1)  # [n, D] tables
 
-        h = (layer_norm_fp32(x, eps=self.eps) * (1 + scale) + shift).to(x.dtype)
-        x = (x.float() + self.attn1(h, cos, sin, seq) * gate).to(x.dtype)
+        h = modulate(layer_norm_fp32(x, eps=self.eps), scale, shift, index).to(x.dtype)
+        x = gated_add(x.float(), self.attn1(h, cos, sin, seq), gate, index).to(x.dtype)
 
         h = x if self.norm2 is None else layer_norm_fp32(x, self.norm2).to(x.dtype)
         x = x + self.attn2(h, sample_index, text, text_cu_seqlens)
 
-        h = (layer_norm_fp32(x, eps=self.eps) * (1 + ffn_scale) + ffn_shift).to(x.dtype)
-        return (x.float() + self.ffn(h).float() * ffn_gate).to(x.dtype)
+        h = modulate(layer_norm_fp32(x, eps=self.eps), ffn_scale, ffn_shift, index).to(x.dtype)
+        return gated_add(x.float(), self.ffn(h), ffn_gate, index).to(x.dtype)

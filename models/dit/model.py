@@ -21,6 +21,7 @@ from veomni.parallel.plan import ParallelPlan
 from .batch import pack_latents, unpack_tokens
 from .config import DiTConfig
 from .layers import ConditionEmbedder, DiTBlock, layer_norm_fp32
+from .modulation import modulate
 
 
 class DiTModel(nn.Module):
@@ -48,7 +49,7 @@ class DiTModel(nn.Module):
         for block in self.blocks:
             x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq)
         shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)
-        h = (layer_norm_fp32(x, eps=self.config.eps) * (1 + scale[sample]) + shift[sample]).to(x.dtype)
+        h = modulate(layer_norm_fp32(x, eps=self.config.eps), scale, shift, sample).to(x.dtype)
         return self.proj_out(h) * (index >= 0)[:, None].to(x.dtype)
 
     def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor,

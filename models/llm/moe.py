@@ -62,28 +62,37 @@ class Dispatcher(Protocol):
                  experts: GroupedExperts) -> torch.Tensor: ...
 
 
+def count_per_expert(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] how many of the assignments ``expert_idx`` (any shape, values in [0, E)) land on each
+    expert. A scatter-add, not ``bincount``: bincount's output size is the data's max + 1, which
+    a GPU must read back to the host (a sync per call)."""
+    flat = expert_idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def sort_by_expert(expert_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): ``order`` sorts the flattened [T*k] assignments by expert (stable, so
     ties keep token order), ``counts`` [E] is how many land on each expert."""
     flat = expert_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=num_experts)
+    return order, count_per_expert(flat, num_experts)
 
 
 def local_dispatch(x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
                    experts: GroupedExperts) -> torch.Tensor:
     """Single-device dispatch: gather rows sorted by expert, grouped GEMM, weighted scatter-add.
 
-    ``expert_idx`` [T, k] may hold -1 for assignments dropped by the capacity limit.
+    ``expert_idx`` [T, k] may hold -1 for assignments dropped by the capacity limit. Those still
+    run through the last expert and are then masked out: every row count stays ``T * k``, known
+    without reading the counts back to the host, at the price of the dropped rows' FLOPs.
     """
     num_experts = experts.gate_up_proj.shape[0]
     k = expert_idx.shape[1]
     kept = expert_idx >= 0
-    order, counts = sort_by_expert(expert_idx.masked_fill(~kept, num_experts), num_experts + 1)
-    order = order[: int(counts[:num_experts].sum())]  # dropped ones sort last
+    order, counts = sort_by_expert(expert_idx.masked_fill(~kept, num_experts - 1), num_experts)
     token = order // k
-    y = experts(x[token], counts[:num_experts])
-    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    y = experts(x[token], counts)
+    y = torch.where(kept.reshape(-1)[order, None], y * weights.reshape(-1)[order, None].to(y.dtype), 0.0)
     return torch.zeros_like(x).index_add(0, token, y)
 
 
@@ -153,7 +162,7 @@ class MoE(nn.Module):
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted output for every row of ``x``; records the statistics."""
         logits, probs, expert_idx, weights = self.router(x)
-        load = torch.bincount(expert_idx.reshape(-1), minlength=self.num_experts)
+        load = count_per_expert(expert_idx, self.num_experts)
         self.last_load = load
         self.last_aux = self._aux_losses(logits, probs, load)
         if self.capacity_factor > 0:

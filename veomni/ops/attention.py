@@ -203,9 +203,12 @@ def cross_varlen_attention(
     Two exact strategies, as in ``sdpa_varlen_attention``: one SDPA call with a [Tq, S] sample
     mask (no host sync; computes the n - 1 other samples' scores too), or one call per contiguous
     run of equal sample ids (no waste; a host sync and a Python loop). ``per_sample=None`` picks
-    the mask when ``Tq * S * H * D <= BLOCK_DIAGONAL_WORK_PER_SAMPLE * n``.
+    the mask when ``Tq * S * H * D <= BLOCK_DIAGONAL_WORK_PER_SAMPLE * n``. A row with one
+    non-empty caption (``n == 1``, known from the shape) needs neither: one SDPA call, no mask.
     """
     samples = kv_cu_seqlens.shape[0] - 1
+    if samples == 1 and k.shape[0] > 0:
+        return _cross_one_context(q, k, v, q_sample_index)
     if per_sample is None:
         per_sample = q.shape[0] * k.shape[0] * q.shape[1] * q.shape[2] > BLOCK_DIAGONAL_WORK_PER_SAMPLE * samples
     if per_sample:
@@ -219,6 +222,14 @@ def cross_varlen_attention(
     mask = (sample[:, None] == kv_sample[None, :]) | empty[:, None]
     out = _sdpa(q, k, v, causal=False, mask=mask)
     return out * (~empty)[:, None, None].to(out.dtype)
+
+
+def _cross_one_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sample_index: torch.Tensor) -> torch.Tensor:
+    """One caption for the whole row (a row of one video): every real query sees all of it, so
+    SDPA runs without a mask (a flash kernel on a GPU) and nothing is read back to the host;
+    padding queries are zeroed."""
+    out = _sdpa(q, k, v, causal=False)
+    return out * (q_sample_index >= 0)[:, None, None].to(out.dtype)
 
 
 def _cross_per_run(

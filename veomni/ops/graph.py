@@ -79,9 +79,9 @@ def has_stale_edges(graph: Mapping[str, Any]) -> bool:
 
 
 def has_halo(graph: Mapping[str, Any]) -> bool:
-    recv = graph.get("recv_counts")
-    send = graph.get("send_counts")
-    return (recv is not None and int(recv.sum()) > 0) or (send is not None and int(send.sum()) > 0)
+    """Whether the view receives or sends halo rows, from the shapes of ``halo_rows`` and
+    ``send_index`` (as many rows as ``recv_counts`` and ``send_counts`` add up to): no host read."""
+    return any(graph.get(key) is not None and graph[key].shape[0] > 0 for key in ("halo_rows", "send_index"))
 
 
 class NeighbourAggregation(nn.Module):
@@ -99,7 +99,9 @@ class NeighbourAggregation(nn.Module):
                                "apply_graph_parallel), which the trainer installs for models whose plan names "
                                "message_passing modules")
         n = h.shape[0]
-        return aggregate(h, graph["edge_index"], graph["edge_weight"], n, sparse_adjacency(graph, "edge_index", n, n))
+        # torch.compile traces no sparse tensor: a compiled layer gathers messages, which it fuses
+        adjacency = None if torch.compiler.is_compiling() else sparse_adjacency(graph, "edge_index", n, n)
+        return aggregate(h, graph["edge_index"], graph["edge_weight"], n, adjacency)
 
 
 @runtime_checkable

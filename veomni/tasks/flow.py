@@ -127,9 +127,10 @@ class DiffusionTask:
         return int((batch["sample_index"] >= 0).sum())
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
+        units = self.count_loss_units(batch)  # its host read waits for nothing yet: no forward queued
         prediction = model(batch["noisy"], batch)
         real = (batch["sample_index"] >= 0)[:, None]
-        return LossOutput(self.output_loss(prediction * real, batch["target"]), self.count_loss_units(batch))
+        return LossOutput(self.output_loss(prediction * real, batch["target"]), units)
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Summed over tokens of the per-token mean squared error (padding: zero output and target)."""
