@@ -15,6 +15,7 @@ from models.audio.model import AudioEncoder
 from models.vit.config import ViTConfig
 from models.vit.model import NativeResolutionViT
 from tests.graph_utils import community_graph, tiny_gnn, views
+from tests.parity_utils import assert_scalar_parity
 from tests.perf_models import LLM_OPTIONS, MOE_OPTIONS, dit_batch, llm_batch, tiny_dit
 from veomni.spec import build_model
 from veomni.tasks.lm import LanguageModelingTask
@@ -83,6 +84,7 @@ def test_first_block_compiles_as_one_graph_and_computes_the_eager_loss(family):
     block.compile(fullgraph=True, backend="aot_eager")
     loss = loss_fn(model)
     loss.backward()
-    low_precision = next(model.parameters()).dtype == torch.bfloat16
-    tolerance = {"rtol": 1e-2, "atol": 1e-2} if low_precision else {"rtol": 1e-5, "atol": 1e-6}
-    torch.testing.assert_close(loss.detach(), expected, **tolerance)
+    if next(model.parameters()).dtype == torch.bfloat16:  # bf16 reordered by the compiler: close, not equal
+        torch.testing.assert_close(loss.detach(), expected, rtol=1e-2, atol=1e-2)
+    else:
+        assert_scalar_parity(float(loss), float(expected), f"{family}: compiled block's loss")
