@@ -58,6 +58,18 @@ def test_a_task_without_a_member_is_refused(toy, member):
     assert len(problems) == 1 and f"`{member}`" in problems[0] and "docs/adding_a_model.md" in problems[0]
 
 
+def test_a_prepare_that_cannot_tell_eval_from_training_is_refused(toy):
+    spec, config, model = toy
+
+    class OldStylePrepare(type(spec.task(config))):
+        def prepare(self, batch, generator=None):
+            return batch
+
+    gap = dataclasses.replace(spec, task=lambda cfg: OldStylePrepare(cfg.input_noise))
+    problems = plugin_problems(gap, config, model, pp=1)
+    assert len(problems) == 1 and "`prepare` takes no `training` keyword" in problems[0]
+
+
 def test_output_loss_is_needed_only_under_pipelines(toy):
     spec, config, model = toy
     gap = dataclasses.replace(spec, task=lambda cfg: _Without(spec.task(cfg), "output_loss"),

@@ -80,3 +80,22 @@ def _train_into_a_crashing_final_eval(rank, world, tmp):
 def test_the_final_checkpoint_is_saved_before_the_final_eval(tmp_path):
     assert run_distributed(_train_into_a_crashing_final_eval, 1, str(tmp_path)) == ["a bug in the family's eval"]
     assert [step for step, _ in list_checkpoints(tmp_path / "out" / "checkpoints")] == [2]
+
+
+class _RecordsTraining(LanguageModelingTask):
+    seen: list[bool] = []
+
+    def prepare(self, batch, generator=None, training=True):
+        self.seen.append(training)
+        return batch
+
+
+def _flags_the_task_received(rank, world, tmp):
+    cfg = tiny_run_config(Path(tmp), max_steps=2, eval_batches=2)
+    Trainer(cfg, task=_RecordsTraining()).train()
+    return _RecordsTraining.seen
+
+
+def test_the_task_is_told_which_batches_are_eval_batches(tmp_path):
+    """Augmentation belongs to training batches: the task's ``prepare`` gets ``training=False`` on eval's."""
+    assert run_distributed(_flags_the_task_received, 1, str(tmp_path)) == [[True, True, False, False]]

@@ -11,6 +11,7 @@ names the member, the object that lacks it and the section of the docs that desc
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -28,6 +29,11 @@ COST_MEMBERS = ("batch_flops", "sample_flops", "activation_bytes_per_unit", "act
 
 def _missing(owner: Any, names: tuple[str, ...]) -> list[str]:
     return [name for name in names if not callable(getattr(owner, name, None))]
+
+
+def _takes_keyword(function: Any, name: str) -> bool:
+    parameters = inspect.signature(function).parameters
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _option_exists(config: Any, dotted: str) -> bool:
@@ -50,6 +56,9 @@ def task_problems(spec: ModelSpec, task: Any, pp: int) -> list[str]:
     for name in _missing(task, TASK_MEMBERS + (PIPELINE_TASK_MEMBERS if pp > 1 else ())):
         problems.append(f"{where} has no `{name}`, which the engine calls{' under parallel.pp' if pp > 1 else ''}: "
                         f"see the task table in {DOC}, section 3")
+    if callable(getattr(task, "prepare", None)) and not _takes_keyword(task.prepare, "training"):
+        problems.append(f"{where}: `prepare` takes no `training` keyword (False for eval batches, so that "
+                        f"augmentation runs on training batches only): see the task table in {DOC}, section 3")
     contract = getattr(task, "contract", None)
     if pp > 1 and isinstance(contract, BatchContract) and contract.target is None:
         problems.append(f"parallel.pp={pp}: {where} declares no `contract.target` for the last stage's "

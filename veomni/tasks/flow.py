@@ -95,7 +95,7 @@ class DiffusionTask:
             scheduler = DDPMScheduler(num_train_timesteps=ddpm_steps, beta_schedule=ddpm_beta_schedule)
             self.alphas_cumprod = scheduler.alphas_cumprod.double()
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         x0 = batch["latents"]
         index = batch["sample_index"]
         real = index >= 0

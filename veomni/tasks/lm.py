@@ -62,7 +62,7 @@ class LanguageModelingTask:
 
     contract = LM_CONTRACT
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         return batch
 
     def count_loss_units(self, batch: dict) -> int:

@@ -39,7 +39,7 @@ def correct_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
 class NodeClassificationTask:
     contract = NODE_CONTRACT
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         return batch
 
     def count_loss_units(self, batch: dict) -> int:

@@ -55,7 +55,7 @@ class ReconstructionTask:
         self.latent_channels, self.spatial_factor = latent_channels, spatial_factor
         self.kl_weight, self.reconstruction = kl_weight, reconstruction
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         """Add ``posterior_noise`` of the latent's shape (none without a generator: tests, tools)."""
         if generator is None:
             return batch

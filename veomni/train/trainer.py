@@ -222,11 +222,11 @@ class Trainer(BadStepHandling, RunEnd):
             self._pending = pending_share(rank_states, self.meshes.dp_rank, self.dims.dp_size)
 
     # ----- steps ------------------------------------------------------------------------
-    def _local(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+    def _local(self, batch: dict[str, Any], generator: torch.Generator, training: bool = True) -> dict[str, Any]:
         """This rank's part of a loader batch (its positions under SP/CP), on the device. The
         task draws its randomness on the whole row, before slicing. A runner that joins rows
         before slicing them (``shards_rows``: the pipeline) gets the whole row."""
-        batch = self.task.prepare(batch, generator)
+        batch = self.task.prepare(batch, generator, training=training)
         if self.dims.row_ranks > 1 and not self.runner.shards_rows:
             batch = shard_batch(batch, self.meshes.row_split, self.task.contract)
         return _to_device(batch, self.device)
@@ -276,7 +276,8 @@ class Trainer(BadStepHandling, RunEnd):
             # forwards or FSDP's all-gathers would hang.
             if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=loss_group)[0] == 0:
                 return
-            yield self._local(batch, task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval"))
+            yield self._local(batch, task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval"),
+                              training=False)
 
     def _named(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The runner's generic counts renamed after the task's unit (``tokens``, ``loss_tokens``)."""
