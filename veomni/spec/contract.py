@@ -22,7 +22,7 @@ from veomni.tasks.base import BatchContract
 
 DOC = "docs/adding_a_model.md"
 TASK_MEMBERS = ("prepare", "count_loss_units", "baseline_stats", "baseline_loss")
-PIPELINE_TASK_MEMBERS = ("output_loss",)
+PIPELINE_TASK_MEMBERS = ("output_loss", "output_metrics")
 MODEL_MEMBERS = ("parallel_plan", "init_weights")
 COST_MEMBERS = ("batch_flops", "sample_flops", "activation_bytes_per_unit", "activated_params", "report_lines")
 

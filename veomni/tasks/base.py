@@ -133,6 +133,12 @@ class Task(Protocol):
         """Summed loss from the model's output alone: what a pipeline's last stage computes."""
         ...
 
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        """The task's eval metrics as ``LossOutput.metrics`` pairs, from the model's output alone: what a
+        pipeline's last stage reports in eval ({} for none). Padding rows (``contract.pad_values``)
+        must add nothing."""
+        ...
+
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         """Sums over this eval batch's loss targets that ``baseline_loss`` needs: e.g. a count
         per token id, or ``[count, sum, sum of squares]`` of scalar targets. The engine adds these

@@ -135,6 +135,9 @@ class DiffusionTask:
         """Summed over tokens of the per-token mean squared error (padding: zero output and target)."""
         return ((output.float() - target.float()) ** 2).sum() / target.shape[1]
 
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        return {}
+
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         target = batch["target"][batch["sample_index"] >= 0].double()
         return torch.stack([torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device),

@@ -91,6 +91,9 @@ class ReconstructionTask:
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._error_sum(output.float() - target.float())
 
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        return {}
+
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         """Per channel, the count of each uint8 level: [3 * 256]."""
         images = batch["images"]

@@ -41,6 +41,10 @@ class RegressionTask:
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (output.float() - target.float()).pow(2).sum()
 
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        """Eval metrics from the output alone (a pipeline's last stage): none beyond the loss here."""
+        return {}
+
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         """``[rows, column sums..., column sums of squares...]`` of the targets."""
         y = batch["y"].double().reshape(batch["y"].shape[0], -1)
