@@ -1,6 +1,7 @@
 """A requested stop through ``scripts/train.sh`` is clean: SIGTERM to the script (as a scheduler or
 Ctrl-C would) checkpoints, says how to resume, prints the summary and exits 0, with no torchrun
-traceback; the printed command resumes from that checkpoint.
+traceback; the printed command resumes from that checkpoint, and ``veomni.inference.load_run`` then loads the
+trained plug-in model for inference.
 
 The family is the outside example (fast steps); the run is long enough that only the signal ends it.
 """
@@ -12,6 +13,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+import torch
+
+from veomni.inference import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "regression_family"
@@ -51,3 +56,13 @@ def test_sigterm_to_train_sh_checkpoints_summarises_and_exits_0(tmp_path):
     resumed = subprocess.run(resume, cwd=recipe.parent, env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert _steps(out)[-2:] == [stopped_at + 1, stopped_at + 2]
+
+    # the plug-in family's trained weights, for inference, in one documented call
+    model = load_run(out)
+    rows = torch.load(tmp_path / "family" / "data" / "eval.pt")
+    untrained = type(model)(model.config)
+    untrained.init_weights()
+    with torch.no_grad():
+        trained_error = (model(rows["x"]) - rows["y"]).pow(2).mean()
+        untrained_error = (untrained(rows["x"]) - rows["y"]).pow(2).mean()
+    assert not model.training and trained_error < untrained_error
