@@ -101,3 +101,11 @@ def test_the_launcher_refuses_a_gap_before_any_worker_starts(toy, tmp_path, caps
     err = capsys.readouterr().err
     assert "has no `baseline_loss`" in err and "docs/adding_a_model.md" in err
     assert not (tmp_path / "family" / "data").exists()  # refused before data.prepare ran
+
+
+def test_a_wrong_plugins_flag_is_blamed_on_the_command_line(tmp_path, capsys):
+    shutil.copytree(EXAMPLE, tmp_path / "family", ignore=shutil.ignore_patterns("data", "outputs", "__pycache__"))
+    recipe = tmp_path / "family" / "recipe.yaml"
+    assert launch_main([str(recipe), "--dry-run", "--model.plugins", "[./no_such_family]"]) == 2
+    err = capsys.readouterr().err
+    assert "--model.plugins" in err and "no_such_family" in err and "recipe.yaml:" not in err
