@@ -3,7 +3,7 @@ fast it ran, where its outputs are and what to run next, on one screen, plus the
 for ``<output_dir>/summary.json``.
 
 Pure functions from numbers to text, so the wording is tested without training; the trainer
-collects the numbers (``Trainer.finish``).
+collects the numbers (``RunEnd.finish`` in ``run_end.py``).
 """
 
 from __future__ import annotations
