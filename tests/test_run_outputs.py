@@ -51,12 +51,15 @@ def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
         torch.get_num_threads())]
 
 
-def test_a_stage_summary_says_so_and_suggests_nothing(tmp_path):
-    summary = RunSummary(step=6, unit="token", eval_loss=None, baseline=None, training=None, wall_s=1.0,
+def test_a_stage_summary_says_so_states_eval_coverage_and_suggests_nothing(tmp_path):
+    summary = RunSummary(step=6, unit="token", baseline=None, training=None, wall_s=1.0,
                          memory="m", output_dir=str(tmp_path), checkpoint=None,
                          next_commands=(("train on", "bash scripts/train.sh r.yaml"),),
-                         stage="stage 0 of 2 (the VAE)", stopped="SIGTERM at step 6 of 10; checkpoint saved")
+                         stage="stage 0 of 2 (the VAE)", stopped="SIGTERM at step 6 of 10; checkpoint saved",
+                         eval_loss=0.5, eval_covered=1024, eval_batches=8, eval_ranks=2)
     text = format_summary(summary)
+    words = " ".join(text.split())  # the summary wraps long lines
+    assert "1,024 tokens of the held-out set: up to 8 micro-batches (train.eval_batches) on each of 2" in words
     assert "stage 0 of 2 (the VAE): summary, 6 steps" in text and "train on" not in text
     assert "SIGTERM at step 6 of 10" in text
 

@@ -88,8 +88,10 @@ class RunEnd:
             next_commands=next_commands(self.launch, self.step, checkpoint, self.cfg.checkpoint.resume,
                                         self.spec.hf_adapter is not None, str(self.output_dir)),
             sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
+            eval_covered=self.last_eval.get(f"eval_loss_{self.unit}s"), eval_batches=self.cfg.train.eval_batches,
+            eval_ranks=self.dims.dp_size,
             eval_metrics={k.removeprefix("eval_"): v for k, v in self.last_eval.items()
-                          if k not in ("eval_loss", "eval_baseline")},
+                          if k not in ("eval_loss", "eval_baseline", f"eval_loss_{self.unit}s")},
             stopped=stopped, stage=os.environ.get(STAGE_ENV, ""), mfu_peak=self.peak_source,
         )
 

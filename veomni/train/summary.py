@@ -91,6 +91,12 @@ class RunSummary:
     sample_how: str = ""
     eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """The last eval's other task metrics, without the ``eval_`` prefix (``accuracy``...)."""
+    eval_covered: int | None = None
+    """The loss units the last eval scored (``eval_loss_<unit>s``); None: not known."""
+    eval_batches: int = 0
+    """``train.eval_batches``: micro-batches per data-parallel rank."""
+    eval_ranks: int = 1
+    """The data-parallel ranks that split the eval data."""
     stopped: str = ""
     """Why the run ended before ``train.max_steps`` ("SIGTERM at step 12 of 400"); "" when it finished."""
     stage: str = ""
@@ -192,6 +198,15 @@ def _eval_lines(s: RunSummary) -> list[str]:
     return lines
 
 
+def _coverage_lines(s: RunSummary) -> list[str]:
+    """How much of the held-out set the eval scored: it depends on the data-parallel size."""
+    if s.eval_covered is None:
+        return []
+    return _wrapped("eval covered", f"{s.eval_covered:,} {s.unit}s of the held-out set: up to {s.eval_batches} "
+                                    f"micro-batches (train.eval_batches) on each of {s.eval_ranks} data-parallel "
+                                    "rank(s), ending early when a rank's share runs out")
+
+
 def _training_lines(s: RunSummary) -> list[str]:
     t = s.training
     if t is None:
@@ -227,7 +242,7 @@ def format_summary(s: RunSummary) -> str:
     lines = [title.center(WIDTH, "=")]
     if s.stopped:
         lines += _wrapped("stopped", s.stopped)
-    lines += _eval_lines(s)
+    lines += _eval_lines(s) + _coverage_lines(s)
     if s.eval_metrics:
         lines += _wrapped("eval metrics", ", ".join(f"{name} {value:.4g}" for name, value in s.eval_metrics.items()))
     lines += _training_lines(s)
