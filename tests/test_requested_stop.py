@@ -48,6 +48,7 @@ def test_sigterm_to_train_sh_checkpoints_summarises_and_exits_0(tmp_path):
     stopped_at = _steps(out)[-1]
     assert f"stopped by SIGTERM at step {stopped_at} of 100000; checkpoint saved; resume with: " in output
     assert f"run summary: {stopped_at} steps" in output and "loss.png" in output
+    assert "resume the run where it stopped" in output  # the summary's next command
     assert (out / "loss.png").is_file() and json.loads((out / "summary.json").read_text())["step"] == stopped_at
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped_at:08d}"]
     resume = output.split("resume with: ", 1)[1].splitlines()[0].split()

@@ -37,8 +37,11 @@ def _takes_keyword(function: Any, name: str) -> bool:
 
 
 def _option_exists(config: Any, dotted: str) -> bool:
-    """Whether ``dotted`` (``llm.num_layers``) names a field of the config dataclass, section by section."""
+    """Whether ``dotted`` (``llm.num_layers``) names a field of the config dataclass, section by section; a
+    section held as a dict (the omni family's ``llm`` options) is the family's own to check."""
     for name in dotted.split("."):
+        if isinstance(config, dict):
+            return True
         if not dataclasses.is_dataclass(config) or name not in {f.name for f in dataclasses.fields(config)}:
             return False
         config = getattr(config, name)
@@ -46,21 +49,24 @@ def _option_exists(config: Any, dotted: str) -> bool:
 
 
 def task_problems(spec: ModelSpec, task: Any, pp: int) -> list[str]:
-    """What the task lacks for this run: the members every run calls, and a pipeline's with ``pp > 1``."""
+    """What the task lacks for this run: the members every run calls, and with ``pp > 1`` a pipeline's
+    (for a task whose contract names a ``stage_input``; one that names none is refused by
+    ``check_pipeline_task``, which says the task does not pipeline at all)."""
     where = f"the task of model family {spec.name!r} ({type(task).__name__})"
+    contract = getattr(task, "contract", None)
     problems = []
-    if not isinstance(getattr(task, "contract", None), BatchContract):
+    if not isinstance(contract, BatchContract):
         problems.append(f"{where} has no `contract` (a veomni.tasks.BatchContract): see {DOC}, section 3")
     if not callable(task):
         problems.append(f"{where} is not callable: `__call__(model, batch) -> LossOutput` (see {DOC}, section 3)")
-    for name in _missing(task, TASK_MEMBERS + (PIPELINE_TASK_MEMBERS if pp > 1 else ())):
-        problems.append(f"{where} has no `{name}`, which the engine calls{' under parallel.pp' if pp > 1 else ''}: "
-                        f"see the task table in {DOC}, section 3")
+    pipelined = pp > 1 and isinstance(contract, BatchContract) and contract.stage_input is not None
+    for name in _missing(task, TASK_MEMBERS + (PIPELINE_TASK_MEMBERS if pipelined else ())):
+        problems.append(f"{where} has no `{name}`, which the engine calls{' under parallel.pp' if pipelined else ''}"
+                        f": see the task table in {DOC}, section 3")
     if callable(getattr(task, "prepare", None)) and not _takes_keyword(task.prepare, "training"):
         problems.append(f"{where}: `prepare` takes no `training` keyword (False for eval batches, so that "
                         f"augmentation runs on training batches only): see the task table in {DOC}, section 3")
-    contract = getattr(task, "contract", None)
-    if pp > 1 and isinstance(contract, BatchContract) and contract.target is None:
+    if pipelined and contract.target is None:
         problems.append(f"parallel.pp={pp}: {where} declares no `contract.target` for the last stage's "
                         f"output_loss: see {DOC}, 'What it does not give for free'")
     return problems

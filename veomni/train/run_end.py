@@ -39,7 +39,7 @@ class RunEnd:
     ``evaluate``, ``save_checkpoint``, ``last_eval``, ``baseline`` and the run's model and outputs."""
 
     def finish(self, history: list[dict[str, float]]) -> None:
-        """Final eval, checkpoint and sample, then the summary (``history``: this run's step metrics)."""
+        """Final checkpoint, eval and sample, then the summary (``history``: this run's step metrics)."""
         cfg = self.cfg
         # The checkpoint first: a crash in the final eval (a family's task, say) must not lose the
         # steps since the last periodic checkpoint, nor make the restarts train them again.
@@ -80,13 +80,16 @@ class RunEnd:
         checkpoints = list_checkpoints(self.output_dir / "checkpoints")
         checkpoint = str(checkpoints[-1][1]) if checkpoints else None
         memory = "max allocated per GPU" if self.device.type == "cuda" else "max resident set per process"
+        commands = next_commands(self.launch, self.step, checkpoint, self.cfg.checkpoint.resume,
+                                 self.spec.hf_adapter is not None, str(self.output_dir))
+        if stopped:  # what to run next is the rest of this run
+            commands = (("resume the run where it stopped", resume_command(self.launch, self.cfg.checkpoint.resume)),)
         return RunSummary(
             step=self.step, unit=self.unit, eval_loss=self.last_eval.get("eval_loss"), baseline=self.baseline,
             training=training_stats(history, self.unit, self.step),
             wall_s=time.perf_counter() - self._started, memory=f"{memory}, largest rank",
             output_dir=str(self.output_dir), checkpoint=checkpoint,
-            next_commands=next_commands(self.launch, self.step, checkpoint, self.cfg.checkpoint.resume,
-                                        self.spec.hf_adapter is not None, str(self.output_dir)),
+            next_commands=commands,
             sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
             eval_covered=self.last_eval.get(f"eval_loss_{self.unit}s"), eval_batches=self.cfg.train.eval_batches,
             eval_ranks=self.dims.dp_size,
