@@ -28,6 +28,7 @@ import argparse
 import fcntl
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ from veomni.checkpoint.manager import list_checkpoints  # noqa: E402
 from veomni.config.loader import load_config  # noqa: E402
 from veomni.data.clip_format import CorruptClipError, decode_clip  # noqa: E402
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files  # noqa: E402
+from veomni.train.summary import STAGE_ENV  # noqa: E402
 
 DEFAULT_RECIPE = REPO / "recipes" / "goku" / "tiny_vae.yaml"
 DEFAULT_OUT = REPO / "data" / "cache" / "video" / "vae"
@@ -111,12 +113,13 @@ def build(recipe: Path, out: Path, clips: int, overrides: list[str]) -> None:
     if checkpoint is None:  # a fresh run, or one stopped early (resumed by the launcher's resume: auto)
         print(f"[build_vae] training {recipe} (stage 0)", flush=True)
         train = ["bash", str(REPO / "scripts" / "train.sh"), str(recipe), *overrides]
-        if subprocess.run(train, cwd=REPO).returncode != 0:
+        stage = {STAGE_ENV: f"stage 0 of 2 (the VAE; the text-to-video run follows), {recipe.name}"}
+        if subprocess.run(train, cwd=REPO, env={**os.environ, **stage}).returncode != 0:
             sys.exit(f"[build_vae] training {recipe} failed (its output is above)")
         checkpoint = finished_checkpoint(output_dir, run_cfg.train.max_steps)
-        if checkpoint is None:
-            sys.exit(f"[build_vae] training finished but {output_dir}/checkpoints holds no checkpoint of step "
-                     f"{run_cfg.train.max_steps}")
+        if checkpoint is None:  # a requested stop (SIGTERM, Ctrl-C) exits 0 with a checkpoint before max_steps
+            sys.exit(f"[build_vae] stage 0 stopped before step {run_cfg.train.max_steps}: run the same command "
+                     "again to resume it")
     _, vae = export_checkpoint(checkpoint)
     shift, std = latent_statistics(vae, clip_frames(Path(run_cfg.data.train_path), clips))
     vae.register_to_config(shift_factor=shift, scaling_factor=1.0 / std)

@@ -51,9 +51,30 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $
 # resumes from the newest verified checkpoint. A stop a restart cannot fix (veomni.train.stop)
 # exits the workers with 0 and leaves its message in VEOMNI_STOP_FILE.
 export VEOMNI_STOP_FILE="$STOP_FILE"
+# A requested stop (Ctrl-C, or SIGTERM to this script): torchrun runs in its own session, so the
+# signal reaches this script only, which passes it to the workers as SIGTERM. They finish the step,
+# checkpoint, print how to resume and the summary, and exit 0; torchrun and this script with them.
+# (torchrun signalled itself would kill the workers and print a SignalException traceback.)
+REQUESTED_STOP=0
+stop_workers() {
+    REQUESTED_STOP=1
+    echo "[train.sh] stop requested: the workers finish their step, checkpoint and summarise" >&2
+    for worker in $(ps -o pid= --ppid "$TORCHRUN"); do kill -TERM "$worker" 2>/dev/null || true; done
+}
+setsid torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+    "${RDZV[@]}" -m veomni.train.run "$RECIPE" "$@" &
+TORCHRUN=$!
+trap stop_workers INT TERM
 status=0
-torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" "${RDZV[@]}" \
-    -m veomni.train.run "$RECIPE" "$@" || status=$?
+wait "$TORCHRUN" || status=$?
+while kill -0 "$TORCHRUN" 2>/dev/null; do  # a trapped signal ended the wait, not torchrun
+    status=0
+    wait "$TORCHRUN" || status=$?
+done
+trap - INT TERM
+if [ "$REQUESTED_STOP" = 1 ] && [ "$status" = 0 ]; then
+    echo "[train.sh] stopped as requested (exit status 0); the command above resumes the run" >&2
+fi
 if [ -s "$STOP_FILE" ]; then
     echo "[train.sh] run stopped: $(cat "$STOP_FILE")" >&2
     exit 1

@@ -21,7 +21,7 @@ BIG = REPO / "recipes" / "qwen3-moe" / "qwen3_30b_a3b.yaml"
 @pytest.mark.parametrize("world, args, needle", [
     (4, ["--parallel.ep", "3"],
      "parallel.ep=3 must be >= 1 and divide the parameter-sharding ranks dp_shard x cp x sp = 4"),
-    (6, ["--parallel.ep", "3"], "parallel.ep=3 does not divide model.num_experts=8"),
+    (6, ["--parallel.ep", "3"], "parallel.ep=3 does not divide the 8 experts of"),
     (2, ["--parallel.ep", "2", "--model.num_experts", "0"], "parallel.ep=2 needs a mixture-of-experts model"),
     (4, ["--parallel.ep", "2", "--parallel.dp_replicate", "2"], "not supported yet"),
 ], ids=["ep-vs-world", "ep-vs-experts", "ep-dense", "ep-hsdp"])

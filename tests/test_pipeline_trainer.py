@@ -12,6 +12,9 @@ from tests.parity_utils import assert_scalar_parity, assert_series_parity
 from tests.trainer_utils import tiny_run_config
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.pipeline_plan import PipelineConfigError, check_pipeline
+from veomni.tasks.base import LossOutput
+from veomni.tasks.lm import LanguageModelingTask
+from veomni.tasks.node import correct_count
 from veomni.train.trainer import Trainer
 
 
@@ -145,3 +148,28 @@ def test_pipeline_quickstart_recipe_trains_end_to_end(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("eval_loss" in r for r in records)
     assert (out / "checkpoints" / "step_00000002" / "complete.json").is_file()
+
+
+class _TopOneLM(LanguageModelingTask):
+    """A language model task with an eval metric, as an outside family's accuracy would be."""
+
+    def output_metrics(self, logits, labels):
+        return {"top1": correct_count(logits, labels)}
+
+    def __call__(self, model, batch):
+        logits = self.forward(model, batch)
+        return LossOutput(self.output_loss(logits, batch["labels"]), self.count_loss_units(batch),
+                          self.output_metrics(logits, batch["labels"]))
+
+
+def _eval_with_a_task_metric(rank, world, tmp, pp):
+    return Trainer(_config(tmp, pp, max_steps=1), task=_TopOneLM()).evaluate()
+
+
+def test_task_metrics_survive_the_pipeline(tmp_path):
+    """Eval metrics come from the last stage's output (``output_metrics``) and equal one process's."""
+    reference = run_distributed(_eval_with_a_task_metric, 1, str(tmp_path / "a"), 1)[0]
+    assert 0 <= reference["eval_top1"] <= 1
+    for result in run_distributed(_eval_with_a_task_metric, 2, str(tmp_path / "b"), 2):
+        assert result["eval_top1"] == pytest.approx(reference["eval_top1"], abs=1e-9)
+        assert result["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)

@@ -148,6 +148,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
     from veomni.parallel.pipeline_plan import TooFewBlocksError
     from veomni.parallel.sequence import check_sequence_parallel
     from veomni.spec import build_model
+    from veomni.spec.contract import plugin_problems
 
     try:
         with torch.device("meta"):
@@ -156,6 +157,8 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         return None, None, [locate_model_error(cfg, exc)]
     try:
         spec = get_model_spec(cfg.model.arch)
+        if contract_gaps := plugin_problems(spec, model_cfg, model, cfg.parallel.pp):  # before calling any of it
+            return model_cfg, model, contract_gaps
         check_model_experts(model, cfg.parallel.ep)
         check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
         try:

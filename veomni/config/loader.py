@@ -187,15 +187,19 @@ def _origins(node: _Value, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _model_field_types(arch: str, where: str, plugins: list[str]) -> dict[str, Any]:
+def _model_field_types(arch: str, where: str, plugins: list[str], plugins_where: str) -> dict[str, Any]:
     """Field name -> type of the registered model's config dataclass (after importing the
-    ``model.plugins`` packages, which register the families)."""
+    ``model.plugins`` packages, which register the families). A plugin that does not import is
+    blamed on where ``model.plugins`` was set (a recipe line or the command line), not on ``arch``."""
     from veomni.spec import get_model_spec, load_plugins
 
     try:
         load_plugins(plugins)
+    except ImportError as exc:
+        raise ConfigError(f"{plugins_where}: {exc}") from None
+    try:
         spec = get_model_spec(arch)
-    except (ImportError, ValueError) as exc:
+    except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return typing.get_type_hints(spec.config_cls)
 
@@ -247,8 +251,10 @@ def _fill_model(model: ModelConfig, node: _Value) -> None:
     arch_node = node.value.get("arch")
     if arch_node is not None:
         model.arch = coerce(arch_node.value, str, f"{arch_node.origin}: model.arch")
-    model.plugins = _plugins(node.value.get("plugins"))
-    fields = _model_field_types(model.arch, arch_node.origin if arch_node else "model.arch", model.plugins)
+    plugins_node = node.value.get("plugins")
+    model.plugins = _plugins(plugins_node)
+    fields = _model_field_types(model.arch, arch_node.origin if arch_node else "model.arch", model.plugins,
+                                plugins_node.origin if plugins_node else "model.plugins (default)")
     for name, child in node.value.items():
         if name in ("arch", "plugins"):
             continue

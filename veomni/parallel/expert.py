@@ -110,19 +110,22 @@ class GlobalLoadReducer:
         return funcol.all_reduce(counts, "sum", self.group).wait()
 
 
-def check_expert_layout(ep: int, num_experts: int) -> None:
-    """Config-time check: ``parallel.ep`` must split the experts evenly (ValueError otherwise)."""
+def check_expert_layout(ep: int, num_experts: int, model_name: str = "the model") -> None:
+    """Config-time check: ``parallel.ep`` must split the experts evenly (ValueError otherwise). The
+    messages name no config key: a family outside the zoo may count its experts under any name."""
     if ep > 1 and num_experts <= 0:
-        raise ValueError(f"parallel.ep={ep} needs a mixture-of-experts model (model.num_experts > 0)")
+        raise ValueError(f"parallel.ep={ep} needs a mixture-of-experts model, and {model_name}'s parallel_plan() "
+                         "declares no grouped experts (docs/adding_a_model.md, 'What it does not give for free'): "
+                         "set parallel.ep: 1, or configure the model with experts")
     if ep > 1 and num_experts % ep:
-        raise ValueError(f"parallel.ep={ep} does not divide model.num_experts={num_experts}; pick a divisor of "
-                         f"{num_experts}")
+        raise ValueError(f"parallel.ep={ep} does not divide the {num_experts} experts of {model_name}; pick a "
+                         f"divisor of {num_experts}")
 
 
 def check_model_experts(model: nn.Module, ep: int) -> None:
     """``check_expert_layout`` for the grouped-expert modules the (meta) model's plan declares."""
     experts = match_modules(model, flatten_plan(model.parallel_plan()).experts)
-    check_expert_layout(ep, experts[0][1].gate_up_proj.shape[0] if experts else 0)
+    check_expert_layout(ep, experts[0][1].gate_up_proj.shape[0] if experts else 0, type(model).__name__)
 
 
 def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None,

@@ -273,14 +273,15 @@ class Pipeline:
         return sum(float(loss.detach()) for loss in losses) / scale if losses else 0.0
 
     @torch.no_grad()
-    def evaluate(self, rows: list[dict[str, Any]]) -> float:
-        """Forward only; the summed loss of the rows on the last stage (0 elsewhere).
+    def evaluate(self, rows: list[dict[str, Any]]) -> tuple[float, list[dict[str, tuple[torch.Tensor, int]]]]:
+        """Forward only; the summed loss of the rows and each row's ``task.output_metrics`` on the last
+        stage (0 and none elsewhere).
 
         Not through the schedule: this torch's runtime schedules cannot run forward-only in the V
         layout (the local stage-to-stage hand-off expects a backward). Rows walk the stages in
         order instead, hidden states sent point-to-point with a small shape header.
         """
-        loss_sum = 0.0
+        loss_sum, metrics = 0.0, []
         for row, media in zip(rows, self._media(rows)):
             kwargs = self._stage_kwargs(row, media)
             x = row[self.contract.stage_input]
@@ -295,7 +296,8 @@ class Pipeline:
                 x = self._by_index[index](x, **kwargs)
             if self.has_last_stage:
                 loss_sum += float(self.task.output_loss(x, row[self.contract.target]))
-        return loss_sum
+                metrics.append(self.task.output_metrics(x, row[self.contract.target]))
+        return loss_sum, metrics
 
     def _media(self, rows: list[dict[str, Any]]) -> list[Any]:
         """Per row, what the first stage gets as its media input: the encoded features when the

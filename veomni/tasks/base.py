@@ -116,10 +116,13 @@ class Baseline:
 class Task(Protocol):
     contract: BatchContract
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         """Add what needs the whole row or randomness (look-ahead targets, noise, timesteps),
         before sequence parallelism cuts the row into slices. ``generator`` is the engine's
-        (CPU) generator for this micro-batch; None outside training (tests, tools)."""
+        (CPU) generator for this micro-batch; None outside training (tests, tools). ``training``
+        is False for eval batches: augmentation (input noise, crops, masking meant to regularise)
+        belongs to training batches only; what the loss itself needs (a diffusion task's noise and
+        timesteps) is drawn either way."""
         ...
 
     def count_loss_units(self, batch: dict) -> int: ...
@@ -128,6 +131,12 @@ class Task(Protocol):
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Summed loss from the model's output alone: what a pipeline's last stage computes."""
+        ...
+
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        """The task's eval metrics as ``LossOutput.metrics`` pairs, from the model's output alone: what a
+        pipeline's last stage reports in eval ({} for none). Padding rows (``contract.pad_values``)
+        must add nothing."""
         ...
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:

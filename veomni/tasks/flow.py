@@ -95,7 +95,7 @@ class DiffusionTask:
             scheduler = DDPMScheduler(num_train_timesteps=ddpm_steps, beta_schedule=ddpm_beta_schedule)
             self.alphas_cumprod = scheduler.alphas_cumprod.double()
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         x0 = batch["latents"]
         index = batch["sample_index"]
         real = index >= 0
@@ -135,6 +135,9 @@ class DiffusionTask:
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Summed over tokens of the per-token mean squared error (padding: zero output and target)."""
         return ((output.float() - target.float()) ** 2).sum() / target.shape[1]
+
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        return {}
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         target = batch["target"][batch["sample_index"] >= 0].double()

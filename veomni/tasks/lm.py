@@ -62,7 +62,7 @@ class LanguageModelingTask:
 
     contract = LM_CONTRACT
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         return batch
 
     def count_loss_units(self, batch: dict) -> int:
@@ -80,6 +80,9 @@ class LanguageModelingTask:
 
     def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return summed_cross_entropy(logits, labels)
+
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        return {}
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         return target_counts(batch["labels"])

@@ -51,7 +51,7 @@ class MultiTokenLMTask(LanguageModelingTask):
     def __init__(self, mtp_weight: float) -> None:
         self.mtp_weight = float(mtp_weight)
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         """Look-ahead tensors from the whole row, so a sequence-parallel slice sees its
         neighbour's first tokens: the next-2 targets, and the next token feeding each row's MTP
         input (the label itself, where the row has one)."""

@@ -39,7 +39,7 @@ def correct_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
 class NodeClassificationTask:
     contract = NODE_CONTRACT
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         return batch
 
     def count_loss_units(self, batch: dict) -> int:
@@ -50,13 +50,16 @@ class NodeClassificationTask:
 
     def output_result(self, logits: torch.Tensor, batch: dict) -> LossOutput:
         """Loss and accuracies from the model's logits: what a graph pipeline's last stage reports."""
-        metrics = {"accuracy": correct_count(logits, batch["labels"])}
+        metrics = self.output_metrics(logits, batch["labels"])
         if "test_labels" in batch:
             metrics["test_accuracy"] = correct_count(logits, batch["test_labels"])
         return LossOutput(self.output_loss(logits, batch["labels"]), self.count_loss_units(batch), metrics)
 
     def output_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return summed_cross_entropy(logits, labels)
+
+    def output_metrics(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        return {"accuracy": correct_count(logits, labels)}
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         return target_counts(batch["labels"])

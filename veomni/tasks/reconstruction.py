@@ -55,7 +55,7 @@ class ReconstructionTask:
         self.latent_channels, self.spatial_factor = latent_channels, spatial_factor
         self.kl_weight, self.reconstruction = kl_weight, reconstruction
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         """Add ``posterior_noise`` of the latent's shape (none without a generator: tests, tools)."""
         if generator is None:
             return batch
@@ -90,6 +90,9 @@ class ReconstructionTask:
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._error_sum(output.float() - target.float())
+
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        return {}
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         """Per channel, the count of each uint8 level: [3 * 256]."""

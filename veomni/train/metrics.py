@@ -1,8 +1,8 @@
 """Throughput, MFU and memory.
 
 MFU = achieved model FLOPs per second per device / the device's peak. On GPUs the peak is the
-dense bf16 figure of the device (table below); on CPU it is measured at start-up with a large
-fp32 matmul using this process's threads, and the log says so.
+dense bf16 figure of the device (table below); on CPU it is measured once per machine and
+cached (``cpu_peak.py``), so runs on one machine divide by the same figure; the summary says which.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import resource
 import time
 
 import torch
+
+from veomni.train.cpu_peak import cached_cpu_peak_flops
 
 logger = logging.getLogger(__name__)
 
@@ -29,18 +31,6 @@ GPU_PEAK_BF16_FLOPS = {
 }
 
 
-def measure_cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    torch.mm(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
 def device_peak_flops(device: torch.device) -> tuple[float, str]:
     """(peak FLOP/s, how it was obtained) for one device."""
     if device.type == "cuda":
@@ -50,10 +40,7 @@ def device_peak_flops(device: torch.device) -> tuple[float, str]:
                 return peak, f"{name}: dense bf16 peak {peak / 1e12:.0f} TFLOP/s from the spec table"
         logger.warning("unknown GPU %r: MFU will be reported as 0", name)
         return float("inf"), f"{name}: not in the peak table"
-    peak = measure_cpu_peak_flops()
-    return peak, (
-        f"CPU: measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s with {torch.get_num_threads()} thread(s)"
-    )
+    return cached_cpu_peak_flops()
 
 
 def peak_memory_gb(device: torch.device) -> float:

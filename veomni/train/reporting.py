@@ -1,14 +1,19 @@
 """Where metrics go: metrics.jsonl always; wandb and TensorBoard on request; a progress bar
-on an interactive terminal, periodic log lines otherwise. Only rank 0 reports."""
+on an interactive terminal, periodic log lines otherwise; every eval as its own line (loss,
+baseline, the task's metrics) and a redrawn ``loss.png``. While the bar is up, log lines are
+printed above it (never on its line). Only rank 0 reports."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from veomni.train.loss_plot import write_loss_plot
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +23,8 @@ class MetricsReporter:
                  start_step: int, enabled: bool, throughput_key: str = "tokens_per_s") -> None:
         """``throughput_key``: the metric the progress bar shows as speed (named after the task's unit)."""
         self.enabled = enabled
+        self.output_dir = output_dir
+        self._redirect = contextlib.ExitStack()
         self.throughput_key = throughput_key
         self.interval = max(1, log_cfg.interval)
         self._jsonl = None
@@ -40,8 +47,10 @@ class MetricsReporter:
             self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
         if log_cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            self._redirect.enter_context(logging_redirect_tqdm())
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -59,10 +68,20 @@ class MetricsReporter:
             self._bar.set_postfix({"loss": f"{metrics['loss']:.3f}",
                                    self.throughput_key: f"{metrics[self.throughput_key]:.0f}",
                                    "mfu": f"{metrics['mfu']:.1%}"})
-        elif step % self.interval == 0 or "eval_loss" in metrics:
+        elif step % self.interval == 0 and "loss" in metrics:
             # lists (e.g. MoE tokens per expert, layers x experts) go to metrics.jsonl only
             logger.info("step %d  %s", step, "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()
-                                                       if not isinstance(v, list)))
+                                                       if not isinstance(v, list) and not k.startswith("eval_")))
+        if "eval_loss" in metrics:
+            logger.info("%s", eval_line(step, metrics))
+            self.write_plot()
+
+    def write_plot(self) -> Path | None:
+        """Redraw ``loss.png`` from ``metrics.jsonl``; its path (None on ranks that do not report)."""
+        if not self.enabled:
+            return None
+        self._jsonl.flush()
+        return write_loss_plot(self.output_dir)
 
     def log_images(self, step: int, files: dict[str, Path]) -> None:
         """Images a family wrote (validation samples) to wandb and TensorBoard; their paths to the log."""
@@ -82,14 +101,31 @@ class MetricsReporter:
                     self._tb.add_image(f"samples/{name}", np.asarray(image.convert("RGB")), step, dataformats="HWC")
 
     def close(self) -> None:
+        """End of a run (finished or stopped): the final plot, then the sinks."""
+        if self._jsonl is not None:
+            self.write_plot()
         if self._bar is not None:
             self._bar.close()
+        self._redirect.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def eval_line(step: int, metrics: dict[str, Any]) -> str:
+    """One eval as a line: ``eval at step 200: loss 5.716 (baseline 5.752, 0.036 below)  accuracy=0.95``."""
+    loss = metrics["eval_loss"]
+    line = f"eval at step {step}: loss {loss:.4f}"
+    if "eval_baseline" in metrics:
+        baseline = metrics["eval_baseline"]
+        side = "below" if loss < baseline else "above"
+        line += f" (baseline {baseline:.4f}, {abs(baseline - loss):.4f} {side})"
+    others = [f"{k.removeprefix('eval_')}={_fmt(v)}" for k, v in metrics.items()
+              if k.startswith("eval_") and k not in ("eval_loss", "eval_baseline") and not isinstance(v, list)]
+    return "  ".join([line, *others])
 
 
 def _fmt(value: Any) -> str:

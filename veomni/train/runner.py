@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from veomni.config.schema import RunConfig
@@ -85,19 +86,29 @@ class PipelineRunner(RunnerBase):
     def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
         """Eval batches in groups of one step's micro-batches; a short last group is filled with
         rows without loss units (the schedule always runs its full micro-batch count). The loss
-        sums live on the last stages, so they are reduced over the world, and the units (counted
-        on the whole rows by every stage and every cp x sp rank) once per pipeline and row."""
+        sums and the task's metrics (``output_metrics``) live on the last stages, so they are
+        reduced over the world, and the units (counted on the whole rows by every stage and every
+        cp x sp rank) once per pipeline and row."""
         size, loss_sum, units = self.cfg.train.grad_accum, 0.0, 0
+        extra: dict[str, list[float]] = {}
         batches = list(batches)
         contract = self.task.contract
         for start in range(0, len(batches), size):
             group = batches[start:start + size]
             units += sum(self.task.count_loss_units(b) for b in group)
             group += [empty_row(group[0], contract)] * (size - len(group))
-            loss_sum += self.pipeline.evaluate(pipeline_rows(group, self.pipeline.microbatches,
-                                                             self.cfg.data.tokens_per_micro_batch, contract,
-                                                             self.meshes.row_split))
-        return self.eval_result(loss_sum, units, {}, None, units_divisor=self.dims.pp * self.dims.row_ranks)
+            loss, row_metrics = self.pipeline.evaluate(pipeline_rows(group, self.pipeline.microbatches,
+                                                                     self.cfg.data.tokens_per_micro_batch, contract,
+                                                                     self.meshes.row_split))
+            loss_sum += loss
+            for metrics in row_metrics:
+                add_task_metrics(extra, metrics)
+        # Only last stages hold task metrics: every rank must reduce the same names.
+        names: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(names, sorted(extra))
+        for name in set().union(*names):
+            extra.setdefault(name, [0.0, 0])
+        return self.eval_result(loss_sum, units, extra, None, units_divisor=self.dims.pp * self.dims.row_ranks)
 
 
 def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task, meshes: ParallelMeshes,

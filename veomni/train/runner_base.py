@@ -67,7 +67,8 @@ class RunnerBase:
         total_units /= units_divisor
         if not total_units:
             return {}
-        result = {"eval_loss": total_loss / total_units}
+        # how much of the held-out set the loss covers, in the task's loss units: the summary states it
+        result = {"eval_loss": total_loss / total_units, f"eval_loss_{self.task.contract.unit}s": round(total_units)}
         result.update({f"eval_{k}": v for k, v in task_metric_means(names, totals).items()})
         return result
 

@@ -3,7 +3,7 @@ fast it ran, where its outputs are and what to run next, on one screen, plus the
 for ``<output_dir>/summary.json``.
 
 Pure functions from numbers to text, so the wording is tested without training; the trainer
-collects the numbers (``Trainer.finish``).
+collects the numbers (``RunEnd.finish`` in ``run_end.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from typing import Any
 
 from veomni.checkpoint.manager import step_of
 from veomni.tasks.base import Baseline
+from veomni.train.loss_plot import PLOT_FILE
 
 REPO = Path(__file__).resolve().parents[2]
+STAGE_ENV = "VEOMNI_STAGE"
+"""Set by a build that trains in stages (``data/build_vae.py``): the summary's title names the stage."""
 WARMUP_STEPS = 3
 """Steps left out of the throughput median: the first ones pay for allocation and warm-up."""
 WIDTH = 100
@@ -88,6 +91,18 @@ class RunSummary:
     sample_how: str = ""
     eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """The last eval's other task metrics, without the ``eval_`` prefix (``accuracy``...)."""
+    eval_covered: int | None = None
+    """The loss units the last eval scored (``eval_loss_<unit>s``); None: not known."""
+    eval_batches: int = 0
+    """``train.eval_batches``: micro-batches per data-parallel rank."""
+    eval_ranks: int = 1
+    """The data-parallel ranks that split the eval data."""
+    stopped: str = ""
+    """Why the run ended before ``train.max_steps`` ("SIGTERM at step 12 of 400"); "" when it finished."""
+    stage: str = ""
+    """``$VEOMNI_STAGE``: the part of a multi-stage build this run is ("stage 0 of 2: ..."); "" for a whole run."""
+    mfu_peak: str = ""
+    """What MFU is measured against and where that figure came from (a spec table, a cached CPU measurement)."""
 
 
 def shown(path: str | os.PathLike) -> str:
@@ -110,6 +125,15 @@ def _without_flags(args: Sequence[str], flags: set[str]) -> list[str]:
         out.append(args[i])
         i += 1
     return out
+
+
+def resume_command(launch: Sequence[str], resume: str) -> str:
+    """The command that resumes a stopped run: the one it was started with, resuming from its newest
+    checkpoint (``--checkpoint.resume auto`` added unless the run already resumes automatically)."""
+    recipe, *args = launch
+    if resume != "auto":
+        args = [*_without_flags(args, {"--checkpoint.resume"}), "--checkpoint.resume", "auto"]
+    return shlex.join(["bash", shown(REPO / "scripts" / "train.sh"), recipe, *args])
 
 
 def next_commands(launch: Sequence[str], step: int, checkpoint: str | None, resume: str,
@@ -174,6 +198,15 @@ def _eval_lines(s: RunSummary) -> list[str]:
     return lines
 
 
+def _coverage_lines(s: RunSummary) -> list[str]:
+    """How much of the held-out set the eval scored: it depends on the data-parallel size."""
+    if s.eval_covered is None:
+        return []
+    return _wrapped("eval covered", f"{s.eval_covered:,} {s.unit}s of the held-out set: up to {s.eval_batches} "
+                                    f"micro-batches (train.eval_batches) on each of {s.eval_ranks} data-parallel "
+                                    "rank(s), ending early when a rank's share runs out")
+
+
 def _training_lines(s: RunSummary) -> list[str]:
     t = s.training
     if t is None:
@@ -184,6 +217,7 @@ def _training_lines(s: RunSummary) -> list[str]:
                                     f"{t.last_step}",
         "throughput".ljust(LABEL) + f"{_rate(t.throughput)} {s.unit}s/s (median of steps {first}-{last}), "
                                     f"MFU {t.mfu:.1%}",
+        *_wrapped("MFU peak", s.mfu_peak or "unknown"),
         "time".ljust(LABEL) + f"{_duration(s.wall_s)} since set-up began, {_duration(t.train_s)} of it in "
                               f"training steps",
         "peak memory".ljust(LABEL) + f"{t.peak_mem_gb:.2f} GiB ({s.memory})",
@@ -204,25 +238,32 @@ def _sample_lines(text: str) -> list[str]:
 
 def format_summary(s: RunSummary) -> str:
     out = Path(s.output_dir)
-    lines = [f" run summary: {s.step} steps ".center(WIDTH, "=")]
-    lines += _eval_lines(s)
+    title = f" {s.stage}: summary, {s.step} steps " if s.stage else f" run summary: {s.step} steps "
+    lines = [title.center(WIDTH, "=")]
+    if s.stopped:
+        lines += _wrapped("stopped", s.stopped)
+    lines += _eval_lines(s) + _coverage_lines(s)
     if s.eval_metrics:
         lines += _wrapped("eval metrics", ", ".join(f"{name} {value:.4g}" for name, value in s.eval_metrics.items()))
     lines += _training_lines(s)
     lines.append("outputs".ljust(LABEL) + f"{shown(out / 'metrics.jsonl')} (metrics of every step and eval)")
     if s.checkpoint is not None:
         lines.append(" " * LABEL + f"{shown(s.checkpoint)} (newest checkpoint)")
+    lines.append(" " * LABEL + f"{shown(out / PLOT_FILE)} (training and eval loss, plotted)")
     lines.append(" " * LABEL + f"{shown(out / 'summary.json')} (these numbers)")
     if s.sample is not None:
         lines.append("sample".ljust(LABEL) + f"{s.sample_how}:")
         lines += _sample_lines(s.sample)
         if s.baseline is not None and s.eval_loss is not None and s.eval_loss >= s.baseline.loss:
             lines.append("  (the eval loss is not below the baseline yet: expect little structure)")
-    lines.append("next")
-    for what, command in s.next_commands:
-        lines.append(f"  {what}:")
-        lines.append(f"    {command}")
-    lines.append(f"  other recipes, tiny to cluster-sized: the table in {shown(REPO / 'README.md')}")
+    if s.stage:
+        lines.append("next".ljust(LABEL) + "the build goes on to its next stage by itself")
+    else:
+        lines.append("next")
+        for what, command in s.next_commands:
+            lines.append(f"  {what}:")
+            lines.append(f"    {command}")
+        lines.append(f"  other recipes, tiny to cluster-sized: the table in {shown(REPO / 'README.md')}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 

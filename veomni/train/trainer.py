@@ -12,8 +12,6 @@ the parameter rules. The trainer itself assumes no field names and no tokenizer.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import random
 import signal
@@ -27,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from veomni.checkpoint.component_init import init_entries, load_components
-from veomni.checkpoint.manager import CheckpointManager, list_checkpoints
+from veomni.checkpoint.manager import CheckpointManager
 from veomni.config.loader import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_tokenizer
@@ -35,25 +33,22 @@ from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
-from veomni.parallel.sequence import full_sequence_attention
 from veomni.spec import build_config, get_model_spec, load_plugins
 from veomni.tasks.base import Baseline, Task, task_generator
-from veomni.tasks.lm import LanguageModelingTask
 from veomni.train.baseline import BaselineCollector
 from veomni.train.data_feed import build_feed, pending_share
 from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
 from veomni.train.faults import FaultInjector
-from veomni.train.generate import sample_tokens
 from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.recovery import BadStepHandling
 from veomni.train.reporting import MetricsReporter
 from veomni.train.restart import choose_resume, restart_attempt, restart_record, run_id
+from veomni.train.run_end import RunEnd
 from veomni.train.runner import build_runner
 from veomni.train.shared_fs import check_shared_output_dir
 from veomni.train.stop import RunStopped
 from veomni.train.stragglers import StragglerDetector
-from veomni.train.summary import RunSummary, format_summary, next_commands, summary_record, training_stats
 from veomni.train.watchdog import Watchdog, process_group_timeout_s
 
 logger = logging.getLogger(__name__)
@@ -69,7 +64,7 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return move(batch)
 
 
-class Trainer(BadStepHandling):
+class Trainer(BadStepHandling, RunEnd):
     def __init__(self, cfg: RunConfig, task: Task | None = None, launch: Sequence[str] | None = None) -> None:
         """``launch``: the recipe and overrides the run was started with (``scripts/train.sh``'s
         arguments), for the next commands the end-of-run summary suggests; None: the output
@@ -136,16 +131,18 @@ class Trainer(BadStepHandling):
         self.preempted = False
         self._signal_received: int | None = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            signal.signal(signal.SIGTERM, self._on_stop_signal)
+            signal.signal(signal.SIGINT, self._on_stop_signal)
 
-        peak, how = device_peak_flops(self.device)
+        peak, self.peak_source = device_peak_flops(self.device)
         self.peak_flops = all_reduce_values([peak], group=self.meshes.loss.get_group())[0] / self.dims.loss_size
-        logger.info("MFU peak: %s", how)
+        logger.info("MFU peak: %s", self.peak_source)
         self.reporter = MetricsReporter(self.output_dir, cfg.log, config_to_dict(cfg), cfg.train.max_steps,
                                         self.step, enabled=self.rank == 0, throughput_key=self._key("s_per_s"))
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """Preemption: finish the current step, checkpoint, exit (ranks agree in run_step)."""
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        """A requested stop (a scheduler's SIGTERM, Ctrl-C): finish the current step, checkpoint,
+        summarise, exit 0 (ranks agree in run_step)."""
         self._signal_received = signum
 
     def _key(self, suffix: str) -> str:
@@ -225,11 +222,11 @@ class Trainer(BadStepHandling):
             self._pending = pending_share(rank_states, self.meshes.dp_rank, self.dims.dp_size)
 
     # ----- steps ------------------------------------------------------------------------
-    def _local(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+    def _local(self, batch: dict[str, Any], generator: torch.Generator, training: bool = True) -> dict[str, Any]:
         """This rank's part of a loader batch (its positions under SP/CP), on the device. The
         task draws its randomness on the whole row, before slicing. A runner that joins rows
         before slicing them (``shards_rows``: the pipeline) gets the whole row."""
-        batch = self.task.prepare(batch, generator)
+        batch = self.task.prepare(batch, generator, training=training)
         if self.dims.row_ranks > 1 and not self.runner.shards_rows:
             batch = shard_batch(batch, self.meshes.row_split, self.task.contract)
         return _to_device(batch, self.device)
@@ -265,6 +262,8 @@ class Trainer(BadStepHandling):
             part.train()
         # Whole rows (the runner slices them) are the same on every cp x sp rank: add them over dp only.
         self.baseline = baseline.result((self.meshes.dp if self.runner.shards_rows else self.meshes.loss).get_group())
+        if self.baseline is not None and result:
+            result["eval_baseline"] = self.baseline.loss
         self.last_eval = result
         return result
 
@@ -277,7 +276,8 @@ class Trainer(BadStepHandling):
             # forwards or FSDP's all-gathers would hang.
             if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=loss_group)[0] == 0:
                 return
-            yield self._local(batch, task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval"))
+            yield self._local(batch, task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval"),
+                              training=False)
 
     def _named(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The runner's generic counts renamed after the task's unit (``tokens``, ``loss_tokens``)."""
@@ -339,74 +339,8 @@ class Trainer(BadStepHandling):
             if "skipped" not in metrics:
                 history.append(metrics)
         if self.preempted:
-            logger.warning("stopped by a signal after step %d; checkpoint saved, resume with the same command",
-                           self.step)
-            self.checkpoints.wait()
-            self.reporter.close()
+            self.stopped_end(history)
         else:
             self.finish(history)
         self.watchdog.stop()
         return history
-
-    def finish(self, history: list[dict[str, float]]) -> None:
-        """Final eval, checkpoint and sample, then the summary (``history``: this run's step metrics)."""
-        cfg = self.cfg
-        if self._last_eval_step != self.step:
-            eval_metrics = self.evaluate()
-            if eval_metrics:
-                self.reporter.log(self.step, eval_metrics)
-        if cfg.checkpoint.save_final and self._last_saved_step != self.step:
-            self.save_checkpoint()
-        self.checkpoints.wait()
-        if self.sample_writer is not None and self.step % cfg.train.sample_interval:
-            self.write_samples()
-        sample = self._sample() if cfg.train.sample_prompt else None
-        self.reporter.close()
-        summary = self._summary(history, sample)
-        if self.rank == 0:
-            record = json.dumps(summary_record(summary), indent=2)
-            (self.output_dir / "summary.json").write_text(record + "\n")
-            logger.info("end of run\n%s", format_summary(summary))
-
-    def _summary(self, history: list[dict[str, float]], sample: tuple[str, str] | None) -> RunSummary:
-        checkpoints = list_checkpoints(self.output_dir / "checkpoints")
-        checkpoint = str(checkpoints[-1][1]) if checkpoints else None
-        memory = "max allocated per GPU" if self.device.type == "cuda" else "max resident set per process"
-        return RunSummary(
-            step=self.step, unit=self.unit, eval_loss=self.last_eval.get("eval_loss"), baseline=self.baseline,
-            training=training_stats(history, self.unit, self.step),
-            wall_s=time.perf_counter() - self._started, memory=f"{memory}, largest rank",
-            output_dir=str(self.output_dir), checkpoint=checkpoint,
-            next_commands=next_commands(self.launch, self.step, checkpoint, self.cfg.checkpoint.resume,
-                                        self.spec.hf_adapter is not None, str(self.output_dir)),
-            sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
-            eval_metrics={k.removeprefix("eval_"): v for k, v in self.last_eval.items() if k != "eval_loss"},
-        )
-
-    def write_samples(self) -> None:
-        """The family's validation samples from the current (EMA, when kept) weights, on every rank
-        (sharded weights need all of them); rank 0 writes and logs them."""
-        self.watchdog.beat(f"samples at step {self.step}")
-        averaged = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
-        was_training = self.model.training
-        self.model.eval()
-        with averaged, full_sequence_attention(self.model), torch.no_grad():
-            files = self.sample_writer(self.model, self.step, self.output_dir / "samples", self.rank == 0)
-        self.model.train(was_training)
-        self.reporter.log_images(self.step, files)
-
-    def _sample(self) -> tuple[str, str] | None:
-        """(how it was decoded, prompt + continuation of ``train.sample_prompt``), for text models
-        whose ranks hold the whole model; None elsewhere."""
-        cfg, model = self.cfg, self.model
-        if model is None or self.tokenizer is None or not isinstance(self.task, LanguageModelingTask):
-            logger.warning("train.sample_prompt skipped: sampling decodes text with the whole model in one process "
-                           "(not under parallel.pp, and only for language-modelling tasks with a tokenizer)")
-            return None
-        prompt = self.tokenizer.encode(cfg.train.sample_prompt)
-        with full_sequence_attention(model):  # every rank decodes the whole prompt
-            out = sample_tokens(model, prompt, cfg.train.sample_tokens, self.device, self.tokenizer.eos_token_id,
-                                cfg.train.sample_temperature, cfg.train.sample_top_k, seed=cfg.train.seed)
-        how = f"sampled at temperature {cfg.train.sample_temperature:g}, top-k {cfg.train.sample_top_k}" \
-            if cfg.train.sample_temperature > 0 else "greedy (the most likely token each time)"
-        return f"{how}, {len(out)} tokens", cfg.train.sample_prompt + self.tokenizer.decode(out)

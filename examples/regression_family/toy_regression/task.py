@@ -24,9 +24,10 @@ class RegressionTask:
     def __init__(self, input_noise: float) -> None:
         self.input_noise = input_noise
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
-        """``x`` plus Gaussian noise of std ``input_noise`` (none without a generator: tests, tools)."""
-        if generator is None or self.input_noise == 0:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
+        """``x`` plus Gaussian noise of std ``input_noise``: an augmentation, so training batches only
+        (none without a generator either: tests, tools)."""
+        if generator is None or self.input_noise == 0 or not training:
             return batch
         noise = torch.randn(batch["x"].shape, generator=generator, dtype=batch["x"].dtype)
         return {**batch, "x": batch["x"] + self.input_noise * noise}
@@ -39,6 +40,10 @@ class RegressionTask:
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (output.float() - target.float()).pow(2).sum()
+
+    def output_metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+        """Eval metrics from the output alone (a pipeline's last stage): none beyond the loss here."""
+        return {}
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
         """``[rows, column sums..., column sums of squares...]`` of the targets."""

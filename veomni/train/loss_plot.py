@@ -1,0 +1,82 @@
+"""``loss.png``: the training loss, the eval losses and the eval baseline of a run, as a picture.
+
+Written to the output folder at every eval and at the end of every run (also a stopped one), so a
+run shows whether it learns without TensorBoard or wandb. Drawn with Pillow, which the project
+already needs for image samples, rather than adding matplotlib as a dependency for one chart.
+The points come from ``metrics.jsonl``, so a resumed run's plot covers the steps before it too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+PLOT_FILE = "loss.png"
+SIZE = (900, 520)
+MARGIN = (70, 30, 30, 50)  # left, top, right, bottom
+TRAIN_COLOUR, EVAL_COLOUR, BASELINE_COLOUR, AXIS_COLOUR = (31, 119, 180), (214, 39, 40), (120, 120, 120), (0, 0, 0)
+
+Points = list[tuple[int, float]]
+
+
+def read_losses(metrics_file: Path) -> tuple[Points, Points, Points]:
+    """(train loss, eval loss, eval baseline) as (step, value) points from ``metrics.jsonl``; a
+    step repeated by a resume keeps its newest value."""
+    series: dict[str, dict[int, float]] = {"loss": {}, "eval_loss": {}, "eval_baseline": {}}
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            record = json.loads(line)
+            for key, points in series.items():
+                if isinstance(record.get(key), (int, float)):
+                    points[record["step"]] = float(record[key])
+    return tuple(sorted(points.items()) for points in series.values())
+
+
+def _scale(low: float, high: float, start: int, end: int):
+    span = (high - low) or 1.0
+    return lambda value: start + (value - low) / span * (end - start)
+
+
+def _polyline(draw: ImageDraw.ImageDraw, points: Sequence[tuple[float, float]], colour, dots: bool) -> None:
+    if len(points) > 1:
+        draw.line(points, fill=colour, width=2)
+    if dots:
+        for x, y in points:
+            draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=colour)
+
+
+def draw_losses(train: Points, evals: Points, baseline: Points, out: Path, title: str) -> Path:
+    """Write the chart to ``out``: steps across, loss up, with labelled axis ends and a legend."""
+    image = Image.new("RGB", SIZE, "white")
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = MARGIN[0], MARGIN[1], SIZE[0] - MARGIN[2], SIZE[1] - MARGIN[3]
+    values = [v for _, v in train + evals + baseline]
+    steps = [s for s, _ in train + evals + baseline]
+    draw.rectangle((left, top, right, bottom), outline=AXIS_COLOUR)
+    draw.text((left, 8), title, fill=AXIS_COLOUR)
+    if values:
+        pad = 0.05 * ((max(values) - min(values)) or 1.0)  # lines on the frame's edge are hard to see
+        low, high = min(values) - pad, max(values) + pad
+        x = _scale(min(steps), max(steps), left, right)
+        y = _scale(low, high, bottom, top)
+        for value in (low, (low + high) / 2, high):
+            draw.text((4, y(value) - 6), f"{value:.3f}", fill=AXIS_COLOUR)
+        draw.text((left, bottom + 8), f"step {min(steps)}", fill=AXIS_COLOUR)
+        draw.text((right - 70, bottom + 8), f"step {max(steps)}", fill=AXIS_COLOUR)
+        _polyline(draw, [(x(s), y(v)) for s, v in train], TRAIN_COLOUR, dots=False)
+        _polyline(draw, [(x(s), y(v)) for s, v in baseline], BASELINE_COLOUR, dots=False)
+        _polyline(draw, [(x(s), y(v)) for s, v in evals], EVAL_COLOUR, dots=True)
+    legend = [("train loss", TRAIN_COLOUR), ("eval loss", EVAL_COLOUR), ("eval baseline", BASELINE_COLOUR)]
+    for index, (name, colour) in enumerate(legend):
+        draw.text((left + 120 + 130 * index, bottom + 28), f"--- {name}", fill=colour)
+    image.save(out)
+    return out
+
+
+def write_loss_plot(output_dir: Path) -> Path:
+    """``<output_dir>/loss.png`` from ``<output_dir>/metrics.jsonl``."""
+    train, evals, baseline = read_losses(output_dir / "metrics.jsonl")
+    return draw_losses(train, evals, baseline, output_dir / PLOT_FILE, f"{output_dir.name}: loss per step")
