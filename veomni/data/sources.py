@@ -88,10 +88,11 @@ def manifest_shard_records(path: str | Path) -> dict[str, int]:
         return {}
     try:
         counts = json.loads(file.read_text()).get("shard_records", {})
-    except (OSError, ValueError, AttributeError) as error:
-        raise ValueError(f"{file} cannot be read ({error}); rebuild the split with its builder "
-                         "(data/build_*.py) or remove the manifest") from None
-    return {str(name): int(count) for name, count in counts.items()}
+        return {str(name): int(count) for name, count in counts.items()}
+    except (OSError, ValueError, AttributeError, TypeError) as error:
+        raise ValueError(f"{file} cannot be read as a builder manifest with shard_records {{\"shard file\": "
+                         f"records}} ({error}); rebuild the split with its builder (data/build_*.py) or fix "
+                         "or remove the manifest") from None
 
 
 def count_shard_end(stats: ReadStats, file: Path, read: int, expected: int | None,
