@@ -17,7 +17,6 @@ a new layout (docs/data.md, "Resume at another layout").
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,8 +25,6 @@ from typing import Any
 
 from veomni.data.shards import Piece, ShardFiles, epoch_pieces
 from veomni.data.sources import ReadStats, check_bad_fraction, count_shard_end
-
-logger = logging.getLogger(__name__)
 
 Part = tuple[Piece, int]
 """A piece of an epoch's plan and the item offset its first record resumes at (a document's token
