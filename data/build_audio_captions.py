@@ -47,7 +47,7 @@ from veomni.data.builders import (  # noqa: E402
     write_generated_splits,
 )
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 SAMPLE_RATE = 16000
 TRAIN_SAMPLES = 3000
 EVAL_SAMPLES = 400

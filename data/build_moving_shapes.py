@@ -51,7 +51,7 @@ from veomni.data.builders import (  # noqa: E402
 )
 from veomni.data.clip_format import FRAMES_MEMBER, JSON_MEMBER, encode_frames  # noqa: E402
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 TRAIN_SAMPLES = 4000
 EVAL_SAMPLES = 200
 SAMPLES_PER_SHARD = 1000

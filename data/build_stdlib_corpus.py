@@ -38,7 +38,7 @@ MAX_FILE_BYTES = 200_000
 SHARD_BYTES = 8_000_000
 EVAL_FRACTION = 0.02
 PIECE_CHARS = 2000
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 
 
 def stdlib_documents() -> list[tuple[str, str]]:

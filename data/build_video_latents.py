@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import sys
-import tarfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +55,7 @@ from veomni.data.clip_format import Clip, CorruptClipError, decode_clip  # noqa:
 from veomni.data.sources import ReadStats, iter_tar_samples  # noqa: E402
 from veomni.data.video_encoders import EncoderError, LatentEncoder, TextEncoder, load_vae  # noqa: E402
 
-FORMAT_VERSION = 2  # 2: shard_records (records per shard, what a damaged shard lost)
+FORMAT_VERSION = 2  # 2: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 SAMPLES_PER_SHARD = 1000
 CLIPS_PER_BUFFER = 64
 PROGRESS_EVERY = 500
@@ -152,17 +151,10 @@ def write_split(clips: Path, tmp: Path, vae: LatentEncoder, text: TextEncoder, b
                          f"{max_bad_fraction:.1%}); rebuild the clips (data/build_moving_shapes.py)")
     samples = sum(shapes.values())
     channels = next(iter(shapes)).split("x")[0] if shapes else "0"
-    shard_records = {tar.name: _records_in(tar) for tar in sorted(tmp.glob("*.tar"))}
     return {"samples": samples, "format_version": FORMAT_VERSION, "clips": str(clips),
-            "shards": len(shard_records), "shard_records": shard_records, "latent_channels": int(channels),
+            "shards": len(list(tmp.glob("*.tar"))), "latent_channels": int(channels),
             "text_dim": text.encoder.config.d_model, "shapes": dict(sorted(shapes.items())),
             "example_keys": dict(sorted(example_keys.items())), "skipped_corrupt": bad}
-
-
-def _records_in(shard: Path) -> int:
-    """Samples (distinct keys) of a webdataset tar just written."""
-    with tarfile.open(shard) as tar:
-        return len({member.name.split(".", 1)[0] for member in tar.getmembers()})
 
 
 def is_current(out: Path, digest: str) -> bool:

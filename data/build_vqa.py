@@ -44,7 +44,7 @@ from veomni.data.builders import (
     write_generated_splits,
 )
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 TRAIN_SAMPLES = 24_000
 EVAL_SAMPLES = 1_000
 SAMPLES_PER_SHARD = 4_000

@@ -31,6 +31,8 @@ def test_builder_writes_complete_splits_and_then_hits_cache(tmp_path):
         stats = ReadStats()
         texts[split] = list(iter_texts(files, fmt, "txt", 0.0, stats))
         assert fmt == "webdataset" and len(files) == manifest["shards"]
+        assert sorted(manifest["shard_records"]) == [f.name for f in files]  # publish_split counts each shard
+        assert sum(manifest["shard_records"].values()) == manifest["documents"]
         assert len(texts[split]) == manifest["documents"] and stats.bad == 0
         assert sum(len(t.encode()) for t in texts[split]) == manifest["bytes"]
         assert manifest["python"] == sys.version.split()[0]

@@ -8,7 +8,9 @@ build while the others wait, (3) rebuild a cache written by an older ``FORMAT_VE
 only says how to make its samples.
 
 Layout of a split: shards plus ``manifest.json``, written last and recording the builder's
-``format_version``. A split is built in a hidden sibling folder and renamed into place.
+``format_version`` and, for webdataset shards, ``shard_records`` (records per shard file), so a
+reader counts every record a truncated shard lost (``veomni.data.sources``). A split is built in
+a hidden sibling folder and renamed into place.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import json
 import os
 import shutil
 import sys
+import tarfile
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from webdataset.tariterators import base_plus_ext
 
 MANIFEST = "manifest.json"
 
@@ -57,9 +62,23 @@ def staging_folder(out: Path) -> Path:
     return tmp
 
 
+def shard_record_counts(folder: Path) -> dict[str, int]:
+    """Records (distinct sample keys, as webdataset groups members) of each webdataset shard
+    (``*.tar``) of ``folder``, by file name."""
+    counts = {}
+    for shard in sorted(folder.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            keys = (base_plus_ext(member.name)[0] for member in tar.getmembers() if member.isfile())
+            counts[shard.name] = len({key for key in keys if key is not None})
+    return counts
+
+
 def publish_split(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest into the staged split ``tmp`` last, then rename it to ``out``
-    (replacing an old ``out``): readers see either the old split or the whole new one."""
+    """Write the manifest into the staged split ``tmp`` last, with the records of each of its
+    tar shards (``shard_records``, when it has any), then rename it to ``out`` (replacing an old
+    ``out``): readers see either the old split or the whole new one."""
+    counts = shard_record_counts(tmp)
+    manifest = {**manifest, "shard_records": counts} if counts else manifest
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     clear_stale(out)
     tmp.rename(out)

@@ -42,7 +42,7 @@ from veomni.data.registry import (
     find_dataset_states,
     register_dataset,
 )
-from veomni.data.sources import ReadStats, count_bad, iter_tar_samples, resolve_files
+from veomni.data.sources import ReadStats, count_bad, iter_tar_samples, manifest_shard_records, resolve_files
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class FramesDataset(ResumableDataset):
         if problems:
             raise ValueError("; ".join(problems))
         _, self.files = resolve_files(request.path, "webdataset")
+        self.shard_records = manifest_shard_records(request.path)
+        """Records per shard file, from the manifest: what a damaged shard lost (``veomni.data.sources``)."""
         self.cfg = request.cfg
         self.crop = request.model_config.sample_size
         self.train = request.split == "train"
@@ -88,7 +90,7 @@ class FramesDataset(ResumableDataset):
             stats = ReadStats()
             produced = False
             records = iter_tar_samples(self._epoch_files(epoch), self.cfg.max_bad_fraction, stats,
-                                       warn=consumer == 0)
+                                       warn=consumer == 0, shard_records=self.shard_records)
             for index, record in enumerate(records):
                 if index < first or index % consumers != consumer:
                     continue

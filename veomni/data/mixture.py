@@ -18,7 +18,7 @@ from pathlib import Path
 
 from veomni.config.schema import DataConfig
 from veomni.data.shards import Piece, ShardFiles
-from veomni.data.sources import resolve_files
+from veomni.data.sources import manifest_shard_records, resolve_files
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,14 @@ def run_sources(cfg: DataConfig, split: str) -> list[SourceSpec]:
 
 
 def source_files(spec: SourceSpec, split: str) -> ShardFiles:
-    """The source's files, or ``FileNotFoundError`` naming the source and its path."""
+    """The source's files (with the manifest's records per shard, if any), or ``FileNotFoundError``
+    naming the source and its path."""
     try:
         fmt, files = resolve_files(spec.path, spec.format)
     except FileNotFoundError as exc:
         key = f"data.{split}_path" if spec.name == split else f"data.sources ({spec.name!r})"
         raise FileNotFoundError(f"{key}: {exc}") from None
-    return ShardFiles(files, fmt)
+    return ShardFiles(files, fmt, manifest_shard_records(spec.path))
 
 
 def check_sources(cfg: DataConfig) -> list[str]:

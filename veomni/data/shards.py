@@ -97,13 +97,16 @@ class _CountingFile:
 
 
 class ShardFiles:
-    """The files of one corpus, read piece by piece; ``bytes_read`` counts every byte read from them."""
+    """The files of one corpus, read piece by piece; ``bytes_read`` counts every byte read from them.
+    ``shard_records``: records per file name as the folder's manifest lists them (what a damaged
+    shard lost, ``veomni.data.sources.count_shard_end``); empty when unknown."""
 
-    def __init__(self, files: list[Path], fmt: str) -> None:
+    def __init__(self, files: list[Path], fmt: str, shard_records: dict[str, int] | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown shard format {fmt!r}; expected one of {FORMATS}")
         self.files = list(files)
         self.fmt = fmt
+        self.shard_records = shard_records or {}
         self.sizes = [file.stat().st_size for file in self.files]
         self.bytes_read = 0
         self._sample_starts: dict[int, _SampleStarts] = {}
@@ -119,6 +122,12 @@ class ShardFiles:
         the caller counts the damage."""
         if piece.start < piece.end:
             yield from (self._jsonl_records if self.fmt == "jsonl" else self._tar_records)(piece)
+
+    def expected_records(self, piece: Piece) -> int | None:
+        """The records ``piece`` should yield per the manifest: known only for a whole file."""
+        if piece.start != 0 or piece.end < self.sizes[piece.file]:
+            return None
+        return self.shard_records.get(self.files[piece.file].name)
 
     def record_at(self, file: int, offset: int) -> Any:
         """The one record starting at ``offset`` (a value ``records`` yielded), read by seeking."""

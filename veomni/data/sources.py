@@ -6,6 +6,12 @@ corrupt/truncated shard is skipped, counted and logged, so one damaged file does
 run. Only when the skipped fraction of a pass exceeds ``max_bad_fraction`` does reading raise
 :class:`BadDataError`, because then the data itself is wrong and training on it would be silent
 garbage.
+
+How much a damaged shard lost: a builder's ``manifest.json`` lists the records of each shard
+(``shard_records``, ``veomni.data.builders.publish_split``), so a shard that yields fewer counts
+every missing record as bad, whether it broke off mid-record or ends cleanly at a record
+boundary; a large shard cut short then trips ``max_bad_fraction``. Shards without such a count
+(the user's own, older builds) count a damaged file as one bad record, as nothing says more.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
+
+from veomni.data.builders import MANIFEST
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +39,6 @@ records among the first dozen say little), and always at the end of a pass."""
 
 class BadDataError(RuntimeError):
     """Too large a fraction of the records could not be read."""
-
-
-class ShardLossError(RuntimeError):
-    """A shard that yielded fewer records than its manifest lists (truncated or damaged): ``lost``
-    records are counted bad, so that ``max_bad_fraction`` sees a large shard's loss."""
-
-    def __init__(self, message: str, lost: int) -> None:
-        super().__init__(message)
-        self.lost = lost
 
 
 class InvalidSampleError(ValueError):
@@ -78,6 +77,40 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[Path]]:
             return name, found[name]
     wanted = " or ".join(suffix_of[name] for name in candidates)
     raise FileNotFoundError(f"data path {path!r} holds no {wanted} files")
+
+
+def manifest_shard_records(path: str | Path) -> dict[str, int]:
+    """Records per shard file name as the builder manifest of the folder ``path`` lists them
+    (``shard_records``); empty where there is none (a single file, the user's own shards, a build
+    older than the count), so damage there counts as one bad record (module docstring)."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        return {}
+    try:
+        counts = json.loads(file.read_text()).get("shard_records", {})
+        return {str(name): int(count) for name, count in counts.items()}
+    except (OSError, ValueError, AttributeError, TypeError) as error:
+        raise ValueError(f"{file} cannot be read as a builder manifest with shard_records {{\"shard file\": "
+                         f"records}} ({error}); rebuild the split with its builder (data/build_*.py) or fix "
+                         "or remove the manifest") from None
+
+
+def count_shard_end(stats: ReadStats, file: Path, read: int, expected: int | None,
+                    damage: Exception | None, log: Callable[..., None] = logger.warning) -> int:
+    """Count what ``file`` lost once read to its end or to ``damage``, having yielded ``read``
+    records: the records its manifest lists (``expected``) beyond those, raised or not, else one
+    bad record for damage (how many it held is unknown). Returns the records counted lost."""
+    missing = expected - read if expected is not None else 0
+    lost = max(missing, 1 if damage is not None else 0)
+    if lost:
+        stats.records += lost
+        stats.bad += lost
+        stats.bad_by_file[str(file)] += lost
+        cause = f"{type(damage).__name__}: {damage}" if damage is not None else "it ends at a record boundary"
+        listed = f" of the {expected} its manifest lists" if expected is not None else ""
+        log("%s: read %d record(s)%s, counting %d lost as bad (%s); rebuild or re-copy the shard",
+            file, read, listed, lost, cause)
+    return lost
 
 
 def tar_samples(file: Path) -> Iterator[dict]:
@@ -141,23 +174,25 @@ def iter_texts(
     max_bad_fraction: float,
     stats: ReadStats,
     warn: bool = True,
+    shard_records: Mapping[str, int] | None = None,
 ) -> Iterator[str]:
     """Yield the non-empty text of every good record of ``files`` in order, counting into ``stats``.
 
-    A file that cannot be opened or ends mid-record counts as one bad record; the records read
-    before the damage are kept. ``warn=False`` logs skips at debug level (every data-parallel
+    A file that cannot be opened or ends mid-record counts as one bad record, or as the records it
+    lost given ``shard_records`` (:func:`count_shard_end`); the records read before the damage are
+    kept. ``warn=False`` logs skips at debug level (every data-parallel
     consumer reads the same files, so only one of them needs to warn).
     """
     read_file = _tar_texts if fmt == "webdataset" else _jsonl_texts
-    texts = iter_records(files, lambda file: read_file(file, text_key), max_bad_fraction, stats, warn)
+    texts = iter_records(files, lambda file: read_file(file, text_key), max_bad_fraction, stats, warn, shard_records)
     return (text for text in texts if text)
 
 
 def iter_tar_samples(files: list[Path], max_bad_fraction: float, stats: ReadStats,
-                     warn: bool = True) -> Iterator[dict]:
+                     warn: bool = True, shard_records: Mapping[str, int] | None = None) -> Iterator[dict]:
     """Every sample dict (``__key__``, ``__url__`` and one bytes value per member suffix) of
     webdataset ``files`` in order; damaged shards are handled as in :func:`iter_texts`."""
-    return iter_records(files, tar_samples, max_bad_fraction, stats, warn)
+    return iter_records(files, tar_samples, max_bad_fraction, stats, warn, shard_records)
 
 
 def count_bad(stats: ReadStats, file: str | Path, max_bad_fraction: float) -> None:
@@ -174,13 +209,16 @@ def iter_records(
     max_bad_fraction: float,
     stats: ReadStats,
     warn: bool = True,
+    shard_records: Mapping[str, int] | None = None,
 ) -> Iterator[T]:
     """Every good record ``read_file`` yields for ``files`` (``None`` marks a bad one), counting
-    into ``stats``; a file that raises while being read counts as one bad record, or as the records
-    it lost (``ShardLossError``, where a manifest says how many it holds)."""
+    into ``stats``; a file that raises while being read, or yields fewer records than
+    ``shard_records`` (by file name, from the manifest) lists, counts as :func:`count_shard_end` says."""
     log = logger.warning if warn else logger.debug
+    expected = shard_records or {}
     for file in files:
         bad_before, records_before = stats.bad, stats.records
+        damage: Exception | None = None
         try:
             for record in read_file(file):
                 stats.records += 1
@@ -190,17 +228,8 @@ def iter_records(
                 else:
                     yield record
         except Exception as error:  # noqa: BLE001 - any damage in one file must not stop the run
-            lost = error.lost if isinstance(error, ShardLossError) else 1  # unknown without a manifest count
-            stats.records += lost
-            stats.bad += lost
-            stats.bad_by_file[str(file)] += lost
-            log(
-                "%s: unreadable after %d record(s), skipping the rest (%s: %s)",
-                file,
-                stats.records - records_before - 1,
-                type(error).__name__,
-                error,
-            )
+            damage = error
+        count_shard_end(stats, file, stats.records - records_before, expected.get(file.name), damage, log)
         if stats.bad > bad_before:
             log(
                 "%s: skipped %d bad record(s); %d of %d bad so far in this pass",

@@ -17,7 +17,6 @@ a new layout (docs/data.md, "Resume at another layout").
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,9 +24,7 @@ from itertools import islice
 from typing import Any
 
 from veomni.data.shards import Piece, ShardFiles, epoch_pieces
-from veomni.data.sources import ReadStats, check_bad_fraction
-
-logger = logging.getLogger(__name__)
+from veomni.data.sources import ReadStats, check_bad_fraction, count_shard_end
 
 Part = tuple[Piece, int]
 """A piece of an epoch's plan and the item offset its first record resumes at (a document's token
@@ -109,22 +106,22 @@ class SourceStream:
     def records_from(self, plan: list[Part], piece: int, offset: int,
                      stats: ReadStats) -> Iterator[tuple[int, int, Any]]:
         """``(piece index, offset, record)`` from ``offset`` of ``plan[piece]`` to the plan's end; a
-        damaged file counts one bad record and the rest of its piece is skipped."""
+        damaged file skips the rest of its piece, and a whole file's shortfall against the manifest
+        (or else the damage, as one record) is counted bad (``count_shard_end``)."""
         for index in range(piece, len(plan)):
             part = plan[index][0]
             if index == piece and offset >= 0:
                 part = Piece(part.file, offset, part.end, aligned=True)
+            read, damage = 0, None
             try:
                 for at, record in self.files.records(part):
                     stats.records += 1
+                    read += 1
                     yield index, at, record
             except Exception as error:  # noqa: BLE001 - one damaged shard must not stop a long run
-                path = self.files.files[part.file]
-                stats.records += 1
-                stats.bad += 1
-                stats.bad_by_file[str(path)] += 1
-                logger.warning("%s: unreadable from byte %d on, skipping the rest of it (%s: %s)",
-                               path, part.start, type(error).__name__, error)
+                damage = error
+            path = self.files.files[part.file]
+            if count_shard_end(stats, path, read, self.files.expected_records(part), damage):
                 check_bad_fraction(stats, self.max_bad_fraction, path, end_of_pass=False)
 
     def items(self, start: StreamPosition) -> Iterator[tuple[Any, StreamPosition, Ref]]:

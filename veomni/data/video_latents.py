@@ -56,7 +56,7 @@ from veomni.data.registry import (
     find_dataset_states,
     register_dataset,
 )
-from veomni.data.sources import ReadStats, ShardLossError, count_bad, iter_records, resolve_files, tar_samples
+from veomni.data.sources import ReadStats, count_bad, iter_records, manifest_shard_records, resolve_files, tar_samples
 from veomni.data.video_packing import LatentSample, best_fit_rows, check_fits, pack_row, patch_count
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ class VideoLatentsDataset(ResumableDataset):
         if problems:
             raise ValueError("; ".join(problems))
         _, self.files = resolve_files(request.path, "webdataset")
-        self.shard_records: dict[str, int] = read_latent_manifest(request.path).get("shard_records", {})
-        """Records per shard file, from the manifest (builders since FORMAT_VERSION 2): what a damaged shard lost."""
+        self.shard_records = manifest_shard_records(request.path)
+        """Records per shard file, from the manifest: what a damaged shard lost (``veomni.data.sources``)."""
         self.cfg, self.split, self.seed = cfg, request.split, request.seed
         self.patch = tuple(model.patch_size)
         self.channels, self.text_dim = model.in_channels, model.text_dim
@@ -125,19 +125,13 @@ class VideoLatentsDataset(ResumableDataset):
 
     def _shard_records(self, file: Path, epoch: int) -> Iterator[dict]:
         """A shard's records, shuffled in train; the good records before damage come first, then
-        the damage is raised: as the records it lost when the manifest says how many the shard
-        holds (``ShardLossError``; a truncation at a record boundary raises nothing else), else as
-        it came (``iter_records`` counts it as one bad record)."""
+        the damage is raised (``iter_records`` counts what the shard lost)."""
         records: list[dict] = []
         damage: Exception | None = None
         try:
             records.extend(tar_samples(file))
         except Exception as error:  # noqa: BLE001 - re-raised below, after the good records
             damage = error
-        expected = self.shard_records.get(file.name)
-        if expected is not None and len(records) < expected:
-            damage = ShardLossError(f"{file}: read {len(records)} of the manifest's {expected} records "
-                                    f"({damage or 'the file ends early'})", lost=expected - len(records))
         if self._shuffled:
             random.Random(f"video_latents:{self.seed}:{epoch}:{file.name}").shuffle(records)
         yield from records
@@ -155,7 +149,7 @@ class VideoLatentsDataset(ResumableDataset):
         warn = stride == 1 or consumer == 0
         pending = set(start.pending)
         records = iter_records(files, lambda file: self._shard_records(file, epoch), self.cfg.max_bad_fraction,
-                               cursor.stats, warn=warn)
+                               cursor.stats, warn=warn, shard_records=self.shard_records)
         for index, record in enumerate(records):
             cursor.next_record = max(cursor.next_record, index + 1)
             sample = self._decode(record, cursor.stats, warn)
