@@ -26,9 +26,9 @@ class RecordingTask(LanguageModelingTask):
     def __init__(self) -> None:
         self.draws: list[torch.Tensor] = []
 
-    def prepare(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+    def prepare(self, batch: dict, generator: torch.Generator | None = None, training: bool = True) -> dict:
         self.draws.append(torch.randn(4, generator=generator))
-        return super().prepare(batch, generator)
+        return super().prepare(batch, generator, training)
 
 
 def _config(tmp: str):
