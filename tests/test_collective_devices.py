@@ -30,7 +30,7 @@ from tests.test_data_trainer import _config as data_config
 from tests.test_data_trainer import _vlm_config
 from tests.test_pipeline_trainer import _config as pipeline_config
 from veomni.config.schema import ParallelConfig
-from veomni.train.distributed import backend_serves, process_group_backend
+from veomni.train.distributed import process_group_backend
 from veomni.train.trainer import Trainer
 
 ON_A_GPU = {"cpu", "cuda"}  # the devices a GPU run hands to collectives: its own and the host's
@@ -72,6 +72,11 @@ def _group_backend(leaves) -> str:
 def _caller() -> str:
     frames = [f for f in traceback.extract_stack() if "/veomni/" in f.filename]
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+def backend_serves(backend: str) -> set[str]:
+    """The device types a process group created with ``backend`` serves (``"nccl"``: CUDA only)."""
+    return set(dist.BackendConfig(dist.Backend(backend)).get_device_backend_map())
 
 
 def _as_on_a_gpu(backend: str, gpu_default: str) -> str:

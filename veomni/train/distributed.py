@@ -62,11 +62,6 @@ def process_group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def backend_serves(backend: str) -> set[str]:
-    """The device types a process group created with ``backend`` serves (``"nccl"``: CUDA only)."""
-    return set(dist.BackendConfig(dist.Backend(backend)).get_device_backend_map())
-
-
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, with its keys under this restart attempt's prefix.
 
