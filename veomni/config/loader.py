@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from veomni.config.hints import suggest
+from veomni.config.ranges import check_ranges
 from veomni.config.schema import ModelConfig, RunConfig
 from veomni.config.types import ConfigError, coerce, dict_entry_type, list_entry_dataclass
 
@@ -240,7 +241,7 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
         setattr(section_obj, name, _absolute(getattr(section_obj, name)))
     origins = _origins(tree)
     cfg.model.origins = {key: origin for key, origin in origins.items() if key.startswith("model.")}
-    _check_ranges(cfg, origins)
+    check_ranges(cfg, origins)
     return cfg
 
 
@@ -347,50 +348,6 @@ def locate_model_error(cfg: RunConfig, error: Exception) -> str:
         return f"model: {message}"
     where = ", ".join(dict.fromkeys(named[position] for position in sorted(named)))
     return f"{where}: model.{message}" if 0 in named else f"{where}: model: {message}"
-
-
-def _check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
-    """Cross-field and range rules the types alone cannot express."""
-
-    def where(*key: str) -> str:
-        dotted = ".".join(key)
-        return f"{origins[dotted]}: {dotted}" if dotted in origins else f"{dotted} (default)"
-
-    rules = [
-        (cfg.train.max_steps >= 1, ("train", "max_steps"), "must be >= 1"),
-        (cfg.train.grad_accum >= 1, ("train", "grad_accum"), "must be >= 1"),
-        (cfg.train.lr > 0, ("train", "lr"), "must be > 0"),
-        (0 <= cfg.train.min_lr_ratio <= 1, ("train", "min_lr_ratio"), "must be in [0, 1]"),
-        (cfg.train.warmup_steps >= 0, ("train", "warmup_steps"), "must be >= 0"),
-        (cfg.train.max_grad_norm >= 0, ("train", "max_grad_norm"), "must be >= 0 (0 disables clipping)"),
-        (cfg.train.eval_batches >= 1, ("train", "eval_batches"), "must be >= 1"),
-        (cfg.train.max_restarts >= 0, ("train", "max_restarts"), "must be >= 0 (0: a dead worker ends the run)"),
-        (cfg.train.collective_timeout_s > 0, ("train", "collective_timeout_s"), "must be > 0 seconds"),
-        (cfg.train.straggler_factor == 0 or cfg.train.straggler_factor > 1, ("train", "straggler_factor"),
-         "must be > 1 (a multiple of the median step time), or 0 to turn the check off"),
-        (cfg.train.straggler_window >= 1, ("train", "straggler_window"), "must be >= 1"),
-        (cfg.train.shared_fs_timeout_s > 0, ("train", "shared_fs_timeout_s"), "must be > 0 seconds"),
-        (cfg.train.loss_spike_factor == 0 or cfg.train.loss_spike_factor > 1, ("train", "loss_spike_factor"),
-         "must be > 1 (a multiple of the running mean loss), or 0 to skip only non-finite steps"),
-        (cfg.train.loss_spike_window >= 1, ("train", "loss_spike_window"), "must be >= 1"),
-        (cfg.train.max_bad_steps >= 1, ("train", "max_bad_steps"), "must be >= 1"),
-        (cfg.checkpoint.keep_last >= 1, ("checkpoint", "keep_last"), "must be >= 1"),
-        (cfg.checkpoint.interval >= 0, ("checkpoint", "interval"), "must be >= 0 (0 saves at the end only)"),
-        (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),
-        (0 <= cfg.data.max_bad_fraction <= 1, ("data", "max_bad_fraction"), "must be in [0, 1]"),
-        (cfg.data.tokens_per_micro_batch >= 1, ("data", "tokens_per_micro_batch"), "must be >= 1"),
-        (cfg.data.max_seq_len >= 1, ("data", "max_seq_len"), "must be >= 1 (the longest sample, in the task's units)"),
-        (cfg.data.shuffle_window >= 1, ("data", "shuffle_window"), "must be >= 1 (1 keeps the read order)"),
-        (cfg.data.balance_group >= 0, ("data", "balance_group"), "must be >= 0 (0: the ranks of one node)"),
-        (cfg.data.balance_max_wait >= 1, ("data", "balance_max_wait"), "must be >= 1 step"),
-    ]
-    max_positions = cfg.model.options.get("max_position_embeddings")
-    if max_positions is not None:
-        rules.append((cfg.data.max_seq_len <= max_positions, ("data", "max_seq_len"),
-                      f"({cfg.data.max_seq_len}) exceeds model.max_position_embeddings ({max_positions})"))
-    for ok, key, message in rules:
-        if not ok:
-            raise ConfigError(f"{where(*key)} {message}")
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
