@@ -1,4 +1,4 @@
-"""Build a graph folder (``veomni.data.graph_format``) for node classification.
+"""Build a graph folder (``veomni.data.graph.format``) for node classification.
 
 Two kinds:
 
@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from veomni.data.builders import build_once
-from veomni.data.graph_format import UNLABELLED, GraphData, save_graph
+from veomni.data.graph.format import UNLABELLED, GraphData, save_graph
 
 FORMAT_VERSION = 1
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}

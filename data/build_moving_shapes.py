@@ -19,7 +19,7 @@ A sample is drawn from its own RNG seeded by ``(seed, index)``:
 - caption ``"a small red circle moving left slowly"``, images ``"a large blue square"``.
 
 Held out: the (colour, shape, direction) triples of ``HELD_OUT`` (direction "still" = images)
-never occur in train; eval holds only them. Output (format of veomni/data/clip_format.py) per
+never occur in train; eval holds only them. Output (format of veomni/data/video/clip_format.py) per
 split: webdataset shards of ``__key__``, ``frames.npy`` (uint8 [F, H, W, 3]) and ``json`` (the
 attributes, caption, ``frames``/``height``/``width``, and for the metric ``start_yx`` (the
 centre in frame 0, pixels), ``step_yx`` (its offset per frame) and ``extent`` (bounding box side,
@@ -49,7 +49,7 @@ from veomni.data.builders import (  # noqa: E402
     staging_folder,
     write_generated_splits,
 )
-from veomni.data.clip_format import FRAMES_MEMBER, JSON_MEMBER, encode_frames  # noqa: E402
+from veomni.data.video.clip_format import FRAMES_MEMBER, JSON_MEMBER, encode_frames  # noqa: E402
 
 FORMAT_VERSION = 2  # 2: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 TRAIN_SAMPLES = 4000

@@ -41,10 +41,10 @@ sys.path.insert(0, str(REPO))
 from models.vae.diffusers_io import build_diffusers_vae, save_atomically  # noqa: E402
 from veomni.checkpoint.export import load_checkpoint_weights  # noqa: E402
 from veomni.checkpoint.manager import list_checkpoints  # noqa: E402
-from veomni.config.loader import load_config  # noqa: E402
-from veomni.data.clip_format import CorruptClipError, decode_clip  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files  # noqa: E402
-from veomni.train.summary import STAGE_ENV  # noqa: E402
+from veomni.data.video.clip_format import CorruptClipError, decode_clip  # noqa: E402
+from veomni.train.report.summary import STAGE_ENV  # noqa: E402
 
 DEFAULT_RECIPE = REPO / "recipes" / "goku" / "tiny_vae.yaml"
 DEFAULT_OUT = REPO / "data" / "cache" / "video" / "vae"

@@ -7,7 +7,7 @@ Input: a clip folder with ``train/`` and ``eval/`` splits (``data/build_moving_s
 diffusers VAE folder and a text-encoder folder (``data/build_text_encoder.py``; built here from
 the train split's vocabulary when missing). The encoding itself (``AutoencoderKL`` per frame or
 ``AutoencoderKLWan`` per clip, the latent normalisation, the text states of the real tokens) is
-``veomni/data/video_encoders.py``, shared with the ``video_clips`` dataset kind that encodes on
+``veomni/data/video/encoders.py``, shared with the ``video_clips`` dataset kind that encodes on
 the fly; here clips of one size are batched, ``--batch-frames`` frames per VAE call. For Wan, the
 manifest's ``shift_factor`` and ``scaling_factor`` are per-channel lists (``latents_mean`` and
 ``1 / latents_std``) that keep the formula ``(mean - shift) * scaling``.
@@ -20,7 +20,7 @@ Output (per split, builder-standard: webdataset shards, then ``manifest.json``):
 (``path``, ``class``, ``scaling_factor``, ``shift_factor``, ``spatial_factor``,
 ``temporal_factor``), ``text_encoder`` (``path``, ``max_length``) and ``inputs_sha256``: a hash
 of the clips' manifests and the VAE's and encoder's files; a split is rebuilt when it differs
-(a retrained VAE), else kept. A corrupt clip (``veomni.data.clip_format``) is skipped and
+(a retrained VAE), else kept. A corrupt clip (``veomni.data.video.clip_format``) is skipped and
 counted; more than ``--max-bad-fraction`` of a split is an error.
 
     python data/build_video_latents.py --clips data/cache/video/moving_shapes \\
@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_text_encoder import build_text_encoder, caption_vocabulary  # noqa: E402
 
-from veomni.data import video_encoders  # noqa: E402
 from veomni.data.builders import MANIFEST, publish_split, staging_folder  # noqa: E402
-from veomni.data.clip_format import Clip, CorruptClipError, decode_clip  # noqa: E402
 from veomni.data.sources import ReadStats, iter_tar_samples  # noqa: E402
-from veomni.data.video_encoders import EncoderError, LatentEncoder, TextEncoder, load_vae  # noqa: E402
+from veomni.data.video import encoders as video_encoders  # noqa: E402
+from veomni.data.video.clip_format import Clip, CorruptClipError, decode_clip  # noqa: E402
+from veomni.data.video.encoders import EncoderError, LatentEncoder, TextEncoder, load_vae  # noqa: E402
 
 FORMAT_VERSION = 2  # 2: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 SAMPLES_PER_SHARD = 1000

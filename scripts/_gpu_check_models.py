@@ -21,9 +21,9 @@ from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig
 from models.dit.cost import forward_flops
 from models.dit.model import DiTModel
 from models.llm import hf_adapter as llm_adapter
+from veomni.contract import build_model, get_model_spec, load_plugins
 from veomni.data.packing import pack_samples
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
-from veomni.spec import build_model, get_model_spec, load_plugins
 
 QWEN3_1P7B = dict(family="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
                   num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True, tie_embeddings=True,

@@ -69,18 +69,18 @@ from _colocate_report import plot, print_table, summarize  # noqa: E402
 import models  # noqa: E402,F401  (registers the zoo)
 from tests.dist_harness import run_distributed  # noqa: E402
 from tests.omni_utils import png_bytes, wav_bytes  # noqa: E402
-from veomni.config.loader import load_config  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
 from veomni.config.schema import RunConfig  # noqa: E402
-from veomni.data.loader import load_tokenizer  # noqa: E402
-from veomni.data.multimodal import SampleProcessor, pack_chat_samples  # noqa: E402
+from veomni.contract import build_model, get_model_spec  # noqa: E402
+from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples  # noqa: E402
+from veomni.data.text.packed import load_tokenizer  # noqa: E402
 from veomni.launch import _validate_model  # noqa: E402  (the launcher's model checks)
 from veomni.parallel.apply import parallelize  # noqa: E402
-from veomni.parallel.encoder_work import watch_encoder_work  # noqa: E402
+from veomni.parallel.media.encoder_work import watch_encoder_work  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
-from veomni.parallel.pipeline import build_pipeline  # noqa: E402
-from veomni.spec import build_model, get_model_spec  # noqa: E402
+from veomni.parallel.pipeline.stages import build_pipeline  # noqa: E402
 from veomni.train.optim import build_optimizer  # noqa: E402
-from veomni.train.pipeline_step import pipeline_forward_backward  # noqa: E402
+from veomni.train.runners.pipeline_step import pipeline_forward_backward  # noqa: E402
 from veomni.train.step import clip_and_step, forward_backward  # noqa: E402
 
 RANKS = 2

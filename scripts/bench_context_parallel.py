@@ -10,7 +10,7 @@ context-parallel recipe's model (``recipes/long-context/tiny_32k_cp.yaml``; ``--
 ``a x b`` with ``1 < a < N``, and Ulysses 2 x ring ``N/2``. It prints the median step time,
 its ratio to Ulysses from the same job, and the attention bytes each rank sent in one step
 (``COMM_COUNTER``: ``sp_all_to_all`` + ``cp_q`` + ``cp_kv``) next to the formula of
-``veomni/train/estimate_cp.py``. Run it on a quiet machine: the ratios are the point.
+``veomni/planner/sequence_split.py``. Run it on a quiet machine: the ratios are the point.
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import models  # noqa: E402,F401  (registers the zoo)
-from veomni.config.loader import load_config  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
 from veomni.config.schema import ParallelConfig  # noqa: E402
+from veomni.contract import build_model  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.comm_counter import COMM_COUNTER  # noqa: E402
 from veomni.parallel.cp_cost import mesh_shapes  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.row_split import shard_batch  # noqa: E402
-from veomni.spec import build_model  # noqa: E402
+from veomni.planner.sequence_split import AttentionShape, split_cost, split_layouts  # noqa: E402
 from veomni.tasks import LM_CONTRACT  # noqa: E402
-from veomni.train.estimate_cp import AttentionShape, split_cost, split_layouts  # noqa: E402
 
 RECIPE = REPO / "recipes" / "long-context" / "tiny_32k_cp.yaml"
 KINDS = ("sp_all_to_all", "cp_q", "cp_kv")

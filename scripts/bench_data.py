@@ -38,10 +38,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from veomni.config.loader import load_config  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
 from veomni.data.balance_sim import POLICIES, CostModel, DataMix, SimConfig, simulate  # noqa: E402
-from veomni.data.datasets import build_dataloader  # noqa: E402
-from veomni.data.loader import load_tokenizer  # noqa: E402
+from veomni.data.build_loader import build_dataloader  # noqa: E402
+from veomni.data.text.packed import load_tokenizer  # noqa: E402
 
 RECIPE = REPO / "recipes" / "quickstart" / "tiny_llm_mixture.yaml"
 CORPUS = REPO / "data" / "cache" / "stdlib"
@@ -96,7 +96,7 @@ def recipe_costs() -> CostModel:
     layers (1 unit) and its attention FLOPs per causal pair, from the family's cost model."""
     import torch
 
-    from veomni.spec import build_model, get_model_spec
+    from veomni.contract import build_model, get_model_spec
 
     cfg = load_config(RECIPE)
     with torch.device("meta"):

@@ -36,13 +36,13 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from veomni.config.loader import load_config  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
 from veomni.config.schema import ParallelConfig  # noqa: E402
+from veomni.contract import build_model, get_model_spec, load_plugins  # noqa: E402
 from veomni.ops.video_patch import grid_positions, patchify  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.row_split import RowSplit, shard_batch  # noqa: E402
-from veomni.spec import build_model, get_model_spec, load_plugins  # noqa: E402
 
 DIT_RECIPE = REPO / "recipes" / "goku" / "tiny_t2v.yaml"
 LLM_RECIPE = REPO / "recipes" / "quickstart" / "tiny_llm.yaml"

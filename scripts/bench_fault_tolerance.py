@@ -96,7 +96,7 @@ def bench_checksums(work: Path, hidden: int) -> None:
 
 
 def bench_watchdog(repeats: int, rounds: int = 5) -> None:
-    from veomni.train.watchdog import Watchdog
+    from veomni.train.fault.watchdog import Watchdog
 
     model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(6)))
     batch = torch.randn(256, 512)

@@ -19,7 +19,7 @@ overrides to every run. A run that fails is reported with its log and the script
   hybrid     (N >= 4, even) 2 stages x N/2 partitions, ``chunks-per-stage x 2`` chunks.
 Measured bytes per epoch = the ``comm_bytes_*`` of a step (one step is one epoch), median over the
 steady steps (after the first ``--skip``); the analytic figure is the formula of
-``veomni/train/estimate_graph.py`` with the model's widths (its ``GraphCost``) and, for the halo,
+``veomni/planner/graph_plan.py`` with the model's widths (its ``GraphCost``) and, for the halo,
 the actual partition: the run's graph, partitioner and seed, halo rows counted per partition
 (the estimate there assumes a random partition). Graph parallelism sends 2 L H d x 4 bytes
 (halo rows forward and their gradients back, every layer), GNNPipe 2 (K-1) N w x 4 (every
@@ -61,12 +61,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 from _plot import Series, line_chart  # noqa: E402
 
 import models  # noqa: E402,F401  (registers the zoo)
-from veomni.config.loader import load_config  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
 from veomni.config.schema import RunConfig  # noqa: E402
-from veomni.data.graph_format import load_graph  # noqa: E402
-from veomni.data.graph_partition import partition_nodes  # noqa: E402
-from veomni.data.graph_views import edge_weights  # noqa: E402
-from veomni.spec.registry import build_config, get_model_spec  # noqa: E402
+from veomni.contract.families import build_config, get_model_spec  # noqa: E402
+from veomni.data.graph.format import load_graph  # noqa: E402
+from veomni.data.graph.partition import partition_nodes  # noqa: E402
+from veomni.data.graph.views import edge_weights  # noqa: E402
 
 OUT = REPO / "outputs" / "bench_gnn"
 RECIPE = "recipes/gnnpipe/tiny.yaml"

@@ -100,9 +100,9 @@ def _ep_traffic(rank: int, world: int, args) -> dict:
     import torch.distributed._functional_collectives as funcol
 
     from veomni.config.schema import ParallelConfig
+    from veomni.contract.plan import ParallelPlan
     from veomni.parallel.expert import apply_expert_parallel
     from veomni.parallel.mesh import ParallelDims, build_mesh
-    from veomni.parallel.plan import ParallelPlan
 
     dims = ParallelDims.resolve(ParallelConfig(ep=world), world)
     meshes = build_mesh(dims, "cpu")

@@ -12,7 +12,7 @@ Measured bubble of a rank = 1 - (time inside its stages' forward, backward and w
 chunks) / (step wall time): the share of the step the rank spent waiting for activations or
 gradients, or in communication. Reported: the mean over ranks, the median over ``--repeats``
 steps (after one warm-up step), next to the schedule's analytic bubble
-(``veomni.parallel.pipeline_plan.analytic_bubble``: unit-cost forward, input-gradient and
+(``veomni.parallel.pipeline.layout.analytic_bubble``: unit-cost forward, input-gradient and
 weight-gradient, free communication). On a shared CPU the measured figures are noisy.
 """
 
@@ -35,12 +35,12 @@ sys.path.insert(0, str(REPO))
 
 import models  # noqa: E402,F401  (registers the zoo)
 from veomni.config.schema import ParallelConfig  # noqa: E402
+from veomni.contract import build_model  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
-from veomni.parallel.pipeline import build_pipeline  # noqa: E402
-from veomni.parallel.pipeline_plan import analytic_bubble, check_pipeline, virtual_stages  # noqa: E402
-from veomni.spec import build_model  # noqa: E402
+from veomni.parallel.pipeline.layout import analytic_bubble, check_pipeline, virtual_stages  # noqa: E402
+from veomni.parallel.pipeline.stages import build_pipeline  # noqa: E402
 from veomni.tasks import LanguageModelingTask  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

@@ -29,13 +29,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import models  # noqa: E402,F401  (registers the zoo)
-from veomni.config.loader import load_config  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
 from veomni.config.schema import ParallelConfig  # noqa: E402
+from veomni.contract import build_model  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
 from veomni.parallel.apply import parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.row_split import RowSplit, shard_batch  # noqa: E402
-from veomni.spec import build_model  # noqa: E402
 from veomni.tasks import LM_CONTRACT  # noqa: E402
 
 RECIPE = REPO / "recipes" / "long-context" / "tiny_32k.yaml"

@@ -12,7 +12,7 @@ Two streams, drawn with a fixed seed (the numbers are deterministic, nothing is 
   32760 patches, fits one row): images at 256p, 480p and 720p in landscape and portrait, and 2-5 s
   clips (16 fps) at 256p and 480p (``WAN_MIX``).
 
-For each stream: the waste (``veomni.data.video_packing.Waste.fraction``: the share of the rows'
+For each stream: the waste (``veomni.data.video.clip_packing.Waste.fraction``: the share of the rows'
 budget that holds no sample patch) of our packing at each lookahead, of resolution buckets padded
 to the budget (``bucket_waste``), and of fixed-size batches padded to the longest sample
 (``padded_batch_waste``); each scheme's last, part-filled rows are left out. The ratio column is a
@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from veomni.data.video_packing import (
+from veomni.data.video.clip_packing import (
     LOOKAHEAD_ROWS,
     Waste,
     bucket_waste,

@@ -33,9 +33,9 @@ from moving_shapes_analysis import ShapesAnalyser, accuracy, format_table, shuff
 from models.dit.media import write_contact_sheet  # noqa: E402
 from models.dit.sample import SampleSettings, add_sample_arguments, pipeline_from_weights  # noqa: E402
 from veomni.checkpoint.export import load_run_weights  # noqa: E402
-from veomni.data.clip_format import CorruptClipError, decode_clip  # noqa: E402
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files  # noqa: E402
-from veomni.data.video_latents import decode_sample  # noqa: E402
+from veomni.data.video.clip_format import CorruptClipError, decode_clip  # noqa: E402
+from veomni.data.video.latents import decode_sample  # noqa: E402
 
 DEFAULT_CLIPS = REPO / "data" / "cache" / "video" / "moving_shapes"
 FIT_CLIPS = 2000

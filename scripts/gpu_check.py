@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from _gpu_check_models import dit_step, llm_reference, moe_pair  # noqa: E402
 
-from veomni.train.metrics import device_peak_flops  # noqa: E402
+from veomni.train.report.metrics import device_peak_flops  # noqa: E402
 
 PARTS = ("cuda_tests", "quickstart", "llm_eager", "llm_compile", "llm_reference", "dit_7800", "dit_32760", "moe")
 LLM_RECIPE = REPO / "recipes" / "qwen3" / "qwen3_1p7b.yaml"

@@ -48,7 +48,7 @@ else
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}"
 # A worker that dies (or fails fast on a stuck collective) restarts the whole group, which
-# resumes from the newest verified checkpoint. A stop a restart cannot fix (veomni.train.stop)
+# resumes from the newest verified checkpoint. A stop a restart cannot fix (veomni.train.fault.stop)
 # exits the workers with 0 and leaves its message in VEOMNI_STOP_FILE.
 export VEOMNI_STOP_FILE="$STOP_FILE"
 # A requested stop (Ctrl-C, or SIGTERM to this script): torchrun runs in its own session, so the

@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from _plot import Series, line_chart  # noqa: E402
 
 import models  # noqa: E402,F401  (registers the zoo)
-from veomni.config.loader import load_config  # noqa: E402
-from veomni.spec import build_model  # noqa: E402
+from veomni.config.load import load_config  # noqa: E402
+from veomni.contract import build_model  # noqa: E402
 
 RUNS = ("baseline", "r1p5", "r2", "r4", "r8")
 

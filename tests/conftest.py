@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.omni_utils import build_vqa
-from veomni.spec import load_plugins
+from veomni.contract import load_plugins
 
 load_plugins()
 

@@ -1,7 +1,7 @@
 """The fault-injection helpers the fault-tolerance tests are built on.
 
 Process faults (a rank killed, stalled, or given a NaN loss at step k) are injected inside the
-workers through ``VEOMNI_FAULTS`` (``veomni/train/faults.py``), which ``faults_env`` spells for a
+workers through ``VEOMNI_FAULTS`` (``veomni/train/fault/injection.py``), which ``faults_env`` spells for a
 test's environment. File faults (a truncated or corrupted checkpoint file or data shard, a planted
 pickle) are made here, on disk, between runs.
 """

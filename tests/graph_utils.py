@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.gnn import GNNConfig, GNNModel
-from veomni.data.graph_format import MANIFEST, TENSORS, GraphData, sha256
-from veomni.data.graph_views import edge_weights, partition_views, split_labels
-from veomni.parallel.graph import apply_graph_parallel
+from veomni.data.graph.format import MANIFEST, TENSORS, GraphData, sha256
+from veomni.data.graph.views import edge_weights, partition_views, split_labels
+from veomni.parallel.graph.halo import apply_graph_parallel
 from veomni.tasks import NodeClassificationTask
 
 

@@ -1,5 +1,5 @@
-"""Shared harness of the media-routing parity tests (``tests/test_colocate.py``,
-``tests/test_media_sp.py``): the tiny omni model trained on fixed chat records, one process or
+"""Shared harness of the media-routing parity tests (``tests/parallel/test_colocate.py``,
+``tests/parallel/test_media_sp.py``): the tiny omni model trained on fixed chat records, one process or
 several real gloo ranks, with what each rank's image encoder ran recorded beside the loss and
 gradients."""
 
@@ -8,17 +8,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models.omni.registry import get_modality
+from models.omni.modality_registry import get_modality
 from tests.omni_utils import TOKENIZER, chat_record, png_bytes, tiny_omni
 from tests.parity_utils import full_grads, full_params
 from veomni.config.schema import ParallelConfig
-from veomni.data.loader import load_tokenizer
-from veomni.data.multimodal import SampleProcessor, pack_chat_samples
+from veomni.contract import get_model_spec
+from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
+from veomni.data.text.packed import load_tokenizer
 from veomni.parallel.apply import parallelize
-from veomni.parallel.encoder_work import watch_encoder_work
+from veomni.parallel.media.encoder_work import watch_encoder_work
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
-from veomni.spec import get_model_spec
 from veomni.train.step import clip_and_step, forward_backward
 
 

@@ -15,7 +15,7 @@ import webdataset
 from PIL import Image, ImageDraw
 
 from models.audio.processing import encode_wav
-from veomni.spec import build_model
+from veomni.contract import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizers" / "stdlib-bpe-8k"

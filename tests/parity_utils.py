@@ -10,7 +10,7 @@ bounds the rounding of elements that cancel to near zero; a gradient that cancel
 takes a floor from the model's largest gradient, ``assert_grads_parity``). ``PARITY_ULPS`` steps is 7.6e-6
 relative: it passes the reordering of fp32 sums on any CPU kernel path and thread count, and
 fails an error of 1e-4 relative in a loss, a whole gradient or one element of it
-(``tests/test_parity_rule.py`` plants those). A test that needs more says why at its call.
+(``tests/house/test_parity_rule.py`` plants those). A test that needs more says why at its call.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from veomni.config.schema import ParallelConfig
+from veomni.contract import build_model, get_model_spec
 from veomni.data.packing import pack_samples
 from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
-from veomni.spec import build_model, get_model_spec
 from veomni.train.step import clip_and_step, forward_backward
 
 TINY_LLM = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -144,7 +144,7 @@ def assert_records_close(ref: dict, got: dict, ulps: float = PARITY_ULPS) -> Non
         assert_scalar_parity(b, a, f"step {step}: loss", ulps)
     for step, (ma, mb) in enumerate(zip(ref["metrics"], got["metrics"])):
         assert ma.keys() == mb.keys(), f"step {step}: metrics {sorted(ma)} vs {sorted(mb)}"
-        for name in (n for n in ma if n.startswith("loss_")):  # moe/* statistics: tests/test_ep_parity.py
+        for name in (n for n in ma if n.startswith("loss_")):  # moe/* statistics: tests/parallel/test_ep_parity.py
             assert_scalar_parity(mb[name], ma[name], f"step {step}: {name}", ulps)
     for step, (ga, gb) in enumerate(zip(ref["grads"], got["grads"])):
         assert_grads_parity(gb, ga, f"step {step}", ulps)

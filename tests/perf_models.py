@@ -21,9 +21,9 @@ from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig
 from models.dit.model import DiTModel
 from models.llm import DecoderLM
 from models.llm import hf_adapter as llm_hf_adapter
+from veomni.contract import build_model
 from veomni.data.packing import pack_samples
 from veomni.ops.cost_probes import aten_ops, saved_bytes
-from veomni.spec import build_model
 from veomni.tasks.lm import LanguageModelingTask
 
 LLM_OPTIONS = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_layers": 2, "num_heads": 4,

@@ -20,7 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from veomni.checkpoint.export import load_run_weights
-from veomni.spec import build_model
+from veomni.contract import build_model
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, prefer_ema: bool = True) -> nn.Module:

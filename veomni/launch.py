@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from veomni.config.loader import ConfigError, dump_config, load_config, locate_model_error
+from veomni.config.load import ConfigError, dump_config, load_config, locate_model_error
 from veomni.config.schema import RunConfig, SourceConfig
+from veomni.contract import get_model_spec
+from veomni.data.build_loader import dataset_kind_name
 from veomni.data.builders import MANIFEST
-from veomni.data.datasets import dataset_kind_name
+from veomni.data.kinds import get_dataset_kind
 from veomni.data.mixture import run_sources
-from veomni.data.registry import get_dataset_kind
 from veomni.parallel.mesh import LayoutError, ParallelDims
-from veomni.spec import get_model_spec
 
 
 def _needs_prepare(paths: dict[str, str | None]) -> bool:
@@ -141,14 +141,14 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
     and parallel sizes the model cannot take."""
     import torch
 
-    from veomni.parallel.colocate import check_media_routing
+    from veomni.contract import build_model
+    from veomni.contract.plugin_check import plugin_problems
     from veomni.parallel.expert import check_model_experts
     from veomni.parallel.fsdp import check_encoder_fsdp
-    from veomni.parallel.pipeline import check_pipeline_model, check_pipeline_task
-    from veomni.parallel.pipeline_plan import TooFewBlocksError
+    from veomni.parallel.media.colocate import check_media_routing
+    from veomni.parallel.pipeline.layout import TooFewBlocksError
+    from veomni.parallel.pipeline.stages import check_pipeline_model, check_pipeline_task
     from veomni.parallel.sequence import check_sequence_parallel
-    from veomni.spec import build_model
-    from veomni.spec.contract import plugin_problems
 
     try:
         with torch.device("meta"):
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return _fail(problems)
     if args.dry_run:
-        from veomni.train.estimate import estimate, format_report
+        from veomni.planner.estimate import estimate, format_report
 
         device = f"{world_size} x {'GPU (bf16 compute)' if args.gpus else 'CPU (fp32)'}"
         print("# resolved config\n" + dump_config(cfg))

@@ -19,10 +19,10 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from models.common.encoder import EncoderBlock, held_rows, init_encoder_weights
+from veomni.contract.media import ShardableEncoder
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import RowShare, SeqInfo
 from veomni.ops.rope import rope_cos_sin, rope_inv_freq
-from veomni.parallel.plan import ParallelPlan
-from veomni.spec.media import ShardableEncoder
 
 from .config import AudioEncoderConfig
 

@@ -83,7 +83,7 @@ class EncoderBlock(nn.Module):
 
 def held_rows(share: RowShare | None, total: int, rows_per_feature: int) -> slice:
     """The rows of a ``total``-row sequence this call runs: all of them, or ``share``'s (a
-    sequence-parallel run, see ``veomni.spec.media.ShardableEncoder``), checked to lie inside the
+    sequence-parallel run, see ``veomni.contract.media.ShardableEncoder``), checked to lie inside the
     sequence on feature boundaries."""
     if share is None:
         return slice(0, total)

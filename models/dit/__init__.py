@@ -2,7 +2,7 @@
 patches, weight-compatible with diffusers' ``WanTransformer3DModel``. Registered as "dit": trains
 with rectified flow (or DDPM) on the ``video_latents`` dataset kind."""
 
-from veomni.spec import ModelSpec, register_model
+from veomni.contract import ModelSpec, register_model
 
 from . import hf_adapter
 from .config import DiTConfig

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import SeqInfo
 from veomni.ops.rope import rope_3d_cos_sin
-from veomni.parallel.plan import ParallelPlan
 
 from .batch import pack_latents, unpack_tokens
 from .config import DiTConfig

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from models.dit.media import write_contact_sheet, write_gif
-from models.dit.pipeline import VideoPipeline
 from models.dit.task import diffusion_task
-from veomni.spec import get_model_spec
+from models.dit.text_to_video import VideoPipeline
+from veomni.contract import get_model_spec
 
 WeightLoader = Callable[[Path, Path | None, bool], tuple[Any, Any, dict[str, torch.Tensor], Path]]
 """``(run_dir, checkpoint or None for the newest, prefer_ema) -> (run config, model config, state dict,

@@ -21,10 +21,10 @@ import numpy as np
 from torch import nn
 
 from models.dit.media import write_contact_sheet
-from models.dit.pipeline import VideoPipeline
 from models.dit.sample import SampleSettings
 from models.dit.task import diffusion_task
-from veomni.spec import SampleWriter
+from models.dit.text_to_video import VideoPipeline
+from veomni.contract import SampleWriter
 from veomni.tasks.flow import DiffusionTask
 
 DEFAULT_SETTINGS = SampleSettings(steps=20)

@@ -1,7 +1,7 @@
 """GNN stacks for node classification: GCN, GraphSAGE (mean) and GCNII. Registered as "gnn":
 trains with node classification on graph views (the "graph" dataset kind)."""
 
-from veomni.spec import ModelSpec, register_model
+from veomni.contract import ModelSpec, register_model
 from veomni.tasks import NodeClassificationTask
 
 from .config import GNNConfig

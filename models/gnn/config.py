@@ -41,7 +41,7 @@ class GNNConfig:
 
     @property
     def neighbour_norm(self) -> str:
-        """The edge normalisation the layers expect (``veomni.data.graph_views.edge_weights``):
+        """The edge normalisation the layers expect (``veomni.data.graph.views.edge_weights``):
         GCN's symmetric one with self-loops for gcn/gcnii, the in-neighbour mean for sage."""
         return "mean" if self.layer == "sage" else "gcn"
 

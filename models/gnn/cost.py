@@ -71,7 +71,7 @@ class GNNCost:
         return sum(p.numel() for p in model.parameters())
 
     def report_lines(self, model: nn.Module, units: int) -> list[str]:
-        return []  # history and bytes per mode: the engine's graph plan (veomni/train/estimate_graph.py)
+        return []  # history and bytes per mode: the engine's graph plan (veomni/planner/graph_plan.py)
 
     def stage_width(self, model: nn.Module) -> int:
         cfg = model.config

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.parallel.plan import ParallelPlan
+from veomni.contract.plan import ParallelPlan
 
 from .config import GNNConfig
 from .layers import LAYER_CLASSES, reset_linear

@@ -1,7 +1,7 @@
 """Decoder LM, dense or MoE, weight-compatible with HF Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE.
 Registered as "llm": trains with language modelling on packed text."""
 
-from veomni.spec import ModelSpec, register_model
+from veomni.contract import ModelSpec, register_model
 from veomni.tasks import LanguageModelingTask
 
 from . import hf_adapter

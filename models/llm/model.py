@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import SeqInfo, varlen_attention
 from veomni.ops.norm import RMSNorm
 from veomni.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from veomni.parallel.plan import ParallelPlan
 
 from .config import LLMConfig
 from .moe import GroupedExperts, MoE, MoEHost, Router

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.contract.hooks import MoEHooks
 from veomni.ops.grouped_gemm import grouped_mm
-from veomni.spec.hooks import MoEHooks
 
 from .config import LLMConfig
 

@@ -2,13 +2,13 @@
 with the VLM answer loss on chat samples with media."""
 
 from models.llm.cost import LMCost
-from veomni.spec import ModelSpec, register_model
+from veomni.contract import ModelSpec, register_model
 from veomni.tasks import VLMTask
 
 from . import modalities  # noqa: F401  (registers the modalities)
 from .config import OmniConfig
+from .modality_registry import MediaItem, Modality, get_modality, register_modality
 from .model import OmniModel
-from .registry import MediaItem, Modality, get_modality, register_modality
 
 
 class OmniCost(LMCost):

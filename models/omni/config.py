@@ -19,7 +19,7 @@ from typing import Any
 
 from models.llm.config import LLMConfig
 
-from .registry import Modality, get_modality, registered_modalities
+from .modality_registry import Modality, get_modality, registered_modalities
 
 
 def _build(cls: type, options: dict[str, Any], where: str) -> Any:
@@ -56,7 +56,7 @@ class OmniConfig:
 
     def media_kinds(self) -> dict[str, Modality]:
         """Modality name -> its registry entry, in recipe order (what the engine's chat-with-media
-        dataset reads: ``veomni.spec.media.MediaModelConfig``)."""
+        dataset reads: ``veomni.contract.media.MediaModelConfig``)."""
         return {name: get_modality(name) for name in self.encoders}
 
     @property

@@ -17,7 +17,7 @@ from models.vit.config import ViTConfig
 from models.vit.model import NativeResolutionViT
 from models.vit.processing import image_to_patches, smart_resize
 
-from .registry import MediaItem, Modality, register_modality
+from .modality_registry import MediaItem, Modality, register_modality
 
 
 def process_image(raw: bytes, cfg: ViTConfig) -> MediaItem:

@@ -10,7 +10,7 @@ and adds ``0 * features.sum()``: the encoder's FSDP all-gathers and gradient red
 then run on every rank (otherwise a rank without images would leave the others waiting), and
 its gradient contribution is exactly zero.
 
-Encoders run through the ``media_fn`` injection point (``veomni.spec.media.MediaFn``): by
+Encoders run through the ``media_fn`` injection point (``veomni.contract.media.MediaFn``): by
 default this rank's items on this rank; ``parallel.encoder_balance`` swaps in a version that
 spreads the items of all data-parallel ranks evenly by encoder cost and brings the features
 back, and under sequence parallelism one that splits a row's items between the ranks holding it
@@ -27,11 +27,11 @@ from torch import nn
 
 from models.llm.model import DecoderLM
 from models.llm.moe import MoEHost
-from veomni.parallel.plan import ParallelPlan, prefixed
-from veomni.spec.media import MediaFn, MediaHost, run_media_locally
+from veomni.contract.media import MediaFn, MediaHost, run_media_locally
+from veomni.contract.plan import ParallelPlan, prefixed
 
 from .config import OmniConfig
-from .registry import get_modality
+from .modality_registry import get_modality
 
 
 class OmniModel(MoEHost, MediaHost, nn.Module):

@@ -3,7 +3,7 @@ which cannot download a VAE). Registered as "vae": trains with the reconstructio
 frames of the raw clips (the ``frames`` dataset kind); ``data/build_vae.py`` writes the trained
 checkpoint as a diffusers folder (``diffusers_io``)."""
 
-from veomni.spec import ModelSpec, register_model
+from veomni.contract import ModelSpec, register_model
 from veomni.tasks import ReconstructionTask
 
 from .config import VAEConfig

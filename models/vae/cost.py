@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from veomni.parallel.plan import match_modules, module_path_matches
+from veomni.contract.plan import match_modules, module_path_matches
 
 from .config import VAEConfig
 from .model import VAEModel

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from veomni.parallel.plan import ParallelPlan
+from veomni.contract.plan import ParallelPlan
 
 from .config import VAEConfig
 

@@ -4,7 +4,7 @@ Not a top-level training architecture: omni models build it as an image/video en
 adapter (a Qwen2-VL vision tower, ``hf_adapter.py``) is registered for ``checkpoint.init``.
 """
 
-from veomni.spec import register_hf_adapter
+from veomni.contract import register_hf_adapter
 
 from . import hf_adapter
 from .config import ViTConfig

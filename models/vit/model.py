@@ -7,7 +7,7 @@ rotated by its (row, col) in its image. After the last block, every ``merge_size
 group of neighbouring patches is pooled into one token and a 2-layer MLP maps it to the LLM
 width. Plain single-device PyTorch; the engine parallelises it through ``parallel_plan()``, and
 may run one large input over several ranks, each on a share of its rows (whole merge groups;
-``forward(..., share=)``, see ``veomni.spec.media.ShardableEncoder``).
+``forward(..., share=)``, see ``veomni.contract.media.ShardableEncoder``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.encoder import EncoderBlock, held_rows, init_encoder_weights
+from veomni.contract.media import ShardableEncoder
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import RowShare, SeqInfo
 from veomni.ops.rope import rope_2d_cos_sin
-from veomni.parallel.plan import ParallelPlan
-from veomni.spec.media import ShardableEncoder
 
 from .config import ViTConfig
 from .processing import patch_positions

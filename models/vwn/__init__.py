@@ -2,7 +2,7 @@
 modelling, plus next-2-token prediction when ``mtp`` is on."""
 
 from models.llm.cost import LMCost
-from veomni.spec import ModelSpec, ParamRule, register_model
+from veomni.contract import ModelSpec, ParamRule, register_model
 from veomni.tasks import LanguageModelingTask, MultiTokenLMTask
 
 from .config import VWNConfig

@@ -15,10 +15,10 @@ from torch import nn
 
 from models.llm.model import DecoderLM, init_standard_weights
 from models.llm.moe import MoEHost
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import SeqInfo
 from veomni.ops.norm import RMSNorm
 from veomni.ops.rope import rope_cos_sin, rope_inv_freq
-from veomni.parallel.plan import ParallelPlan
 
 from .blocks import NextTwoTokenHead, VWNBlock, WideReduce
 from .config import VWNConfig

@@ -6,7 +6,7 @@ vision tower, later a VAE or a text encoder. ``checkpoint.init`` maps a sub-modu
 whole model (path ``""``). A folder is either
 
 - a Hugging Face / diffusers folder: the adapter registered for its ``config.json`` type
-  (``veomni.spec.hf_adapter_for_model_type``) maps its config and weight names to ours, and its
+  (``veomni.contract.hf_adapter_for_model_type``) maps its config and weight names to ours, and its
   config must equal the sub-module's own (``ConfiguredModule.config``; the adapter's
   ``free_fields`` aside), or the load is refused naming each field that differs; or
 - ``*.safetensors`` already in our parameter names (nothing to compare).
@@ -30,7 +30,7 @@ from torch import nn
 
 from veomni.checkpoint.hf_io import CONFIG_FILE, read_hf_config, read_safetensors
 from veomni.config.schema import CheckpointConfig
-from veomni.spec import ConfiguredModule, HFAdapter
+from veomni.contract import ConfiguredModule, HFAdapter
 
 WHOLE_MODEL = ""
 _LISTED = 8  # names shown of a long list of parameters

@@ -20,9 +20,9 @@ import torch.distributed.checkpoint as dcp
 
 from veomni.checkpoint.hf_io import save_hf_pretrained
 from veomni.checkpoint.manager import COMPLETE_MARKER, list_checkpoints
-from veomni.config.loader import load_config
+from veomni.config.load import load_config
+from veomni.contract import build_model
 from veomni.logging_setup import setup_logging
-from veomni.spec import build_model
 
 logger = logging.getLogger(__name__)
 

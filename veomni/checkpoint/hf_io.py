@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from veomni.spec import HFAdapter, get_model_spec, hf_adapter_for_model_type, spec_for_hf_model_type
+from veomni.contract import HFAdapter, get_model_spec, hf_adapter_for_model_type, spec_for_hf_model_type
 
 CONFIG_FILE = "config.json"
 TRANSFORMERS_WEIGHTS = "model"

@@ -19,7 +19,7 @@ checkpoint loads at any world size or FSDP layout. Under pipeline parallelism a 
 several stage modules with disjoint original parameter names; their model and (flattened,
 FQN-keyed) optimizer entries are united into one dict, so pipeline sizes reshard like any other
 layout change. Loader and RNG state are per rank; on a
-world-size change the loader positions are merged (see ``veomni.data.loader``).
+world-size change the loader positions are merged (see ``veomni.data.text.packed``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from veomni.checkpoint.verify import (
     share,
     size_problems,
 )
-from veomni.parallel.stage_optimizers import StageOptimizers
+from veomni.parallel.pipeline.stage_optimizers import StageOptimizers
 
 logger = logging.getLogger(__name__)
 

@@ -97,7 +97,7 @@ class DataConfig:
     history), which also fills the history before the first chunked epoch."""
     graph_stale_gradients: bool = True
     """Graph kinds with chunks: edges between chunks also carry gradients, one epoch late, to the
-    rows they read from the history (``veomni.parallel.graph.StaleGradients``); off, such edges
+    rows they read from the history (``veomni.parallel.graph.halo.StaleGradients``); off, such edges
     train only their target side."""
     graph_refresh_every: int = 10
     """Graph kinds with chunks: every this many epochs one epoch trains exactly on the whole
@@ -153,14 +153,14 @@ class ParallelConfig:
     """torch.compile each block (the plan's ``blocks``)."""
     encoder_balance: bool = False
     """Models with media encoders: spread each micro-batch's media items over the data-parallel
-    ranks by encoder cost and send the features back (``veomni/parallel/colocate.py``); the loss
+    ranks by encoder cost and send the features back (``veomni/parallel/media/colocate.py``); the loss
     and gradients are unchanged. Under parallel.pp > 1 (encoder_colocate) over all pp x dp
     ranks. Not with parallel.cp, nor with pp > 1 and encoder_colocate false."""
     encoder_sp: int = 1
     """Models with media encoders: long-short sequence parallelism. A media item with more than
     ``encoder_sp_threshold`` encoder sequence rows (ViT patches, audio tokens) runs Ulysses-style
     over a block of ``encoder_sp`` consecutive ranks, each holding a share of its rows; shorter
-    items run whole on one rank, in the same step (``veomni/parallel/encoder_sp.py``). Must divide
+    items run whole on one rank, in the same step (``veomni/parallel/media/encoder_sp.py``). Must divide
     dp x sp (pp x dp under a pipeline colocating the encoders) and the encoders' attention heads;
     1 = off. Not with parallel.cp, nor with pp > 1 and encoder_colocate false."""
     encoder_sp_threshold: int = 0
@@ -177,7 +177,7 @@ class ParallelConfig:
     """Models with media encoders under parallel.pp > 1: the encoders live on every pipeline rank
     and encode the step's media before the schedule runs, the items spread over the pipeline's
     ranks, their backward after it
-    (``veomni/parallel/pipeline_media.py``); false runs them inside the first stage (the
+    (``veomni/parallel/media/pipeline_encoders.py``); false runs them inside the first stage (the
     baseline the bubble benchmark compares with)."""
 
 
@@ -273,7 +273,7 @@ class LogConfig:
 @dataclass
 class ModelConfig:
     """``arch`` picks a registered model family; ``plugins`` lists the packages that register
-    families (module names or package folders, see ``veomni.spec.load_plugins``); the remaining
+    families (module names or package folders, see ``veomni.contract.load_plugins``); the remaining
     keys belong to the family's config dataclass."""
 
     arch: str = "llm"

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from veomni.data.balance import Candidate, fill_bins, imbalance
-from veomni.data.loader import Drawn, PackedTextDataset
 from veomni.data.stream import Ref
+from veomni.data.text.packed import Drawn, PackedTextDataset
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from veomni.data.registry import MERGED_KEY, find_dataset_states
+from veomni.data.kinds import MERGED_KEY, find_dataset_states
 from veomni.data.shards import Piece, split_pieces
 from veomni.data.stream import Part, SourceStream, StreamPosition
 

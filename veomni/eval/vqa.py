@@ -29,11 +29,11 @@ import torch
 
 from veomni.checkpoint.export import load_checkpoint_weights
 from veomni.checkpoint.manager import list_checkpoints
-from veomni.data.loader import load_tokenizer
-from veomni.data.multimodal import ChatSample, SampleProcessor, pack_chat_samples
+from veomni.contract import build_model
+from veomni.data.chat.media_dataset import ChatSample, SampleProcessor, pack_chat_samples
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
+from veomni.data.text.packed import load_tokenizer
 from veomni.logging_setup import setup_logging
-from veomni.spec import build_model
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_ANSWER_TOKENS = 8

@@ -31,7 +31,7 @@ BLOCK_DIAGONAL_WORK_PER_SAMPLE = 1.5e6
 
 class RowShare(NamedTuple):
     """The rows ``[start, stop)`` of a packed sequence that this rank holds when one encoder input
-    runs sequence-parallel over several ranks (``veomni/parallel/encoder_sp.py``), the other ranks
+    runs sequence-parallel over several ranks (``veomni/parallel/media/encoder_sp.py``), the other ranks
     holding the rest. ``handle`` belongs to the parallel recipe (its process group, the padded
     chunk size); a model passes it on untouched in its ``SeqInfo``."""
 
@@ -104,7 +104,7 @@ def varlen_attention(
     if seq.share is not None:
         raise ValueError(
             "attention got a row share (one encoder input split over ranks) but no attn_fn that gathers "
-            "the other ranks' rows: install veomni.parallel.encoder_sp.apply_encoder_sp on the encoder "
+            "the other ranks' rows: install veomni.parallel.media.encoder_sp.apply_encoder_sp on the encoder "
             "before running it on shares"
         )
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):

@@ -14,7 +14,7 @@ adds them to the chunk's fp32 gradients.
 
 The kernel is chosen per call: flash attention's varlen kernel (one call per block) on CUDA in
 half precision; torch's CPU flash kernel per segment on CPU; an exact matmul form elsewhere
-(CUDA in fp32). All three return the same thing, checked in ``tests/test_attention_blocks.py``.
+(CUDA in fp32). All three return the same thing, checked in ``tests/parallel/test_context_parallel.py``.
 """
 
 from __future__ import annotations

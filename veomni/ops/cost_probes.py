@@ -1,7 +1,7 @@
 """Device-independent costs of a computation: bytes autograd saves for backward, aten ops run.
 
 Both are counts, not timings, so they mean the same on a loaded 2-core CPU as on a GPU: the CPU
-guards of ``tests/test_block_costs.py`` and ``scripts/profile_cpu.py`` compare them against the
+guards of ``tests/ops/test_block_costs.py`` and ``scripts/profile_cpu.py`` compare them against the
 reference models (transformers, diffusers) to catch what makes a GPU step slower or larger than
 theirs: activations kept per token (memory, and the traffic to write and read them), and extra
 kernels (each a launch and a pass over memory on a GPU).

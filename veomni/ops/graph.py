@@ -5,11 +5,11 @@ weighted sum of its in-neighbours' rows and then transforms it. The sum is the l
 ``aggregate`` injection point (a ``NeighbourAggregation``): the layer hands it its own rows ``h``
 (one per target node of the micro-batch) and the micro-batch, and gets one aggregated row per
 target. Where the neighbours' rows come from is the engine's business
-(``veomni/parallel/graph.py``): this rank's rows, halo rows of other graph partitions exchanged
+(``veomni/parallel/graph/halo.py``): this rank's rows, halo rows of other graph partitions exchanged
 per layer, and rows of other chunks read from a per-layer history of earlier embeddings. The
 model never sees which; it is written once for one process.
 
-A graph micro-batch (one chunk of one graph partition; ``veomni/data/graph_views.py`` makes
+A graph micro-batch (one chunk of one graph partition; ``veomni/data/graph/views.py`` makes
 them) is a dict of tensors:
 
 - ``x`` [n, F]: features of the n target nodes; ``labels`` [n]: loss targets (``IGNORE_INDEX``
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,48 +89,16 @@ class NeighbourAggregation(nn.Module):
 
     This default serves one process on a whole view. The engine replaces it in every
     message-passing module the model's plan names (``ParallelPlan.message_passing``) with one
-    that also exchanges halo rows and keeps the history (``veomni.parallel.graph``).
+    that also exchanges halo rows and keeps the history (``veomni.parallel.graph.halo``).
     """
 
     def forward(self, h: torch.Tensor, graph: Mapping[str, Any]) -> torch.Tensor:
         if has_stale_edges(graph) or has_halo(graph):
             raise RuntimeError("this graph micro-batch is a chunk or a partition (it has stale or halo edges); "
-                               "its neighbours need the engine's aggregation (veomni.parallel.graph."
+                               "its neighbours need the engine's aggregation (veomni.parallel.graph.halo."
                                "apply_graph_parallel), which the trainer installs for models whose plan names "
                                "message_passing modules")
         n = h.shape[0]
         # torch.compile traces no sparse tensor: a compiled layer gathers messages, which it fuses
         adjacency = None if torch.compiler.is_compiling() else sparse_adjacency(graph, "edge_index", n, n)
         return aggregate(h, graph["edge_index"], graph["edge_weight"], n, adjacency)
-
-
-@runtime_checkable
-class GraphModelConfig(Protocol):
-    """What a graph dataset kind reads from the config of the model it feeds."""
-
-    in_features: int
-    num_classes: int
-    neighbour_norm: str
-    """The neighbour normalisation the model's layers expect in ``edge_weight``: ``gcn``,
-    ``mean`` or ``sum`` (``veomni.data.graph_views.edge_weights``)."""
-
-
-@runtime_checkable
-class GraphCost(Protocol):
-    """What a graph family's cost model adds for ``--dry-run``'s communication and history lines."""
-
-    def stage_width(self, model: nn.Module) -> int:
-        """Elements per node that cross a pipeline stage boundary (GCNII's (h, h0): 2 d)."""
-        ...
-
-    def history_width(self, model: nn.Module) -> int:
-        """Elements per node of one layer's history row (the rows ``aggregate`` receives)."""
-        ...
-
-    def aggregations(self, model: nn.Module) -> int:
-        """Message-passing layers (history tables; halo exchanges per forward)."""
-        ...
-
-    def assumed_degree(self, model: nn.Module) -> float:
-        """In-edges per node to plan with before the graph exists."""
-        ...

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.contract.plan import ParallelPlan, match_modules
 
 logger = logging.getLogger(__name__)
 

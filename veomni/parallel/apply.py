@@ -16,18 +16,18 @@ import torch
 from torch import nn
 
 from veomni.config.schema import ParallelConfig
+from veomni.contract.media import MediaHost
+from veomni.contract.plan import ParallelPlan, flatten_plan, match_modules
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
-from veomni.parallel.colocate import apply_media_routing
 from veomni.parallel.context import apply_context_parallel
 from veomni.parallel.cp_cost import auto_cp_mesh
 from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
-from veomni.parallel.graph import apply_graph_parallel
+from veomni.parallel.graph.halo import apply_graph_parallel
+from veomni.parallel.media.colocate import apply_media_routing
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
-from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
+from veomni.parallel.pipeline.layout import SPLIT_BACKWARD_SCHEDULES
 from veomni.parallel.sequence import apply_sequence_parallel, check_sequence_parallel, kv_repeat_factor
-from veomni.spec.media import MediaHost
 
 logger = logging.getLogger(__name__)
 

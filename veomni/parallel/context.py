@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.contract.plan import ParallelPlan, match_modules
 from veomni.ops.attention import AttentionFn, SeqInfo
 from veomni.ops.attention_blocks import Segment, accumulators, attend_block, attend_block_backward, merge_partials
 from veomni.parallel.comm_counter import COMM_COUNTER
-from veomni.parallel.plan import ParallelPlan, match_modules
 from veomni.parallel.row_split import Piece, cp_pieces
 
 

@@ -3,7 +3,7 @@
 Bytes each rank sends per attention layer, forward plus backward, for ``c`` tokens per rank
 after any Ulysses exchange (``H``/``Hkv`` heads on those tokens, head size ``D``, ``e`` bytes per
 element; gradient accumulators travel in fp32). The derivations are in ``context.py`` and
-``sequence.py``; ``tests/test_context_parallel.py`` checks the counted bytes against them.
+``sequence.py``; ``tests/parallel/test_context_parallel.py`` checks the counted bytes against them.
 
 - Ulysses over ``sp`` ranks (``t`` tokens per rank, ``Hkv'`` K/V heads after repeating them to a
   multiple of ``sp``): ``2 * t * D * e * (2H + 2Hkv') * (sp-1)/sp``.

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from veomni.parallel.plan import ParallelPlan, flatten_plan, match_modules
+from veomni.contract.plan import ParallelPlan, flatten_plan, match_modules
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from veomni.parallel.plan import ParallelPlan, match_modules
+from veomni.contract.plan import ParallelPlan, match_modules
 
 logger = logging.getLogger(__name__)
 

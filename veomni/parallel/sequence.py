@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.contract.media import MediaHost
+from veomni.contract.plan import ParallelPlan, match_modules
 from veomni.ops.attention import AttentionFn, SeqInfo
 from veomni.parallel.comm_counter import COMM_COUNTER
-from veomni.parallel.plan import ParallelPlan, match_modules
-from veomni.spec.media import MediaHost
 
 
 def kv_repeat_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:

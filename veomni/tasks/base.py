@@ -87,7 +87,7 @@ class BatchContract:
     in one rank's slice. None: the task has no such field."""
     media: str | None = None
     """The field holding a row's media items (``{modality: {"inputs", "positions"}}``, the layout
-    of ``veomni.spec.media``): pipelines encode them before the first stage needs the features."""
+    of ``veomni.contract.media``): pipelines encode them before the first stage needs the features."""
 
     def row_length(self, batch: Mapping[str, Any]) -> int:
         """Elements in the (local) row: the units of work this batch holds."""

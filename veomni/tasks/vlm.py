@@ -22,7 +22,7 @@ from veomni.tasks.lm import LM_CONTRACT, LanguageModelingTask
 
 def localize_media(batch: Mapping[str, Any], placement: RowPlacement) -> dict[str, Any]:
     """One rank's ``media`` when ranks split the row: every modality keeps the whole row's encoder
-    inputs (the ranks share the encoding, ``veomni/parallel/colocate.py``); ``positions`` become
+    inputs (the ranks share the encoding, ``veomni/parallel/media/colocate.py``); ``positions`` become
     the placeholders in this rank's slice, in local coordinates and feature-row order, and
     ``holders`` the row rank holding each of the row's feature rows."""
     if "media" not in batch:
@@ -38,7 +38,7 @@ def localize_media(batch: Mapping[str, Any], placement: RowPlacement) -> dict[st
 VLM_CONTRACT = dataclasses.replace(LM_CONTRACT, media="media", localize=localize_media)
 """The packed text row of ``LM_CONTRACT`` plus ``media`` (per modality: the encoder inputs and the
 placeholder positions); on a pipeline the first stage splices the features
-(``veomni/parallel/pipeline_media.py``)."""
+(``veomni/parallel/media/pipeline_encoders.py``)."""
 
 
 class VLMTask(LanguageModelingTask):

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.config.schema import RunConfig
+from veomni.contract import build_model
 from veomni.data.group_reorder import GroupReorder, balance_group_size, balance_groups
-from veomni.data.loader import SOURCE_COUNTS, Drawn, PackedTextDataset
 from veomni.data.mixture import run_sources
+from veomni.data.text.packed import SOURCE_COUNTS, Drawn, PackedTextDataset
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.spec import build_model
 from veomni.train.distributed import all_reduce_values
 
 logger = logging.getLogger(__name__)

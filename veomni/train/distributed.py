@@ -5,7 +5,7 @@ activations, features) and gloo the host-side values that steer the run (loss an
 totals, guard verdicts, data counts, checkpoint and straggler bookkeeping, Python objects).
 Every sub-group (the DeviceMesh dimensions) inherits that pair, so a collective cannot meet a
 device its group does not serve, wherever in the engine it is called. On a CPU it is gloo.
-``tests/test_collective_devices.py`` checks this against the collectives a real run makes."""
+``tests/parallel/test_collective_devices.py`` checks this against the collectives a real run makes."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def init_distributed(preference: str = "auto", timeout_s: float = 600) -> torch.
     backend = process_group_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # NCCL's flight recorder: the watchdog dumps it when a rank hangs (veomni.train.watchdog)
+        # NCCL's flight recorder: the watchdog dumps it when a rank hangs (veomni.train.fault.watchdog)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     else:
         # Several ranks share the CPU: split its cores so they do not oversubscribe it, unless

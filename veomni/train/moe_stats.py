@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.spec.hooks import has_moe
+from veomni.contract.hooks import has_moe
 
 
 class MoEStepStats:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from veomni.config.schema import TrainConfig
-from veomni.parallel.stage_optimizers import StageOptimizers
-from veomni.spec.hooks import ParamRule
+from veomni.contract.hooks import ParamRule
+from veomni.parallel.pipeline.stage_optimizers import StageOptimizers
 
 NO_DECAY_FOR_VECTORS = ParamRule({"weight_decay": 0.0}, predicate=lambda _, p: p.ndim < 2, name="no_decay_1d")
 

@@ -2,7 +2,7 @@
 
     python -m veomni.train.run RECIPE.yaml [--section.key VALUE ...]
 
-An error a restart cannot fix (``veomni.train.stop.restart_cannot_fix``: bad data, config or
+An error a restart cannot fix (``veomni.train.fault.stop.restart_cannot_fix``: bad data, config or
 checkpoint) stops the run with its message and no traceback; torchrun restarts the group once
 more, and those workers leave at once, before importing torch, on finding the message. A crash
 (a dead peer, a collective that failed) prints its traceback and restarts the group.
@@ -14,15 +14,15 @@ import os
 import sys
 import traceback
 
-from veomni.train.stop import earlier_stop, report_input_error, restart_cannot_fix
+from veomni.train.fault.stop import earlier_stop, report_input_error, restart_cannot_fix
 
 
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
-    from veomni.config.loader import load_config
+    from veomni.config.load import load_config
     from veomni.logging_setup import setup_logging
-    from veomni.train.stop import RunStopped, report_stop
+    from veomni.train.fault.stop import RunStopped, report_stop
     from veomni.train.trainer import Trainer
 
     setup_logging()

@@ -21,7 +21,7 @@ import torch
 from veomni.checkpoint.manager import list_checkpoints
 from veomni.parallel.sequence import full_sequence_attention
 from veomni.train.generate import sample_prompt
-from veomni.train.summary import (
+from veomni.train.report.summary import (
     STAGE_ENV,
     RunSummary,
     format_summary,

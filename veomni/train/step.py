@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.spec.hooks import CostModel
+from veomni.contract.hooks import CostModel
 from veomni.tasks.base import Task
 from veomni.train.distributed import all_reduce_values
-from veomni.train.guard import StepGuard
+from veomni.train.fault.guard import StepGuard
 from veomni.train.moe_stats import MoEStepStats
 
 

@@ -5,7 +5,7 @@ steps of ``grad_accum`` micro-batches per data-parallel rank (the step math is i
 the layout-specific part in ``runner.py``), periodic eval and checkpoints, metrics, and an end
 of run that says what was learned.
 
-Everything family-specific comes from the model spec (``veomni.spec``): how to build the model,
+Everything family-specific comes from the model spec (``veomni.contract``): how to build the model,
 the task (whose batch contract says what a micro-batch is), the dataset kind, the cost model and
 the parameter rules. The trainer itself assumes no field names and no tokenizer.
 """
@@ -26,30 +26,30 @@ import torch.distributed as dist
 
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import CheckpointManager
-from veomni.config.loader import config_to_dict, dump_config
+from veomni.config.load import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
-from veomni.data.datasets import build_dataloader, dataset_kind_name, load_run_tokenizer
+from veomni.contract import build_config, get_model_spec, load_plugins
+from veomni.data.build_loader import build_dataloader, dataset_kind_name, load_run_tokenizer
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
-from veomni.spec import build_config, get_model_spec, load_plugins
 from veomni.tasks.base import Baseline, Task, task_generator
-from veomni.train.baseline import BaselineCollector
 from veomni.train.data_feed import build_feed, pending_share
 from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
-from veomni.train.faults import FaultInjector
-from veomni.train.metrics import StepTimer, device_peak_flops, peak_memory_gb
-from veomni.train.recovery import BadStepHandling
-from veomni.train.reporting import MetricsReporter
-from veomni.train.restart import choose_resume, restart_attempt, restart_record, run_id
+from veomni.train.fault.injection import FaultInjector
+from veomni.train.fault.recovery import BadStepHandling
+from veomni.train.fault.restart import choose_resume, restart_attempt, restart_record, run_id
+from veomni.train.fault.shared_fs import check_shared_output_dir
+from veomni.train.fault.stop import RunStopped
+from veomni.train.fault.stragglers import StragglerDetector
+from veomni.train.fault.watchdog import Watchdog, process_group_timeout_s
+from veomni.train.report.baseline import BaselineCollector
+from veomni.train.report.metrics import StepTimer, device_peak_flops, peak_memory_gb
+from veomni.train.report.sinks import MetricsReporter
 from veomni.train.run_end import RunEnd
-from veomni.train.runner import build_runner
-from veomni.train.shared_fs import check_shared_output_dir
-from veomni.train.stop import RunStopped
-from veomni.train.stragglers import StragglerDetector
-from veomni.train.watchdog import Watchdog, process_group_timeout_s
+from veomni.train.runners.build import build_runner
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from veomni.config.schema import DataConfig
-from veomni.data.packing import greedy_pack
-from veomni.data.registry import (
+from veomni.data.kinds import (
     MERGED_KEY,
     DatasetKind,
     DatasetRequest,
@@ -31,6 +30,7 @@ from veomni.data.registry import (
     find_dataset_states,
     register_dataset,
 )
+from veomni.data.packing import greedy_pack
 
 STATE_FORMAT = "toy_regression.v1"
 

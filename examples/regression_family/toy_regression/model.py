@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.parallel.plan import ParallelPlan
+from veomni.contract.plan import ParallelPlan
 
 from .config import ToyRegressorConfig
 

@@ -1,0 +1,139 @@
+"""The contract between the engine's chat-with-media dataset and a family's modalities.
+
+A family whose model takes media (the zoo's omni models) describes each modality by a
+``MediaKind``: how one item is processed from its shard bytes, the marker that stands for it
+in chat text, and the webdataset member suffixes holding it. The dataset
+(``veomni/data/chat/media_dataset.py``) reads these from the model config (``MediaModelConfig``) and
+never imports the family.
+
+A model that runs the encoders derives from ``MediaHost``: its forward hands each modality's
+micro-batch inputs to the ``media_fn`` injection point (single-device default:
+``run_media_locally``). Parallel recipes replace it (``veomni/parallel/media/colocate.py`` balances
+encoder work across ranks and routes the features to the ranks holding a row's sequence
+slices); they take items apart and price them with a kind's ``split`` and ``flops``, so they
+too never import the family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One processed media item (an image, a clip)."""
+
+    inputs: dict[str, torch.Tensor]
+    """Encoder inputs of this item; a micro-batch concatenates every key along dim 0."""
+    num_tokens: int
+    """Features the encoder produces for it: the placeholder tokens the text gets in its place."""
+    cost: int
+    """Work it adds to a micro-batch, counted against ``data.tokens_per_micro_batch`` with the
+    text tokens (for an image: its patches)."""
+
+
+class MediaKind(Protocol):
+    processor: Callable[[bytes, Any], MediaItem]
+    """(raw member bytes, the encoder's config) -> the item; raises on a corrupt item."""
+    placeholder: str
+    """The marker in chat text (``"<image>"``)."""
+    fields: tuple[str, ...]
+    """Webdataset member suffixes holding items (``("png", "jpg")``)."""
+    split: Callable[[Mapping[str, torch.Tensor], Any], list[MediaItem]]
+    """(a micro-batch's collated encoder inputs, the encoder's config) -> its items in order, the
+    inverse of ``collate_items``; each item's ``num_tokens`` is the feature rows the encoder makes
+    for it."""
+    flops: Callable[[nn.Module, Mapping[str, torch.Tensor]], float]
+    """(the encoder, collated inputs) -> forward + backward FLOPs of the encoder on them; on one
+    item's inputs, that item's encoder cost."""
+
+
+class ShardableEncoder:
+    """Base of media encoders that can run on a contiguous share of one input's sequence rows
+    (long-short sequence parallelism, ``veomni/parallel/media/encoder_sp.py``): the engine picks the
+    share, the encoder computes positions and sample boundaries for the whole input, embeds and
+    runs only the held rows, and returns only their features.
+
+    Subclasses take ``share: RowShare | None = None`` in ``forward`` (None: the whole input),
+    put it in the ``SeqInfo`` their attention modules receive, and return the feature rows of
+    ``share.start:share.stop``, which must be multiples of ``rows_per_feature``."""
+
+    rows_per_feature: int
+    """Sequence rows behind one output feature row (the ViT: its merge group, ``merge_size**2``);
+    share boundaries fall on multiples of it, so chunks of features concatenate to the whole."""
+
+    def sequence_rows(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """Rows of the transformer sequence ``forward(**inputs)`` runs (what a long-item
+        threshold is compared with and what shares split)."""
+        raise NotImplementedError
+
+
+class MediaModelConfig(Protocol):
+    """What the chat-with-media dataset reads from a model config."""
+
+    vocab_size: int
+    encoder_configs: Mapping[str, Any]
+
+    def media_kinds(self) -> dict[str, MediaKind]:
+        """Modality name -> its kind, in the order of their placeholder tokens in the tokenizer."""
+        ...
+
+
+def collate_items(items: list[MediaItem]) -> dict[str, torch.Tensor]:
+    """The encoder inputs of a micro-batch: each key's tensors concatenated along dim 0."""
+    return {key: torch.cat([item.inputs[key] for item in items]) for key in items[0].inputs}
+
+
+MediaFn = Callable[[str, nn.Module, Mapping[str, Any] | None, Mapping[str, torch.Tensor]], torch.Tensor]
+"""(modality name, its encoder, this micro-batch's media entry of the modality or None when the
+row holds no item of it, the modality's dummy inputs) -> the features for the entry's
+``positions``, in order. The entry is ``{"inputs": the collated encoder inputs of the row's
+items, "positions": where their features go}``; when ranks split the row (sequence parallelism)
+``positions`` are this rank's slice's, in local coordinates, and ``holders`` gives the row rank
+holding each feature row of the row's items (``veomni.tasks.vlm.localize_media``). Every rank
+calls it once per modality and micro-batch whether or not it holds items, so an implementation
+may run collectives; with None the caller adds ``0 * features.sum()`` to its output, which ties
+whatever the call ran into the backward pass."""
+
+
+def run_media_locally(name: str, encoder: nn.Module, media: Mapping[str, Any] | None,
+                      dummy_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The single-device ``MediaFn``: the encoder on this micro-batch's items, or on the dummy
+    input when it holds none (so the encoder's FSDP collectives still run on this rank)."""
+    return encoder(**(media["inputs"] if media is not None else dummy_inputs))
+
+
+class MediaHost:
+    """Base of models whose forward runs media encoders through ``self.media_fn`` (a ``MediaFn``,
+    ``run_media_locally`` until a parallel recipe replaces it)."""
+
+    media_fn: MediaFn
+
+    def media_config(self) -> MediaModelConfig:
+        """The modalities (their ``MediaKind``) and encoder configs the forward runs."""
+        raise NotImplementedError
+
+    def media_encoder(self, name: str) -> nn.Module:
+        """The encoder module of modality ``name`` (pipelines run it outside the forward)."""
+        raise NotImplementedError
+
+    def media_dummy_inputs(self, name: str, device: torch.device) -> dict[str, torch.Tensor]:
+        """The smallest valid encoder input of modality ``name``, run by a rank that holds no item
+        so that it still joins the encoder's collectives."""
+        raise NotImplementedError
+
+
+def join_media(media: list[Mapping[str, Mapping[str, Any]] | None], offsets: list[int]) -> dict[str, dict]:
+    """The media of packed rows joined into one row: each modality's inputs concatenated, its
+    placeholder positions shifted by the row's ``offsets`` entry (where the row starts)."""
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(name for m in media if m for name in m):
+        parts = [(m[name], offset) for m, offset in zip(media, offsets) if m and name in m]
+        out[name] = {"inputs": {key: torch.cat([p["inputs"][key] for p, _ in parts]) for key in parts[0][0]["inputs"]},
+                     "positions": torch.cat([p["positions"] + offset for p, offset in parts])}
+    return out

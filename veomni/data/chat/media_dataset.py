@@ -1,0 +1,229 @@
+"""Packed, resumable loader of chat samples with media, driven by the modality registry.
+
+A sample is a webdataset record: a chat ``json`` member (``{"messages": [...], ...}``, see
+docs/data.md) and one member per media item, whose suffix names the modality (``png`` -> image,
+the model config's ``media_kinds()``, see ``veomni.contract.media``). Each item goes through its
+modality's processor (patches for an
+image), the text is tokenized with every marker expanded to one placeholder token per encoder
+feature (``veomni.data.chat.template``), and samples are packed greedily under
+``data.tokens_per_micro_batch``, where a sample costs its text tokens *plus* its encoder work
+(an image: its patches), so rows with many images do not overload the encoders.
+
+A batch is the text loader's dict (labels are -100 except on assistant tokens) plus
+``media[name] = {"inputs": the encoder's collated inputs, "positions": placeholder positions}``
+for each modality present in the row.
+
+Reading order, consumer split, epochs and exact resume are the text loader's
+(``PackedTextDataset``). A media item that does not decode is skipped with its sample and
+counted as a bad record; a sample whose placeholders and items do not pair up stops the run
+with its key (``InvalidSampleError``). Registered as the ``chat_media`` dataset kind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from veomni.config.schema import DataConfig
+from veomni.contract.media import MediaItem, MediaModelConfig, collate_items
+from veomni.data.chat.template import ChatEncoder, EncodedChat, add_placeholder_tokens
+from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
+from veomni.data.mixture import SourceSpec
+from veomni.data.packing import pack_samples
+from veomni.data.sources import InvalidSampleError, ReadStats, count_bad
+from veomni.data.text.packed import PackedTextDataset, check_sample_length, check_text_data
+from veomni.tasks.base import IGNORE_INDEX
+
+if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatSample:
+    key: str
+    chat: EncodedChat
+    media: dict[str, list[MediaItem]]
+    cost: int
+    """Text tokens plus encoder work (see the module docstring)."""
+
+
+class SampleProcessor:
+    """Raw record -> ``ChatSample``: media through their processors, text through the chat encoder."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: MediaModelConfig,
+                 json_key: str = "json") -> None:
+        self.modalities = model_config.media_kinds()
+        self.encoder_configs = model_config.encoder_configs
+        self.json_key = json_key
+        self.modality_of_field = {f: name for name, m in self.modalities.items() for f in m.fields}
+        self.chat = ChatEncoder(tokenizer, {name: m.placeholder for name, m in self.modalities.items()})
+        vocab = model_config.vocab_size
+        if len(tokenizer) > vocab:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens with the placeholders "
+                f"{sorted(self.chat.token_of)}, more than the LLM's vocab_size {vocab}; raise it"
+            )
+
+    def media_fields(self, record: dict) -> dict[str, list[str]]:
+        """Modality -> the record's member suffixes holding its items, in sorted order
+        (``png``, or ``0.png``, ``1.png``... for several)."""
+        found: dict[str, list[str]] = {name: [] for name in self.modalities}
+        for member in sorted(k for k in record if not k.startswith("__")):
+            name = self.modality_of_field.get(member.rsplit(".", 1)[-1])
+            if name is not None:
+                found[name].append(member)
+        return found
+
+    def messages(self, record: dict) -> dict:
+        raw = record.get(self.json_key)
+        if raw is None:
+            raise InvalidSampleError(f"sample {record.get('__key__')!r} has no {self.json_key!r} member")
+        meta = json.loads(raw)
+        if not isinstance(meta, dict) or not isinstance(meta.get("messages"), list):
+            raise InvalidSampleError(
+                f"sample {record.get('__key__')!r}: {self.json_key} must be an object with a 'messages' list"
+            )
+        return meta
+
+    def media(self, record: dict) -> dict[str, list[MediaItem]]:
+        """Every media item processed; raises whatever the processor raises on a corrupt item."""
+        return {
+            name: [self.modalities[name].processor(record[f], self.encoder_configs[name]) for f in fields]
+            for name, fields in self.media_fields(record).items()
+        }
+
+    def __call__(self, record: dict, add_generation_prompt: bool = False) -> ChatSample:
+        key = record.get("__key__", "?")
+        meta = self.messages(record)
+        media = self.media(record)
+        chat = self.chat.encode(
+            meta["messages"],
+            {n: [i.num_tokens for i in items] for n, items in media.items()},
+            key,
+            add_generation_prompt,
+        )
+        cost = len(chat.ids) + sum(item.cost for items in media.values() for item in items)
+        return ChatSample(key, chat, media, cost)
+
+
+def pack_chat_samples(samples: list[ChatSample]) -> dict:
+    """One packed row: ``pack_samples`` of the ids, labels kept only where the next token is a
+    target, and each modality's collated encoder inputs with its placeholder positions."""
+    batch = pack_samples([s.chat.ids for s in samples])
+    is_target = torch.tensor([t for s in samples for t in s.chat.targets], dtype=torch.bool)
+    next_is_target = torch.zeros_like(is_target)
+    next_is_target[:-1] = is_target[1:]  # a sample's last label is already -100 (pack_samples)
+    batch["labels"] = torch.where(next_is_target, batch["labels"], IGNORE_INDEX)
+    media: dict[str, dict] = {}
+    offsets = batch["cu_seqlens"][:-1].tolist()
+    for name in samples[0].media:
+        items = [item for s in samples for item in s.media.get(name, [])]
+        if items:
+            positions = [offset + p for s, offset in zip(samples, offsets) for p in s.chat.placeholders[name]]
+            media[name] = {
+                "inputs": collate_items(items),
+                "positions": torch.tensor(positions, dtype=torch.long),
+            }
+    batch["media"] = media
+    return batch
+
+
+class MultimodalChatDataset(PackedTextDataset):
+    """``PackedTextDataset`` (consumer split, epochs, state) over chat samples with media."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        split: str,
+        tokenizer: PreTrainedTokenizerBase,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        model_config: Any,
+    ) -> None:
+        super().__init__(cfg, split, tokenizer, dp_rank, dp_size, seed)
+        for spec, files in zip(self.specs, self.files):
+            if files.fmt != "webdataset":
+                raise ValueError(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
+                                 f".tar shards, got {files.fmt}")
+        self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key) for spec in self.specs}
+
+    def _items(self, record: dict, spec: SourceSpec, first_offset: int,
+               stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
+        """The record's one sample (offset 0), or nothing when it is skipped and counted."""
+        sample = self._process(record, spec, stats)
+        return iter(() if sample is None else ((0, sample),))
+
+    def _cost(self, item: ChatSample) -> int:
+        return item.cost
+
+    def _pack(self, items: list[ChatSample]) -> dict:
+        return pack_chat_samples(items)
+
+    def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> ChatSample | None:
+        """The processed sample, or None (counted as bad) when a media item does not decode or
+        the sample cannot fit a row."""
+        key, url = record.get("__key__"), record.get("__url__", "?")
+        try:
+            sample = self.process[spec.name](record)
+        except InvalidSampleError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a corrupt media file must not stop the run
+            logger.warning(
+                "%s: sample %s skipped: a media item does not decode (%s: %s)",
+                url,
+                key,
+                type(error).__name__,
+                error,
+            )
+            count_bad(stats, url, self.cfg.max_bad_fraction)
+            return None
+        if len(sample.chat.ids) > self.cfg.max_seq_len or sample.cost > self.cfg.tokens_per_micro_batch:
+            logger.warning(
+                "%s: sample %s skipped: %d tokens / cost %d exceed data.max_seq_len=%d or "
+                "data.tokens_per_micro_batch=%d",
+                url,
+                key,
+                len(sample.chat.ids),
+                sample.cost,
+                self.cfg.max_seq_len,
+                self.cfg.tokens_per_micro_batch,
+            )
+            count_bad(stats, url, self.cfg.max_bad_fraction)
+            return None
+        return sample
+
+
+def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
+    r = request
+    return MultimodalChatDataset(r.cfg, r.split, r.tokenizer, r.dp_rank, r.dp_size, r.seed, r.model_config)
+
+
+def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
+    """The text kind's checks, then room in the LLM's vocabulary for the tokenizer with one placeholder
+    token per modality added (the tokenizer and the model config suffice: a worker would meet it first)."""
+    problems = check_text_data(cfg, model_config)
+    if problems:
+        return problems
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
+    markers = sorted(m.placeholder for m in model_config.media_kinds().values())
+    add_placeholder_tokens(tokenizer, markers)
+    if len(tokenizer) <= model_config.vocab_size:
+        return []
+    return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "
+            f"tokenizer ({cfg.tokenizer}) holds {len(tokenizer)} tokens with them; raise model.llm.vocab_size to at "
+            f"least {len(tokenizer)}"]
+
+
+register_dataset(DatasetKind("chat_media", _build_chat_media, needs_tokenizer=True, check=check_chat_media_data,
+                             check_plan=check_sample_length,
+                             balances=True))

@@ -1,0 +1,221 @@
+"""The ``graph`` dataset kind: full-graph node classification, one graph partition per rank.
+
+Every rank loads the whole graph folder (``veomni.data.graph.format``), checks it, normalises the
+edges for the model (``model.neighbour_norm``), splits the nodes into ``dp_size`` partitions and
+each partition into ``train.grad_accum`` chunks (``data.graph_partitioner``, seeded by
+``train.seed``: every rank computes the same assignment), and cuts its own views
+(``veomni.data.graph.views.partition_views``). The assignment and views are cached in memory,
+per process, keyed by the graph's checksum and every parameter, so the eval loader the trainer
+builds at each eval does not repeat the work (nothing is written next to the graph). The same
+view dicts are yielded every epoch: a consumer must not modify them in place.
+
+Train: one epoch is one optimizer step of ``train.grad_accum`` micro-batches, and the stream
+loops forever. An *exact* epoch (the first ``data.graph_warmup_epochs``, and every
+``data.graph_refresh_every``-th) yields the whole view, then ``grad_accum - 1`` empty views; the
+other epochs yield the chunk views, in an order shuffled per epoch from ``(seed, epoch)`` (the
+same on every rank, as the exchange needs) or fixed (``data.graph_chunk_order``). With one
+micro-batch every epoch is the whole view. Labels are the training nodes'.
+
+Eval: the whole view once, ``labels`` the validation nodes', ``test_labels`` the test nodes'.
+
+Resume: the state is the position of the next micro-batch (epoch, index in the epoch). An
+epoch's content depends on nothing but its number, and on whether it is the first after a
+resume: the per-layer histories (``veomni/parallel/graph/halo.py``) are not checkpointed, so that
+epoch is exact, refilling them. A run with another data-parallel layout or chunk count resumes
+at the epoch boundary (``merge_states``).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from veomni.config.schema import DataConfig
+from veomni.contract.graph import GraphModelConfig
+from veomni.data.graph.format import GraphData, check_graph, load_graph, read_manifest
+from veomni.data.graph.partition import chunk_nodes, metis_binding, partition_nodes
+from veomni.data.graph.views import edge_weights, empty_view, partition_views, split_labels
+from veomni.data.kinds import (
+    MERGED_KEY,
+    DatasetKind,
+    DatasetRequest,
+    ResumableDataset,
+    find_dataset_states,
+    register_dataset,
+)
+
+STATE_FORMAT = "veomni.graph.v1"
+
+
+class GraphDataset(ResumableDataset):
+    """One rank's micro-batch stream of a graph (the module docstring)."""
+
+    def __init__(self, request: DatasetRequest) -> None:
+        super().__init__(request.dp_rank, request.dp_size)
+        cfg = request.cfg
+        problems = config_problems(cfg, request.model_config)
+        if problems:
+            raise ValueError("; ".join(problems))
+        manifest = read_manifest(request.path)
+        problems = model_problems(request.path, manifest, request.model_config)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.split, self.seed, self.cfg = request.split, request.seed, cfg
+        self.micro_batches = max(request.micro_batches, 1)
+        self.chunk_views, self.whole = _rank_views(
+            str(Path(request.path).resolve()), manifest["files"]["graph.safetensors"]["sha256"],
+            request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, self.micro_batches,
+            request.seed, request.dp_rank, request.split, cfg.graph_stale_gradients)
+        self._start = self._pos = (0, 0)
+        self._resumed_epoch = -1
+
+    def epoch_views(self, epoch: int) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches of one training epoch (one optimizer step)."""
+        cfg = self.cfg
+        refresh = cfg.graph_refresh_every > 0 and epoch % cfg.graph_refresh_every == 0
+        # The histories are not checkpointed: the first epoch after a resume refills them exactly.
+        exact = epoch < cfg.graph_warmup_epochs or refresh or epoch == self._resumed_epoch
+        if self.micro_batches == 1 or exact:
+            return [self.whole] + [empty_view(self.whole)] * (self.micro_batches - 1)
+        order = list(range(self.micro_batches))
+        if cfg.graph_chunk_order == "shuffled":
+            random.Random(f"graph:{self.seed}:{epoch}").shuffle(order)
+        return [self.chunk_views[c] for c in order]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Start at the loaded position (once), else at the beginning; eval is one pass."""
+        start, self._start = self._start, (0, 0)
+        self._pos = start
+        if self.split != "train":
+            return self._eval()
+        return self._train(*start)
+
+    def _eval(self) -> Iterator[dict[str, torch.Tensor]]:
+        self._pos = (1, 0)
+        yield self.whole
+
+    def _train(self, epoch: int, index: int) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            views = self.epoch_views(epoch)
+            for i in range(index, len(views)):
+                self._pos = (epoch, i + 1) if i + 1 < len(views) else (epoch + 1, 0)
+                yield views[i]
+            epoch, index = epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": STATE_FORMAT, "epoch": self._pos[0], "index": self._pos[1],
+                "micro_batches": self.micro_batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
+        if state["index"] and state["micro_batches"] != self.micro_batches:
+            raise ValueError(f"graph loader state is {state['index']} micro-batches into epoch {state['epoch']} of "
+                             f"{state['micro_batches']}, this run has train.grad_accum={self.micro_batches}; keep "
+                             "the old grad_accum, or resume from a checkpoint taken at an optimizer step")
+        self._start = self._pos = (state["epoch"], state["index"])
+        self._resumed_epoch = state["epoch"] if state["index"] == 0 else -1
+
+    def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
+        for state in find_dataset_states(loader_state, STATE_FORMAT):
+            if state["index"] and state["micro_batches"] != self.micro_batches:
+                raise ValueError(f"graph loader state saved mid-epoch with {state['micro_batches']} micro-batches "
+                                 f"per epoch; this run has {self.micro_batches} (train.grad_accum)")
+
+    @classmethod
+    def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The earliest epoch boundary any old rank was at: no epoch is skipped, a partly run one
+        (only after a mid-step checkpoint) is run again whole."""
+        found = [s for state in loader_states for s in find_dataset_states(state, STATE_FORMAT)]
+        if not found:
+            raise ValueError("no graph dataset state found in the given loader states")
+        return {MERGED_KEY: {"epoch": min(s["epoch"] for s in found)}}
+
+    def start_from(self, merged: dict[str, Any]) -> None:
+        self._start = self._pos = (merged["epoch"], 0)
+        self._resumed_epoch = merged["epoch"]
+
+
+@functools.lru_cache(maxsize=1)
+def _prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int, chunks: int,
+                    seed: int) -> tuple[GraphData, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(graph, normalised edges, their weights, each node's partition, each node's chunk)."""
+    graph = load_graph(folder)
+    problems = check_graph(graph)
+    if problems:
+        raise ValueError("the graph cannot be trained on: " + "; ".join(problems))
+    edges, weights = edge_weights(graph.edge_index, graph.num_nodes, norm, graph.edge_weight)
+    part = partition_nodes(graph.edge_index, graph.num_nodes, parts, method, seed)
+    chunk = chunk_nodes(graph.edge_index, part, parts, chunks, method, seed)
+    return graph, edges, weights, part, chunk
+
+
+@functools.lru_cache(maxsize=2)
+def _rank_views(folder: str, sha256: str, norm: str, method: str, parts: int, chunks: int, seed: int, rank: int,
+                split: str, stale_gradients: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """(chunk views, whole view) of one rank and split; cached so each eval does not recut them."""
+    graph, edges, weights, part, chunk = _prepared_graph(folder, sha256, norm, method, parts, chunks, seed)
+    if split == "train":
+        fields = {"x": graph.x, "labels": split_labels(graph.y, graph.train_mask)}
+    else:
+        fields = {"x": graph.x, "labels": split_labels(graph.y, graph.val_mask),
+                  "test_labels": split_labels(graph.y, graph.test_mask)}
+    chunk_views, whole = partition_views(edges, weights, fields, part, parts, rank, chunk, chunks)
+    for view in [*chunk_views, whole]:
+        view["stale_gradients"] = torch.tensor(stale_gradients)
+    return chunk_views, whole
+
+
+def config_problems(cfg: DataConfig, model_config: Any) -> list[str]:
+    """What the recipe gets wrong before any graph is read."""
+    problems = []
+    if not isinstance(model_config, GraphModelConfig):
+        problems.append(f"data.kind graph feeds models whose config has in_features, num_classes and "
+                        f"neighbour_norm (veomni.ops.graph.GraphModelConfig); {type(model_config).__name__} "
+                        "does not: pick a graph model (model.arch) or another data.kind")
+    if cfg.num_workers:
+        problems.append(f"data.num_workers={cfg.num_workers}: the graph kind keeps the whole graph in the "
+                        "training process and yields precomputed views; set data.num_workers: 0")
+    if cfg.graph_partitioner == "metis" and metis_binding() is None:
+        problems.append("data.graph_partitioner: metis needs pymetis or pyg_lib installed (`pip install pymetis`); "
+                        "or use bfs / auto")
+    return problems
+
+
+def model_problems(path: str, manifest: dict[str, Any], model_config: GraphModelConfig) -> list[str]:
+    """The model's input and output sizes against the graph's manifest."""
+    problems = []
+    if model_config.in_features != manifest["num_features"]:
+        problems.append(f"model.in_features={model_config.in_features}, but the graph {path} has "
+                        f"{manifest['num_features']} features per node; set model.in_features: "
+                        f"{manifest['num_features']}")
+    if model_config.num_classes != manifest["num_classes"]:
+        problems.append(f"model.num_classes={model_config.num_classes}, but the graph {path} has "
+                        f"{manifest['num_classes']} classes; set model.num_classes: {manifest['num_classes']}")
+    return problems
+
+
+def check_graph_data(cfg: DataConfig, model_config: Any) -> list[str]:
+    """The launcher's pre-flight: the recipe, then each graph folder read and checked whole (its
+    checksum, edges, masks, features, labels), so bad input fails before any worker starts."""
+    problems = config_problems(cfg, model_config)
+    if problems:
+        return problems
+    for key, path in (("data.train_path", cfg.train_path), ("data.eval_path", cfg.eval_path)):
+        if not path or (key == "data.eval_path" and path == cfg.train_path):
+            continue
+        try:
+            graph = load_graph(path)
+        except ValueError as exc:
+            problems.append(f"{key}: {exc}")
+            continue
+        problems += [f"{key}: {p}" for p in check_graph(graph) + model_problems(path, graph.manifest, model_config)]
+    return problems
+
+
+register_dataset(DatasetKind("graph", GraphDataset, check=check_graph_data))

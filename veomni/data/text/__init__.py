@@ -1,0 +1,1 @@
+"""The packed text dataset kind: documents -> tokens -> padding-free micro-batches."""

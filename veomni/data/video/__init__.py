@@ -1,0 +1,1 @@
+"""Video dataset kinds: frames, latents and clips, with their packing and encoders."""

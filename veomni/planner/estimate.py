@@ -1,0 +1,157 @@
+"""Static estimates for ``--dry-run``: parameters, FLOPs per unit of work and per-rank memory.
+
+A unit is what one row element of the family's task is (its batch contract's ``unit``: a token
+for language models, a sample for a per-row regression); the report names it.
+
+The model is built on the meta device, so the estimate costs no memory even for full-size
+recipes. Memory per rank (bytes):
+
+- parameters, gradients: fp32 master copies, sharded over ``dp_shard x sp``;
+- optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none); a weight EMA
+  (``train.ema_decay``) one more fp32 copy, sharded likewise;
+- gathered parameters: FSDP holds the root's parameters (embeddings, head; kept gathered) plus
+  two blocks (the current one and the prefetched next) unsharded in the compute dtype; with
+  expert parallelism a block gathers only its ``E / ep`` local experts;
+- activations: the family's per-unit estimate (its spec's cost model) for the checkpointing
+  mode, times the units a rank holds (the micro-batch budget, divided by the ``sp x cp`` ranks
+  that split each row).
+
+Under sequence or context parallelism a "sequence split" section follows: each way to split a
+row over the ``sp x cp`` ranks, with its attention traffic and buffers (``estimate_cp.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from veomni.config.schema import RunConfig
+from veomni.contract import build_model, get_model_spec
+from veomni.contract.graph import GraphCost
+from veomni.contract.plan import flatten_plan, match_modules
+from veomni.parallel.mesh import ParallelDims
+from veomni.planner.graph_plan import graph_plan
+from veomni.planner.sequence_split import AttentionShape, sequence_split_lines
+
+GiB = 2**30
+
+
+@dataclass
+class Estimate:
+    total_params: int
+    activated_params: int
+    """Parameters one unit uses (MoE: only its k routed experts); = total for dense models."""
+    flops_per_unit: float
+    """Per unit of the family's task (a token for LMs)."""
+    unit: str
+    """The task's unit (its batch contract's ``unit``)."""
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    gathered_gb: float
+    activations_gb: float
+    compute_bytes: int = 4
+    """Bytes per element of gathered parameters and activations (2 under bf16 compute)."""
+    model_lines: list[str] = field(default_factory=list)
+    """Lines the family adds about itself (its cost model's ``report_lines``, e.g. VWN's overhead)."""
+    history_gb: float = 0.0
+    """Graph models in chunked runs: the per-layer history tables (``estimate_graph.py``)."""
+    ema_gb: float = 0.0
+    """The weight EMA's fp32 copy (``train.ema_decay``)."""
+    sequence_lines: list[str] = field(default_factory=list)
+    """Under sp or cp > 1: each way to split a row over those ranks (``estimate_cp.py``)."""
+
+    @property
+    def total_gb(self) -> float:
+        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.ema_gb + self.gathered_gb
+                + self.activations_gb + self.history_gb)
+
+
+def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
+    with torch.device("meta"):
+        model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
+    spec = get_model_spec(cfg.model.arch)
+    cost = spec.cost
+    total = sum(p.numel() for p in model.parameters())
+    seq = cfg.data.max_seq_len
+    flops_per_unit = cost.sample_flops(model, seq) / seq
+    compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
+                          (cfg.parallel.mixed_precision == "auto" and compute_on_gpu)) else 4
+    plan = flatten_plan(model.parallel_plan())
+    blocks = match_modules(model, plan.blocks)
+    block_params = sorted((sum(p.numel() for p in b.parameters()) for _, b in blocks), reverse=True)
+    root_params = total - sum(block_params)
+    expert_params = sum(p.numel() for _, m in match_modules(model, plan.experts) for p in m.parameters())
+    not_local = expert_params * (1 - 1 / dims.ep) / max(1, len(blocks))  # per block, left on other EP ranks
+    shard = dims.shard_size
+    optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
+    activations = cost.activation_bytes_per_unit(model, compute_bytes, cfg.parallel.activation_checkpointing)
+    activated = cost.activated_params(model)
+    graph = (graph_plan(cfg, dims, model, cost, activations)
+             if plan.message_passing and isinstance(cost, GraphCost) else None)
+    activations_per_rank = activations * cfg.data.tokens_per_micro_batch / dims.row_ranks
+    attention = match_modules(model, plan.attention)
+    sequence_lines = []
+    if dims.row_ranks > 1 and attention:
+        _, first = attention[0]
+        shape = AttentionShape(len(attention), first.num_heads, first.num_kv_heads, first.head_dim)
+        sequence_lines = sequence_split_lines(shape, cfg.data.tokens_per_micro_batch, dims.sp, dims.cp, dims.cp_mesh,
+                                              compute_bytes, cfg.parallel.activation_checkpointing,
+                                              cfg.train.grad_accum, activations_per_rank)
+    return Estimate(
+        total_params=total,
+        activated_params=activated,
+        flops_per_unit=flops_per_unit,
+        unit=spec.task(model_cfg).contract.unit,
+        params_gb=4 * total / shard / GiB,
+        grads_gb=4 * total / shard / GiB,
+        optimizer_gb=optimizer_states * 4 * total / shard / GiB,
+        ema_gb=4 * total / shard / GiB if cfg.train.ema_decay else 0.0,
+        gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
+        activations_gb=activations_per_rank / GiB,
+        compute_bytes=compute_bytes,
+        model_lines=cost.report_lines(model, seq) + (graph.lines if graph else []),
+        history_gb=graph.history_gb if graph else 0.0,
+        sequence_lines=sequence_lines,
+    )
+
+
+def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
+    unit = est.unit
+    step_units = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
+    shard = dims.shard_size
+    memory = [
+        (f"parameters (fp32, 1/{shard})", est.params_gb),
+        (f"gradients (fp32, 1/{shard})", est.grads_gb),
+        (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
+        *([(f"weight EMA (fp32, 1/{shard})", est.ema_gb)] if est.ema_gb else []),
+        ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
+         est.gathered_gb),
+        (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
+        *([("history tables (graph chunks)", est.history_gb)] if est.history_gb else []),
+        ("total", est.total_gb),
+    ]
+    if dims.pp > 1:  # each rank holds only its stages: the per-pipeline-rank table replaces the totals
+        from veomni.planner.pipeline_memory import pipeline_memory_lines
+
+        memory_lines = pipeline_memory_lines(cfg, dims, est.compute_bytes, unit)
+        if est.history_gb:
+            memory_lines.append(f"  + history tables (graph chunks): {est.history_gb:.3f} GiB on the rank with the "
+                                "most layers, on top of its total")
+    else:
+        memory_lines = ["memory / rank (estimate, GiB):", *(f"  {name:<42}{value:10.2f}" for name, value in memory)]
+    lines = [
+        f"layout        {dims.describe()}",
+        f"devices       {device_desc}",
+        f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
+        f"activated     {est.activated_params:,} ({est.activated_params / 1e9:.3f} B) per {unit}",
+        f"model FLOPs   {est.flops_per_unit / 1e9:.3f} GFLOP per {unit} (forward+backward, in a sample of "
+        f"data.max_seq_len {cfg.data.max_seq_len} {unit}s)",
+        *est.model_lines,
+        f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} {unit}s x "
+        f"{dims.dp_size} dp ranks = {step_units:,} {unit}s",
+        *memory_lines,
+        *est.sequence_lines,
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Step runners: how one optimizer step and one evaluation run (plain, pipeline, graph pipeline)."""

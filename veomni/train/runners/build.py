@@ -1,0 +1,134 @@
+"""Step runners: how one optimizer step and one evaluation run, chosen once at set-up.
+
+``PlainRunner`` runs each micro-batch forward and backward on the (FSDP/EP/SP-parallelised)
+model; ``PipelineRunner`` hands a step's micro-batches to a pipeline schedule;
+``GraphPipelineRunner`` (``graph_runner.py``) runs a graph model's chunks through its layer
+pipeline, chosen for models whose plan names message-passing modules. All own the optimizer and
+LR schedule of the modules they hold (``parts``), return the same global metrics
+(generic names: ``units``, ``loss_units``, ``flops``; the trainer names them after the task's
+unit) and the same eval results, so the trainer's loop has no branch on the parallel layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from veomni.config.schema import RunConfig
+from veomni.contract import ModelSpec
+from veomni.contract.plan import flatten_plan
+from veomni.parallel.apply import parallelize
+from veomni.parallel.graph.layer_pipeline import GraphPipeline
+from veomni.parallel.materialize import build_sharded
+from veomni.parallel.mesh import ParallelMeshes
+from veomni.parallel.pipeline.rows import empty_row
+from veomni.parallel.pipeline.stages import Pipeline, build_pipeline, build_stage_parts
+from veomni.parallel.pipeline.tied import aliases, tied_names
+from veomni.tasks.base import Task
+from veomni.train.runners.base import RunnerBase, StepRunner
+from veomni.train.runners.graph import GraphPipelineRunner
+from veomni.train.runners.pipeline_step import pipeline_forward_backward, pipeline_rows
+from veomni.train.step import add_task_metrics, clip_and_step, forward_backward
+
+
+class PlainRunner(RunnerBase):
+    def __init__(self, model: nn.Module, cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
+                 meshes: ParallelMeshes) -> None:
+        super().__init__([model], cfg, spec, model_config, task, meshes)
+        self.model = self.whole_model = model
+
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+        metrics = forward_backward(self.model, self.task, micro_batches, self.meshes.loss.get_group(),
+                                   self.dims.loss_size, self.dims.row_ranks, self.spec.cost)
+        metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
+                                     guard=self.guard, loss=metrics["loss"]))
+        return metrics
+
+    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
+        loss_sum, units = 0.0, 0
+        extra: dict[str, list[float]] = {}
+        for batch in batches:
+            out = self.task(self.model, batch)
+            loss_sum += float(out.loss_sum)
+            units += out.loss_units
+            add_task_metrics(extra, out.metrics)
+        return self.eval_result(loss_sum, units, extra, self.meshes.loss.get_group())
+
+
+class PipelineRunner(RunnerBase):
+    """Every rank of a pipeline reads the same micro-batches; ``whole_model`` is a meta copy of
+    the full model, for the cost model only. Under sequence / context parallelism it gets whole
+    loader rows and cuts each pipeline row to this rank's positions (``pipeline_rows``)."""
+
+    whole_model = None
+    shards_rows = True
+
+    def __init__(self, pipeline: Pipeline, meta_model: nn.Module, cfg: RunConfig, spec: ModelSpec,
+                 model_config: Any, task: Task, meshes: ParallelMeshes) -> None:
+        super().__init__(pipeline.modules, cfg, spec, model_config, task, meshes)
+        self.pipeline, self.meta_model = pipeline, meta_model
+        self.tied = aliases(tied_names(meta_model))
+
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+        metrics = pipeline_forward_backward(self.pipeline, self.task, micro_batches, self.meshes.loss.get_group(),
+                                            self.dims.loss_size, self.dims.pp, self.cfg.data.tokens_per_micro_batch,
+                                            self.meta_model, self.spec.cost, self.meshes.row_split)
+        metrics.update(clip_and_step(self.parts, self.optimizer, self.scheduler, self.cfg.train.max_grad_norm,
+                                     self.meshes.pp.get_group(), self.guard, metrics["loss"],
+                                     self.pipeline.uncounted))
+        return metrics
+
+    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
+        """Eval batches in groups of one step's micro-batches; a short last group is filled with
+        rows without loss units (the schedule always runs its full micro-batch count). The loss
+        sums and the task's metrics (``output_metrics``) live on the last stages, so they are
+        reduced over the world, and the units (counted on the whole rows by every stage and every
+        cp x sp rank) once per pipeline and row."""
+        size, loss_sum, units = self.cfg.train.grad_accum, 0.0, 0
+        extra: dict[str, list[float]] = {}
+        batches = list(batches)
+        contract = self.task.contract
+        for start in range(0, len(batches), size):
+            group = batches[start:start + size]
+            units += sum(self.task.count_loss_units(b) for b in group)
+            group += [empty_row(group[0], contract)] * (size - len(group))
+            loss, row_metrics = self.pipeline.evaluate(pipeline_rows(group, self.pipeline.microbatches,
+                                                                     self.cfg.data.tokens_per_micro_batch, contract,
+                                                                     self.meshes.row_split))
+            loss_sum += loss
+            for metrics in row_metrics:
+                add_task_metrics(extra, metrics)
+        # Only last stages hold task metrics: every rank must reduce the same names.
+        names: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(names, sorted(extra))
+        for name in set().union(*names):
+            extra.setdefault(name, [0.0, 0])
+        return self.eval_result(loss_sum, units, extra, None, units_divisor=self.dims.pp * self.dims.row_ranks)
+
+
+def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task, meshes: ParallelMeshes,
+                 device: torch.device, initialise: Callable[[nn.Module], None]) -> StepRunner:
+    """The model built, initialised (``initialise`` runs on rank 0's full CPU copy), parallelised
+    by the one recipe and wrapped in the runner its layout needs."""
+    build = functools.partial(spec.instantiate, model_config)
+    recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type,
+                               row_tokens=cfg.data.tokens_per_micro_batch)
+    if meshes.dims.pp > 1:
+        with torch.device("meta"):
+            meta_model = build()
+        if flatten_plan(meta_model.parallel_plan()).message_passing:
+            parts, stages = build_stage_parts(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum,
+                                              meshes.pp, device, probe=meta_model)
+            graph = GraphPipeline(parts[0], stages[0], meshes.dims.pp, cfg.parallel.pp_schedule, meshes.pp.get_group(),
+                                  device, task)
+            return GraphPipelineRunner(graph, meta_model, cfg, spec, model_config, task, meshes)
+        pipeline = build_pipeline(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum, meshes.pp,
+                                  device, task, meshes, meta_model)
+        return PipelineRunner(pipeline, meta_model, cfg, spec, model_config, task, meshes)
+    model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
+    return PlainRunner(model, cfg, spec, model_config, task, meshes)
