@@ -7,7 +7,7 @@ with encoder-work techniques off and on, and how unevenly the ranks' encoder wor
                                      [--seed 0] [--quick]
                                      [--out FILE.json] [--plot docs/img/colocate_sweep.png]
 
-Two gloo ranks of one thread each (``tests/dist_harness.py``): on a 2-core machine more processes
+Two gloo ranks of one thread each (``harness/gloo_ranks.py``): on a 2-core machine more processes
 would share cores, and a rank waiting in a collective would hand its core to another and hide
 the imbalance. The model is the recipe's (``recipes/seed1.5-vl/tiny.yaml``; ``--model audio``:
 ``recipes/audio/tiny_audio_caption.yaml``) with seeded random weights, trained through the
@@ -67,8 +67,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from _colocate_report import plot, print_table, summarize  # noqa: E402
 
 import models  # noqa: E402,F401  (registers the zoo)
-from tests.dist_harness import run_distributed  # noqa: E402
-from tests.omni_utils import png_bytes, wav_bytes  # noqa: E402
+from harness.gloo_ranks import run_distributed  # noqa: E402
+from harness.media_bytes import png_bytes, wav_bytes  # noqa: E402
 from veomni.config.load import load_config  # noqa: E402
 from veomni.config.schema import RunConfig  # noqa: E402
 from veomni.contract import build_model, get_model_spec  # noqa: E402

@@ -133,7 +133,7 @@ def _ep_traffic(rank: int, world: int, args) -> dict:
 
 
 def bench_ep(args) -> None:
-    from tests.dist_harness import run_distributed
+    from harness.gloo_ranks import run_distributed
 
     results = run_distributed(_ep_traffic, args.ep, args)
     print(f"# EP all-to-all bytes sent off-rank, one MoE layer fwd+bwd, T={args.tokens} tokens per rank, "

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.perf_models import block_costs, qwen3_pair, wan_pair  # noqa: E402
 from models.dit.config import DiTConfig  # noqa: E402
-from tests.perf_models import block_costs, qwen3_pair, wan_pair  # noqa: E402
 
 WAN_1_3B = DiTConfig(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                      out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960)

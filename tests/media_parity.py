@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness.media_bytes import png_bytes
 from models.omni.modality_registry import get_modality
-from tests.omni_utils import TOKENIZER, chat_record, png_bytes, tiny_omni
+from tests.omni_utils import TOKENIZER, chat_record, tiny_omni
 from tests.parity_utils import full_grads, full_params
 from veomni.config.schema import ParallelConfig
 from veomni.contract import get_model_spec

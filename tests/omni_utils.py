@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import webdataset
-from PIL import Image, ImageDraw
 
-from models.audio.processing import encode_wav
 from veomni.contract import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,25 +47,6 @@ def tiny_omni(seed: int = 0, **overrides):
     config, model = build_model("omni", {**TINY_OMNI, **overrides})
     model.init_weights()
     return config, model
-
-
-def png_bytes(seed: int, width: int | None = None, height: int | None = None) -> bytes:
-    """A small PNG with one coloured rectangle; sizes vary with the seed."""
-    rng = random.Random(seed)
-    width, height = width or rng.randint(28, 84), height or rng.randint(28, 84)
-    image = Image.new("RGB", (width, height), (250, 250, 250))
-    color = tuple(rng.randint(0, 255) for _ in range(3))
-    ImageDraw.Draw(image).rectangle((2, 2, width // 2, height // 2), fill=color)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def wav_bytes(seed: int, seconds: float) -> bytes:
-    """A 16 kHz WAV of one sine tone (its pitch varies with the seed)."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * 16000)) / 16000
-    return encode_wav(0.5 * np.sin(2 * np.pi * rng.uniform(200, 2000) * t), 16000)
 
 
 def chat_record(

@@ -16,11 +16,12 @@ from torch import nn
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+from harness.gloo_ranks import run_distributed
+from harness.media_bytes import png_bytes
 from models.llm import hf_adapter as llm_adapter
 from models.llm.config import LLMConfig
 from models.vit import hf_adapter as vit_adapter
-from tests.dist_harness import run_distributed
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, write_shard
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, write_shard
 from tests.parity_utils import assert_parity, full_params
 from veomni.checkpoint.component_init import load_components
 from veomni.config.load import load_config

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parity_utils import assert_parity, full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.checkpoint.export import main as export_main

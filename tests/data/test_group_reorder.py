@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from harness.gloo_ranks import run_distributed
 from tests.data.test_data_loader import config, write_shards
-from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_records_close, run_steps
 from veomni.data.balance import imbalance
 from veomni.data.build_loader import build_dataloader

@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, write_shard
+from harness.media_bytes import png_bytes
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, write_shard
 from veomni.config.schema import DataConfig
 from veomni.contract import build_config
 from veomni.data.build_loader import build_dataloader

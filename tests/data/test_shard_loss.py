@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.media_bytes import png_bytes
 from tests.clip_shards import write_clip_shards
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, write_shard
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, write_shard
 from veomni.config.schema import DataConfig
 from veomni.contract import build_config
 from veomni.data.build_loader import build_dataloader

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parity_utils import (
     FP32_EPS,
     assert_parity,

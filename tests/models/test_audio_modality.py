@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from harness.media_bytes import png_bytes, wav_bytes
 from tests.launch.test_launch import REPO, train_sh
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni, wav_bytes
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, tiny_omni
 from tests.parity_utils import assert_parity
 from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
 from veomni.data.text.packed import load_tokenizer

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
+from harness.media_bytes import png_bytes
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, tiny_omni
 from tests.parity_utils import assert_parity
 from veomni.config.schema import TrainConfig
 from veomni.contract import build_config, build_model

@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from diffusers import AutoencoderKL
 
 import models  # noqa: F401  (registers the vae family)
+from harness.gloo_ranks import run_distributed
 from models.vae.hf_adapter import VAEAdapter
 from tests.clip_shards import write_clip_shards
-from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_grads_parity, assert_parity, assert_scalar_parity, assert_series_parity
 from veomni.checkpoint.manager import COMPLETE_MARKER
 from veomni.config.load import dump_config

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.perf_models import LLM_OPTIONS, MOE_OPTIONS, dit_batch, llm_batch, tiny_dit
 from models.audio.config import AudioEncoderConfig
 from models.audio.model import AudioEncoder
 from models.vit.config import ViTConfig
 from models.vit.model import NativeResolutionViT
 from tests.graph_utils import community_graph, tiny_gnn, views
 from tests.parity_utils import assert_scalar_parity
-from tests.perf_models import LLM_OPTIONS, MOE_OPTIONS, dit_batch, llm_batch, tiny_dit
 from veomni.contract import build_model
 from veomni.tasks.lm import LanguageModelingTask
 from veomni.tasks.node import NodeClassificationTask

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.perf_models import block_costs, qwen3_pair, wan_pair
+from harness.perf_models import block_costs, qwen3_pair, wan_pair
 
 SAVED_MARGIN = 1.15
 """Ours at most this times the reference's bytes saved per token per block. At these tiny rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.perf_models import MOE_OPTIONS, dit_batch, dit_step, llm_batch, llm_step, tiny_dit, tiny_llm
+from harness.perf_models import MOE_OPTIONS, dit_batch, dit_step, llm_batch, llm_step, tiny_dit, tiny_llm
 from veomni.ops.host_sync import HostSyncCounter
 
 # Syncs allowed by name of the function they happen in (docs/performance.md); any other fails the test.

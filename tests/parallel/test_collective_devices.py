@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.train.test_data_trainer import _config as data_config
 from tests.train.test_data_trainer import _vlm_config
 from tests.train.test_pipeline_trainer import _config as pipeline_config

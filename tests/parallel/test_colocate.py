@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from harness.gloo_ranks import run_distributed
+from harness.media_bytes import png_bytes
 from models.audio.config import AudioEncoderConfig
 from models.audio.processing import encode_wav
 from models.omni.modality_registry import get_modality
 from models.vit.config import ViTConfig
-from tests.dist_harness import run_distributed
 from tests.media_parity import image, run_media_steps, text
-from tests.omni_utils import TINY_OMNI, png_bytes
+from tests.omni_utils import TINY_OMNI
 from tests.parity_utils import assert_records_close
 from veomni.config.schema import ParallelConfig
 from veomni.contract import build_model

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parallel.test_pipeline_parity import MOE as PIPELINE_MOE
 from tests.parallel.test_pipeline_parity import OPTIONS as PIPELINE_OPTIONS
 from tests.parallel.test_pipeline_parity import _moe_reference, _reference, check, check_moe, run_pipeline_steps

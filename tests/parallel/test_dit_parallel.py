@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parity_utils import assert_records_close, full_grads, full_params
 from veomni.config.schema import ParallelConfig
 from veomni.contract import build_model, get_model_spec, load_plugins

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.media_parity import run_media_steps
 from tests.omni_utils import TINY_OMNI, tiny_omni
 from tests.parallel.test_colocate import global_steps

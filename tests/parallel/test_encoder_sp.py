@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.omni_utils import TINY_OMNI
 from tests.parity_utils import assert_grads_parity, assert_parity, full_grads
 from veomni.config.schema import ParallelConfig

@@ -8,7 +8,7 @@ equal the single-process run on all samples (fp32).
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parity_utils import assert_records_close, run_steps, sample_lengths
 from veomni.config.schema import ParallelConfig
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.graph_utils import (
     chunked_reference,
     community_graph,

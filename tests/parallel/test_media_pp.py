@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from harness.gloo_ranks import run_distributed
+from harness.media_bytes import png_bytes
 from models.audio.processing import encode_wav
 from models.omni.modality_registry import get_modality
-from tests.dist_harness import run_distributed
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record
 from tests.parity_utils import assert_records_close, full_grads, full_params
 from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model, get_model_spec

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.media_parity import image, run_media_steps, text
 from tests.models.test_audio_modality import ENCODERS, audio_record
 from tests.omni_utils import TINY_OMNI, TOKENIZER, tiny_omni

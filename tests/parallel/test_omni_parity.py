@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import run_distributed
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni
+from harness.gloo_ranks import run_distributed
+from harness.media_bytes import png_bytes
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, tiny_omni
 from tests.parity_utils import assert_records_close, assert_scalar_parity, full_grads, full_params
 from veomni.config.schema import ParallelConfig
 from veomni.contract import get_model_spec

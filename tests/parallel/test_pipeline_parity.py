@@ -8,7 +8,7 @@ parameters are merged by name and compared with the one-process run on the same 
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parity_utils import (
     TINY_LLM,
     assert_records_close,

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parallel import test_media_pp as media
 from tests.parallel.test_pipeline_parity import OPTIONS, build, global_steps, merged, run_pipeline_steps
 from tests.parity_utils import assert_records_close, assert_scalar_parity, assert_series_parity, run_steps

@@ -6,7 +6,7 @@ its formula."""
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parity_utils import TINY_LLM, assert_records_close, run_steps, sample_lengths, tiny_model
 from veomni.config.schema import ParallelConfig
 from veomni.data.packing import pack_samples

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.models.test_vit_model import GRIDS, inputs, tiny_model
 from tests.parity_utils import assert_grads_parity, assert_parity, full_grads, full_params
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parallel.test_fsdp_parity import global_steps, share
 from tests.parity_utils import assert_records_close, run_steps
 from tests.trainer_utils import tiny_run_config

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.media_parity import run_media_steps
 from tests.models.test_audio_modality import ENCODERS
 from tests.parallel.test_media_sp import BIG, SPANNING_STEP, audio_steps, sp_steps

@@ -10,7 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, png_bytes, tiny_omni, write_shard
+from harness.media_bytes import png_bytes
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, tiny_omni, write_shard
 from veomni.checkpoint.manager import COMPLETE_MARKER
 from veomni.data.chat.media_dataset import SampleProcessor
 from veomni.data.text.packed import load_tokenizer

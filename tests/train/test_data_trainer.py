@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config, write_corpus
 from veomni.config.schema import SourceConfig
 from veomni.train.trainer import Trainer
@@ -74,7 +74,8 @@ def test_balanced_run_resumes_at_another_world_size(tmp_path):
 
 def _vlm_config(tmp: str):
     """The tiny VLM on a 0.6/0.4 mixture of image-text and text-only chat shards, ranks balanced."""
-    from tests.omni_utils import TINY_OMNI, chat_record, png_bytes, write_shard
+    from harness.media_bytes import png_bytes
+    from tests.omni_utils import TINY_OMNI, chat_record, write_shard
 
     cfg = _config(tmp, False, True)
     folders = {"vqa": Path(tmp) / "vqa", "chat": Path(tmp) / "chat"}

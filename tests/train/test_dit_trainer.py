@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.gloo_ranks import run_distributed
 from tests.builders.test_video_latents_builder import _load, tiny_vae
-from tests.dist_harness import run_distributed
 from veomni.config.schema import (
     CheckpointConfig,
     DataConfig,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.train.ema import WeightEMA
 from veomni.train.trainer import Trainer

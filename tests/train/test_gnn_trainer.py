@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.graph_utils import community_graph, write_raw
 from tests.parity_utils import assert_series_parity
 from veomni.config.load import dump_config

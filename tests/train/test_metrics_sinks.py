@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.train.trainer import Trainer
 

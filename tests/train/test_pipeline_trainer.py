@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.parity_utils import assert_scalar_parity, assert_series_parity
 from tests.trainer_utils import tiny_run_config
 from veomni.config.schema import ParallelConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.checkpoint.manager import list_checkpoints
 from veomni.config.schema import LogConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.config.load import load_config
 from veomni.config.schema import ParallelConfig

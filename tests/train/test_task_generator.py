@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.tasks import LanguageModelingTask, task_generator
 from veomni.train.trainer import Trainer

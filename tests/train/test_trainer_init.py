@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.gloo_ranks import run_distributed
 from models.llm.hf_adapter import config_to_hf
-from tests.dist_harness import run_distributed
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.config.schema import ParallelConfig

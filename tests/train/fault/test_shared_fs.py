@@ -5,7 +5,7 @@ import os
 import subprocess
 import time
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.launch.test_launch import QUICKSTART, REPO, SMALL, _free_port
 from veomni.train.fault.shared_fs import MARKER_PREFIX, check_shared_output_dir
 from veomni.train.fault.stop import RunStopped

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.fault_injection import faults_env, nan
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config

@@ -5,7 +5,7 @@ import json
 import logging
 from pathlib import Path
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.train.fault.stragglers import StragglerDetector
 from veomni.train.trainer import Trainer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tests.dist_harness import run_distributed
+from harness.gloo_ranks import run_distributed
 from tests.launch.test_launch import QUICKSTART, SMALL, train_sh
 from veomni.train.fault.hang_report import locate
 from veomni.train.fault.watchdog import HANG_EXIT_CODE, Watchdog
