@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Lint, then run the whole test suite (or pass pytest arguments):  bash scripts/test.sh [pytest args]
+# Lint, then run the whole test suite (or pass pytest arguments):  bash scripts/test.sh [--fast] [pytest args]
+#   --fast   the fast tier only (unit and parity tests, a few minutes): leaves out tests marked `full`
 # Exits non-zero on any failure.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
@@ -7,4 +8,8 @@ cd "$REPO_ROOT"
 export WANDB_MODE="${WANDB_MODE:-disabled}"
 # Lint first (the rules are pyproject.toml's [tool.ruff.lint]); a finding fails the suite.
 python -m ruff check . || { echo "ruff check failed: fix the findings above ('ruff check --fix .' fixes some)" >&2; exit 1; }
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    exec python -m pytest -m "not full" "$@"
+fi
 exec python -m pytest "$@"

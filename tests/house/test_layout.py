@@ -88,6 +88,20 @@ def test_design_doc_lists_the_packages_ground_floor_first() -> None:
     assert not late, "these edges point down the block (move the target above its importer):\n" + "\n".join(late)
 
 
+def test_every_file_that_finds_the_repository_root_finds_it() -> None:
+    """``Path(__file__).resolve().parents[k]`` must still be the root after a file moves folder."""
+    wrong = [f"{path.relative_to(REPO)}: parents[{k}] is {path.resolve().parents[int(k)]}, the root is {REPO}"
+             for path in python_files() for k in re.findall(r"Path\(__file__\)\.resolve\(\)\.parents\[(\d)\]",
+                                                             path.read_text())
+             if path.resolve().parents[int(k)] != REPO and not _names_a_folder_below(path, int(k))]
+    assert not wrong, "\n".join(wrong)
+
+
+def _names_a_folder_below(path, k: int) -> bool:
+    """``parents[k] / "data"`` style lines reach the root plus a folder: only the root counts here."""
+    return False
+
+
 def test_no_file_is_over_400_lines() -> None:
     long = [f"{path.relative_to(REPO)}: {n} lines" for path in python_files()
             if (n := len(path.read_text().splitlines())) > MAX_LINES]

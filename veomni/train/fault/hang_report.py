@@ -26,7 +26,7 @@ import torch.distributed
 
 _DISTRIBUTED_DIR = os.path.dirname(torch.distributed.__file__) + os.sep
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[2]) + os.sep
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[3]) + os.sep
 
 
 def _frames_outward(frame: FrameType | None) -> list[FrameType]:

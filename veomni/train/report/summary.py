@@ -24,7 +24,7 @@ from veomni.checkpoint.manager import step_of
 from veomni.tasks.base import Baseline
 from veomni.train.report.loss_plot import PLOT_FILE
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STAGE_ENV = "VEOMNI_STAGE"
 """Set by a build that trains in stages (``data/build_vae.py``): the summary's title names the stage."""
 WARMUP_STEPS = 3
