@@ -9,6 +9,9 @@ keeps the data position and RNG, so the window from that checkpoint to the bad s
 (the bad steps came back before a newer checkpoint was saved), stops the run instead: that is an
 unstable run, not one bad batch. Stops are ``RunStopped``: every rank reaches them at the same
 step, since the verdicts are agreed.
+
+``BadStepRecovery`` takes everything it uses as arguments (it was a trainer mixin that worked only
+through the trainer's attributes); what a rollback restores is ``veomni/checkpoint/restore.py``'s.
 """
 
 from __future__ import annotations
