@@ -15,8 +15,9 @@ from veomni.config.schema import DataConfig
 from veomni.data.chat import media_dataset  # noqa: F401  (register the kinds)
 from veomni.data.graph import dataset as graph_dataset  # noqa: F401
 from veomni.data.kinds import DatasetRequest, get_dataset_kind
+from veomni.data.resume import ResumableLoader
 from veomni.data.text import packed  # noqa: F401
-from veomni.data.text.packed import PackedDataLoader, load_tokenizer
+from veomni.data.text.packed import load_tokenizer
 from veomni.data.video import clips, frames, latents  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def build_dataloader(
     model_config: Any = None,
     kind: str = "packed_text",
     micro_batches: int = 1,
-) -> PackedDataLoader:
+) -> ResumableLoader:
     """Loader of micro-batch dicts for one data-parallel rank, from the dataset kind ``kind``.
 
     ``split="train"`` reads ``cfg.train_path`` and loops over epochs forever; ``"eval"`` reads
@@ -64,4 +65,4 @@ def build_dataloader(
         # Workers are forked; HF tokenizers would otherwise warn and turn its thread pool off in each one.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logger.info("%s data (%s): %s, rank %d/%d, %d worker(s)", split, kind, path, dp_rank, dp_size, cfg.num_workers)
-    return PackedDataLoader(dataset, batch_size=None, num_workers=cfg.num_workers)
+    return ResumableLoader(dataset, batch_size=None, num_workers=cfg.num_workers)

@@ -6,32 +6,16 @@ passed on is, per epoch: the rest of its window as single records (with a partly
 token offset), then the bytes after the window, then its whole later epochs
 (``SourceStream.unconsumed``). Each new reader takes an equal share of those *parts* as its plan
 for those epochs, then goes on with the plans of its own layout: within the epochs the old readers
-were in, every sample is passed on once, none twice and none skipped.
+were in, every sample is passed on once, none twice and none skipped. The old readers' states
+reach here through the resume protocol (``veomni/data/resume.py``, ``PackedTextDataset.merge_positions``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from veomni.data.kinds import MERGED_KEY, find_dataset_states
 from veomni.data.shards import Piece, split_pieces
 from veomni.data.stream import Part, SourceStream, StreamPosition
-
-
-def merge_states(states: list[dict[str, Any]], state_format: str) -> dict[str, Any]:
-    """Every old reader's state of ``state_format`` found in the per-rank loader states, once each
-    (ranks sharing a data-parallel rank: sequence, context, pipeline peers, saved the same one);
-    refuses an incomplete or mixed set."""
-    found = [s for state in states for s in find_dataset_states(state, state_format)]
-    if not found:
-        raise ValueError(f"no {state_format} dataset state found in the given loader states")
-    consumers = {s["num_consumers"] for s in found}
-    unique = {s["consumer"]: s for s in found}
-    if len(consumers) != 1 or set(unique) != set(range(consumers.pop())):
-        counts = sorted({s["num_consumers"] for s in found})
-        raise ValueError(f"incomplete or mixed loader states: consumers {sorted(unique)} of {counts}; pass the "
-                         "states of every rank of the old run")
-    return {MERGED_KEY: {"format": state_format, "states": [unique[c] for c in sorted(unique)]}}
 
 
 def new_plans(stream: SourceStream, old_states: list[dict[str, Any]], consumer: int,

@@ -65,13 +65,6 @@ class DataFeed:
         return self.reorder.state_dict() if self.reorder is not None else []
 
 
-def pending_share(rank_states: list[dict[str, Any]], dp_rank: int, dp_size: int) -> list[list[Any]]:
-    """This rank's share of an old layout's balancing windows (drawn, not trained), dealt round-robin
-    over the new data-parallel ranks in old data-parallel order; each old dp rank counted once."""
-    old = {state["dp_rank"]: state.get("pending", []) for state in rank_states}
-    return [p for rank in sorted(old) for p in old[rank]][dp_rank::dp_size]
-
-
 def build_feed(cfg: RunConfig, loader: Any, meshes: ParallelMeshes, spec: Any, device: torch.device,
                pending: list[list[Any]]) -> DataFeed:
     """The run's feed: plain, or balanced (``data.balance``) with the restored window ``pending``."""

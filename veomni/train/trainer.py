@@ -13,7 +13,6 @@ the parameter rules. The trainer itself assumes no field names and no tokenizer.
 from __future__ import annotations
 
 import logging
-import random
 import signal
 import threading
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import CheckpointManager
+from veomni.checkpoint.restore import RunState, app_state, choose_resume, rank_state, restore
 from veomni.config.load import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.contract import build_config, get_model_spec, load_plugins
@@ -35,14 +35,13 @@ from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
 from veomni.tasks.base import Baseline, Task, task_generator
-from veomni.train.data_feed import build_feed, pending_share
+from veomni.train.data_feed import build_feed
 from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
 from veomni.train.fault.injection import FaultInjector
-from veomni.train.fault.recovery import BadStepHandling
-from veomni.train.fault.restart import choose_resume, restart_attempt, restart_record, run_id
+from veomni.train.fault.recovery import BadStepRecovery
+from veomni.train.fault.restart import restart_attempt, restart_record, run_id
 from veomni.train.fault.shared_fs import check_shared_output_dir
-from veomni.train.fault.stop import RunStopped
 from veomni.train.fault.stragglers import StragglerDetector
 from veomni.train.fault.watchdog import Watchdog, process_group_timeout_s
 from veomni.train.report.baseline import BaselineCollector
@@ -64,7 +63,7 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return move(batch)
 
 
-class Trainer(BadStepHandling, RunEnd):
+class Trainer(RunEnd):
     def __init__(self, cfg: RunConfig, task: Task | None = None, launch: Sequence[str] | None = None) -> None:
         """``launch``: the recipe and overrides the run was started with (``scripts/train.sh``'s
         arguments), for the next commands the end-of-run summary suggests; None: the output
@@ -114,17 +113,16 @@ class Trainer(BadStepHandling, RunEnd):
         self.train_loader = self._loader("train")
         if cfg.data.balance:
             self.train_loader.dataset.unpacked = True  # single samples: the feed packs them after balancing
+        self.run_state = RunState(self.parts, self.optimizer, self.scheduler, self.ema, self.runner.tied,
+                                  self.train_loader, self.meshes.dp_rank, self.dims.dp_size, cfg.data.num_workers)
         self._pending: list[list[Any]] = []  # a balancing window to restore
-        self.step = 0
-        self.units_seen = 0
+        self.step, self.units_seen, self._last_saved_step = 0, 0, -1
         if self.resume_path is not None:
-            self._resume(self.resume_path)
-        self.restarts, self.rollbacks, self._rolled_back_to = restart_attempt(), 0, None
+            self._restore(self.resume_path)
         # goes into the next step's metrics only
         self._once: dict[str, Any] = restart_record(self.output_dir, self.step, cfg.train.max_restarts)
         self.feed = build_feed(cfg, self.train_loader, self.meshes, self.spec, self.device, self._pending)
         self._timer = StepTimer()
-        self._last_saved_step = self.step if self.resume_path is not None else -1
         self._last_eval_step = -1
         self.last_eval: dict[str, float] = {}
         self.baseline: Baseline | None = None
@@ -139,6 +137,8 @@ class Trainer(BadStepHandling, RunEnd):
         logger.info("MFU peak: %s", self.peak_source)
         self.reporter = MetricsReporter(self.output_dir, cfg.log, config_to_dict(cfg), cfg.train.max_steps,
                                         self.step, enabled=self.rank == 0, throughput_key=self._key("s_per_s"))
+        self.recovery = BadStepRecovery(self.runner.guard, cfg.train.max_bad_steps, cfg.train.on_bad_steps,
+                                        self.checkpoints, self.reporter.log, self._restore_weights, restart_attempt())
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         """A requested stop (a scheduler's SIGTERM, Ctrl-C): finish the current step, checkpoint,
@@ -163,63 +163,34 @@ class Trainer(BadStepHandling, RunEnd):
                 logger.info(line)
 
     def _app_state(self) -> dict[str, Any]:
-        state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "units_seen": self.units_seen}
-        if self.ema is not None:
-            state["ema"] = self.ema.state_dict()
-        return state
+        return app_state(self.run_state, self.step, self.units_seen)
 
     def _rank_state(self) -> dict[str, Any]:
-        return {
-            "dp_rank": self.meshes.dp_rank,
-            "loader": self.train_loader.state_dict(),
-            "pending": self.feed.pending_state(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        }
+        return rank_state(self.run_state, self.feed.pending_state())
 
     def save_checkpoint(self) -> None:
         self.watchdog.beat(f"checkpoint save at step {self.step}")
         self.checkpoints.save(self.step, self.parts, self.optimizer, self._app_state(), self._rank_state())
         self._last_saved_step = self.step
 
-    def _load(self, path: Path) -> tuple[dict, list[dict]]:
-        """Weights, optimizer, schedule and counters from checkpoint ``path``; its layout and rank states."""
+    def _restore(self, path: Path, data: bool = True) -> int:
+        """Checkpoint ``path`` into this run, as ``veomni/checkpoint/restore.py`` decides (``data``: the
+        data position and RNG too); returns the step it was saved at."""
         self.watchdog.beat(f"checkpoint load from {path}")
-        try:
-            app_state = self._app_state()
-            meta, rank_states = self.checkpoints.load(path, self.parts, self.optimizer, app_state, self.runner.tied)
-        except ValueError as exc:  # a rank-state file that is not plain data: the same on every rank
-            raise RunStopped(str(exc)) from None
-        # Only the schedule's position: its per-param-group lists (base_lrs, _last_lr) follow this
-        # layout's groups (a V pipeline rank holds two stage optimizers' groups, one process one set).
-        saved = app_state["scheduler"]
-        self.scheduler.load_state_dict({**self.scheduler.state_dict(), "last_epoch": saved["last_epoch"],
-                                        "_step_count": saved["_step_count"]})
-        self.step = int(app_state["step"])
-        self.units_seen = int(app_state["units_seen"])
-        if self.ema is not None:
-            self.ema.load_state_dict(app_state["ema"])
-        return meta, rank_states
+        restored = restore(path, self.checkpoints, self.run_state, data)
+        self.step = self._last_saved_step = restored.step
+        self.units_seen = restored.units_seen
+        if restored.pending is not None:
+            self._pending = restored.pending
+        return self.step
 
-    def _resume(self, path: Path) -> None:
-        meta, rank_states = self._load(path)
-        # Ranks of one pipeline read the same data: a changed pp size keeps the data layout.
-        same_layout = (meta["dp_size"], meta["num_workers"]) == (self.dims.dp_size, self.cfg.data.num_workers)
-        if same_layout:
-            mine = next(s for s in rank_states if s["dp_rank"] == self.meshes.dp_rank)
-            self.train_loader.load_state_dict(mine["loader"])
-            self._pending = mine.get("pending", [])
-            rng = mine["rng"]
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            if rng["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
-        else:
-            logger.warning("data-parallel layout changed (dp %d -> %d): data loader positions merged",
-                           meta["dp_size"], self.dims.dp_size)
-            merged = type(self.train_loader.dataset).merge_states([s["loader"] for s in rank_states])
-            self.train_loader.load_state_dict(merged)
-            self._pending = pending_share(rank_states, self.meshes.dp_rank, self.dims.dp_size)
+    def _restore_weights(self, path: Path) -> int:
+        """A rollback's restore: the data position and RNG go on."""
+        return self._restore(path, data=False)
+
+    @property
+    def rollbacks(self) -> int:
+        return self.recovery.rollbacks
 
     # ----- steps ------------------------------------------------------------------------
     def _local(self, batch: dict[str, Any], generator: torch.Generator, training: bool = True) -> dict[str, Any]:
@@ -291,7 +262,7 @@ class Trainer(BadStepHandling, RunEnd):
         self.watchdog.beat(f"step {self.step + 1}")
         metrics = self._named(self.train_step(self._next_micro_batches()))
         if "skipped" in metrics:
-            self._skipped(metrics)
+            self.recovery.skipped(self.step, metrics)
             return metrics
         if self.ema is not None:
             self.ema.update()
@@ -313,7 +284,7 @@ class Trainer(BadStepHandling, RunEnd):
             "mfu": metrics["flops"] / slowest / world / self.peak_flops,
             "peak_mem_gb": peak_mem, "step_time_s": slowest, self._key("s_seen"): self.units_seen,
         })
-        metrics.update(self._fault_counts(), **self.feed.step_metrics(), **self._once)
+        metrics.update(self.recovery.counts(), **self.feed.step_metrics(), **self._once)
         self._once = {}
         if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
             metrics.update(self.evaluate())

@@ -6,10 +6,12 @@ consumer ``c`` takes its positions ``i`` with ``i % C == c``, so every consumer 
 rows. ``data.tokens_per_micro_batch`` rows make one micro-batch (the task's unit is a sample).
 Training loops over epochs; eval makes one pass.
 
-The resume state is the position of the first row not yet yielded: (epoch, index in the
-epoch's order). Loaded into a fresh dataset of the same layout it yields the next micro-batch
-exactly; ``merge_states`` starts every consumer of a new layout at the earliest old position,
-before which every row was consumed, so no row is skipped (a few are seen twice).
+Resume is ``ResumableDataset``'s (``veomni/data/resume.py``): the position is that of the first row
+not yet yielded, (epoch, index in the epoch's order), which is its default position. The dataset
+starts at ``begin()`` and sets ``self._pos`` after each micro-batch; the protocol saves it, loads it
+into a fresh dataset of the same layout (the next micro-batch exactly), and at a new layout starts
+every consumer at the earliest old position, before which every row was consumed, so no row is
+skipped (a few are seen twice).
 """
 
 from __future__ import annotations
@@ -22,17 +24,8 @@ from typing import Any
 import torch
 
 from veomni.config.schema import DataConfig
-from veomni.data.kinds import (
-    MERGED_KEY,
-    DatasetKind,
-    DatasetRequest,
-    ResumableDataset,
-    find_dataset_states,
-    register_dataset,
-)
+from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
 from veomni.data.packing import greedy_pack
-
-STATE_FORMAT = "toy_regression.v1"
 
 
 def load_rows(path: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +34,8 @@ def load_rows(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RegressionRows(ResumableDataset):
+    state_format = "toy_regression.v1"
+
     def __init__(self, request: DatasetRequest) -> None:
         super().__init__(request.dp_rank, request.dp_size)
         self.x, self.y = load_rows(request.path)
@@ -48,7 +43,6 @@ class RegressionRows(ResumableDataset):
         self.shuffle = request.split == "train" and request.cfg.shuffle
         self.loops = request.split == "train"
         self.seed = request.seed
-        self._start = self._pos = (0, 0)
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.x)))
@@ -70,38 +64,13 @@ class RegressionRows(ResumableDataset):
             epoch, first = epoch + 1, 0
 
     def __iter__(self) -> Iterator[dict]:
-        start, self._start = self._start, (0, 0)
-        self._pos = start
-        return self._batches(start)
+        return self._batches(self.begin())
 
     def _batches(self, start: tuple[int, int]) -> Iterator[dict]:
         for rows, next_position in greedy_pack(self._rows(start), self.rows_per_batch, cost=lambda row: 1):
             self._pos = next_position if next_position is not None else (1, 0)  # eval: after its one pass
             index = torch.tensor(rows)
             yield {"x": self.x[index], "y": self.y[index]}
-
-    def state_dict(self) -> dict[str, Any]:
-        consumer, consumers = self.consumer()
-        epoch, index = self._pos
-        return {"format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers,
-                "epoch": epoch, "index": index}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        consumer, consumers = self.consumer()
-        saved_by = state.get("format") == STATE_FORMAT and (state["consumer"], state["num_consumers"])
-        if saved_by != (consumer, consumers):
-            raise ValueError(f"not the {STATE_FORMAT} state of consumer {consumer}/{consumers}: {state}")
-        self._start = self._pos = (state["epoch"], state["index"])
-
-    @classmethod
-    def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
-        found = [s for state in loader_states for s in find_dataset_states(state, STATE_FORMAT)]
-        if not found:
-            raise ValueError(f"no {STATE_FORMAT} dataset state in the given loader states")
-        return {MERGED_KEY: min((s["epoch"], s["index"]) for s in found)}
-
-    def start_from(self, merged: Any) -> None:
-        self._start = self._pos = tuple(merged)
 
 
 def check_regression_data(cfg: DataConfig, model_config: Any) -> list[str]:

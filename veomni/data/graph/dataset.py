@@ -40,20 +40,16 @@ from veomni.contract.graph import GraphModelConfig
 from veomni.data.graph.format import GraphData, check_graph, load_graph, read_manifest
 from veomni.data.graph.partition import chunk_nodes, metis_binding, partition_nodes
 from veomni.data.graph.views import edge_weights, empty_view, partition_views, split_labels
-from veomni.data.kinds import (
-    MERGED_KEY,
-    DatasetKind,
-    DatasetRequest,
-    ResumableDataset,
-    find_dataset_states,
-    register_dataset,
-)
+from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
 
 STATE_FORMAT = "veomni.graph.v1"
 
 
 class GraphDataset(ResumableDataset):
     """One rank's micro-batch stream of a graph (the module docstring)."""
+
+    state_format = STATE_FORMAT
+    consumer_bound = False  # every rank's stream is the same sequence of epochs
 
     def __init__(self, request: DatasetRequest) -> None:
         super().__init__(request.dp_rank, request.dp_size)
@@ -71,7 +67,6 @@ class GraphDataset(ResumableDataset):
             str(Path(request.path).resolve()), manifest["files"]["graph.safetensors"]["sha256"],
             request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, self.micro_batches,
             request.seed, request.dp_rank, request.split, cfg.graph_stale_gradients)
-        self._start = self._pos = (0, 0)
         self._resumed_epoch = -1
 
     def epoch_views(self, epoch: int) -> list[dict[str, torch.Tensor]]:
@@ -89,8 +84,7 @@ class GraphDataset(ResumableDataset):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """Start at the loaded position (once), else at the beginning; eval is one pass."""
-        start, self._start = self._start, (0, 0)
-        self._pos = start
+        start = self.begin()
         if self.split != "train":
             return self._eval()
         return self._train(*start)
@@ -107,38 +101,28 @@ class GraphDataset(ResumableDataset):
                 yield views[i]
             epoch, index = epoch + 1, 0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"format": STATE_FORMAT, "epoch": self._pos[0], "index": self._pos[1],
-                "micro_batches": self.micro_batches}
+    def position_state(self) -> dict[str, Any]:
+        return {**super().position_state(), "micro_batches": self.micro_batches}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
+    def resume_at(self, position: tuple[int, int]) -> None:
+        super().resume_at(position)
+        self._resumed_epoch = position[0] if position[1] == 0 else -1
+
+    def check_state(self, state: dict[str, Any], consumers: int | None = None) -> None:
+        super().check_state(state, consumers)
         if state["index"] and state["micro_batches"] != self.micro_batches:
             raise ValueError(f"graph loader state is {state['index']} micro-batches into epoch {state['epoch']} of "
                              f"{state['micro_batches']}, this run has train.grad_accum={self.micro_batches}; keep "
                              "the old grad_accum, or resume from a checkpoint taken at an optimizer step")
-        self._start = self._pos = (state["epoch"], state["index"])
-        self._resumed_epoch = state["epoch"] if state["index"] == 0 else -1
-
-    def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
-        for state in find_dataset_states(loader_state, STATE_FORMAT):
-            if state["index"] and state["micro_batches"] != self.micro_batches:
-                raise ValueError(f"graph loader state saved mid-epoch with {state['micro_batches']} micro-batches "
-                                 f"per epoch; this run has {self.micro_batches} (train.grad_accum)")
 
     @classmethod
-    def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
+    def merge_positions(cls, states: list[dict[str, Any]]) -> dict[str, Any]:
         """The earliest epoch boundary any old rank was at: no epoch is skipped, a partly run one
         (only after a mid-step checkpoint) is run again whole."""
-        found = [s for state in loader_states for s in find_dataset_states(state, STATE_FORMAT)]
-        if not found:
-            raise ValueError("no graph dataset state found in the given loader states")
-        return {MERGED_KEY: {"epoch": min(s["epoch"] for s in found)}}
+        return {"epoch": min(s["epoch"] for s in states)}
 
     def start_from(self, merged: dict[str, Any]) -> None:
-        self._start = self._pos = (merged["epoch"], 0)
-        self._resumed_epoch = merged["epoch"]
+        self.resume_at((merged["epoch"], 0))
 
 
 @functools.lru_cache(maxsize=1)

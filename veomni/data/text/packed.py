@@ -10,46 +10,35 @@ micro-batches of at most ``tokens_per_micro_batch`` tokens (see :mod:`veomni.dat
 each training micro-batch also says how many of its samples came from each source
 (``SOURCE_COUNTS``).
 
-Resume is exact and costs one window per source, not a re-read of the epoch: the state is, per
-source, the position of the first sample not yet yielded, plus the mixture's counts. It travels
-through torchdata's ``StatefulDataLoader`` protocol, so ``loader.state_dict()`` after k batches,
-loaded into a freshly built loader with the same layout, yields batch k+1 onwards. At another
-layout :meth:`PackedTextDataset.merge_states` hands every new consumer an exact share of what the
-old consumers had not read. Registered as the ``packed_text`` dataset kind.
+Resume is exact and costs one window per source, not a re-read of the epoch: the position is, per
+source, the position of the first sample not yet yielded, plus the mixture's counts. The protocol
+around it is ``ResumableDataset``'s (``veomni/data/resume.py``): ``loader.state_dict()`` after k
+batches, loaded into a freshly built loader with the same layout, yields batch k+1 onwards. At
+another layout ``merge_positions`` keeps every old consumer's state and each new consumer takes an
+exact share of what they had not read (``veomni/data/relayout.py``). Registered as the
+``packed_text`` dataset kind.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from veomni.config.schema import DataConfig
-from veomni.data.kinds import (
-    MERGED_KEY,
-    DatasetKind,
-    DatasetRequest,
-    ResumableDataset,
-    find_dataset_states,
-    register_dataset,
-)
+from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
 from veomni.data.mixture import SourceSpec, check_sources, next_source, run_sources, source_files
 from veomni.data.packing import chunk_document, greedy_pack, pack_samples
-from veomni.data.relayout import merge_states, new_plans, plans_from_rows, plans_to_rows
+from veomni.data.relayout import new_plans, plans_from_rows, plans_to_rows
+from veomni.data.resume import check_format, every_consumer
 from veomni.data.shards import ShardFiles
 from veomni.data.sources import ReadStats, count_bad, record_text
 from veomni.data.stream import Part, Ref, SourceStream, StreamPosition
 
 if TYPE_CHECKING:  # transformers loads in a second: imported where a tokenizer is loaded, not by every run
     from transformers import PreTrainedTokenizerBase
-
-# torchdata 0.11 calls a torch API that torch 2.13 deprecates, once per iterator; not ours to fix.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +67,10 @@ class Drawn:
 
 
 class PackedTextDataset(ResumableDataset):
-    """Iterable of packed micro-batch dicts for one consumer; implements torchdata's state protocol."""
+    """Iterable of packed micro-batch dicts for one consumer (its position: ``Position``)."""
+
+    state_format = STATE_FORMAT
+    merge_with = "merge_loader_states"
 
     def __init__(
         self,
@@ -89,7 +81,6 @@ class PackedTextDataset(ResumableDataset):
         dp_size: int,
         seed: int,
     ) -> None:
-        super().__init__(dp_rank, dp_size)
         problems = check_sample_length(cfg)
         if problems:
             raise ValueError("; ".join(problems))
@@ -104,8 +95,7 @@ class PackedTextDataset(ResumableDataset):
         self.formats = {spec.name: files.fmt for spec, files in zip(self.specs, self.files)}
         self.weights = [spec.weight for spec in self.specs]
         fresh = Position(tuple(StreamPosition() for _ in self.specs), tuple(0 for _ in self.specs))
-        self._fresh = fresh
-        self._start = self._pos = fresh
+        super().__init__(dp_rank, dp_size, fresh)
         self.unpacked = False
         """Yield single drawn samples instead of packed micro-batches (set by a balancing feed)."""
         self._merged: list[dict[str, Any]] | None = None
@@ -183,10 +173,10 @@ class PackedTextDataset(ResumableDataset):
         """Start at the loaded position (once), else at the beginning; eval is one pass, train loops.
         Yields packed micro-batches, or single ``Drawn`` samples when ``unpacked`` (a balancing feed
         packs them after reordering, see ``veomni/data/group_reorder.py``)."""
-        start, self._start = self._start, self._fresh
+        start = self.begin()
         if self._merged is not None:
             start, self._merged = self._merged_start(self._merged), None
-        self._pos = start
+            self._pos = start
         return self._drawn(start) if self.unpacked else self._batches(start)
 
     def _drawn(self, start: Position) -> Iterator[Drawn]:
@@ -222,10 +212,8 @@ class PackedTextDataset(ResumableDataset):
     def _files_signature(self) -> dict[str, list[int]]:
         return {spec.name: [len(files.files), sum(files.sizes)] for spec, files in zip(self.specs, self.files)}
 
-    def state_dict(self) -> dict[str, Any]:
-        consumer, consumers = self.consumer()
+    def position_state(self) -> dict[str, Any]:
         return {
-            "format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers,
             "sources": {spec.name: asdict(pos) for spec, pos in zip(self.specs, self._pos.sources)},
             "counts": {spec.name: n for spec, n in zip(self.specs, self._pos.counts)},
             "weights": {spec.name: w for spec, w in zip(self.specs, self.weights)},
@@ -234,21 +222,18 @@ class PackedTextDataset(ResumableDataset):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._check_state(state)
-        consumer, consumers = self.consumer()
-        if (state["consumer"], state["num_consumers"]) != (consumer, consumers):
-            raise ValueError(
-                f"loader state of consumer {state['consumer']}/{state['num_consumers']} loaded into consumer "
-                f"{consumer}/{consumers}: the dp size or num_workers changed; use merge_loader_states"
-            )
+        self.check_state(state)
+        self._check_sources(state)
         self._plans = {name: plans_from_rows(rows) for name, rows in state["plans"].items()}
+        self.resume_at(self.position_from(state))
+
+    def position_from(self, state: dict[str, Any]) -> Position:
         positions = tuple(StreamPosition(**state["sources"][spec.name]) if spec.name in state["sources"]
                           else StreamPosition() for spec in self.specs)
-        self._start = self._pos = Position(positions, self._resumed_counts(state))
+        return Position(positions, self._resumed_counts(state))
 
-    def _check_state(self, state: dict[str, Any]) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
+    def _check_sources(self, state: dict[str, Any]) -> None:
+        """Refuse a state whose sources' files changed (its offsets would point at other records)."""
         for name, signature in self._files_signature().items():
             saved = state["files"].get(name)
             if saved is not None and list(saved) != signature:
@@ -273,11 +258,17 @@ class PackedTextDataset(ResumableDataset):
             return tuple(0 for _ in self.specs)
         return tuple(state["counts"].get(spec.name, 0) for spec in self.specs)
 
+    @classmethod
+    def merge_positions(cls, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every old consumer's state, once each: the new consumers share out what they had not read."""
+        return {"format": STATE_FORMAT, "states": every_consumer(states)}
+
     def start_from(self, merged: dict[str, Any]) -> None:
         """Begin the next iteration with this consumer's share of what an old layout left (resolved in
         the consumer itself: a loader worker knows its index only there)."""
         for state in merged["states"]:
-            self._check_state(state)
+            check_format(state, STATE_FORMAT)
+            self._check_sources(state)
         self._merged = list(merged["states"])
 
     def _merged_start(self, old_states: list[dict[str, Any]]) -> Position:
@@ -288,41 +279,16 @@ class PackedTextDataset(ResumableDataset):
             positions.append(position)
         return Position(tuple(positions), tuple(0 for _ in self.specs))
 
-    def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
-        for state in find_dataset_states(loader_state, STATE_FORMAT):
-            if state["num_consumers"] != consumers:
-                raise ValueError(
-                    f"loader state was saved with {state['num_consumers']} consumers (dp ranks x workers), this "
-                    f"loader has {consumers}; convert the old ranks' states with merge_loader_states"
-                )
-
-    @classmethod
-    def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
-        return merge_loader_states(loader_states)
-
 
 def _record_origin(record: Any, spec: SourceSpec) -> str:
     return record.get("__url__", spec.path) if isinstance(record, dict) else spec.path
-
-
-class PackedDataLoader(StatefulDataLoader):
-    """StatefulDataLoader over a ``ResumableDataset`` that also accepts the layout-independent
-    state of its ``merge_states``."""
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if MERGED_KEY in state_dict:
-            super().load_state_dict({})
-            self.dataset.start_from(state_dict[MERGED_KEY])
-            return
-        self.dataset.check_loader_state(state_dict, self.dataset.dp_size * max(self.num_workers, 1))
-        super().load_state_dict(state_dict)
 
 
 def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """Turn the per-rank loader states of an old run (any dp size / workers) into one state any new
     layout loads with ``loader.load_state_dict(merged)``: exact, see ``veomni/data/relayout.py``. Pass
     the states of *all* old ranks. The mixture's counts restart."""
-    return merge_states(states, STATE_FORMAT)
+    return PackedTextDataset.merge_states(states)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

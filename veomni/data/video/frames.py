@@ -15,7 +15,9 @@ never share a clip. Training loops over epochs (a new frame and crop of each cli
 eval is one pass.
 
 Resume is exact: the state is the position (epoch, record index) of the first image not yet
-yielded, and the frame and crop of a record depend only on that position. A clip whose frames
+yielded (``ResumableDataset``'s default position, ``veomni/data/resume.py``), and the frame and
+crop of a record depend only on that position. At another layout every consumer starts at the
+earliest old position: every clip before it was used. A clip whose frames
 do not decode, have the wrong dtype or shape, or are smaller than the crop is skipped and counted
 (``skipped``) like a damaged shard; the run stops only past ``data.max_bad_fraction``.
 """
@@ -32,14 +34,7 @@ import numpy as np
 import torch
 
 from veomni.config.schema import DataConfig
-from veomni.data.kinds import (
-    MERGED_KEY,
-    DatasetKind,
-    DatasetRequest,
-    ResumableDataset,
-    find_dataset_states,
-    register_dataset,
-)
+from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
 from veomni.data.packing import greedy_pack
 from veomni.data.sources import ReadStats, count_bad, iter_tar_samples, manifest_shard_records, resolve_files
 from veomni.data.video.clip_format import CorruptClipError, decode_clip
@@ -60,6 +55,8 @@ def crop_image(frames: np.ndarray, crop: int, rng: random.Random) -> torch.Tenso
 
 
 class FramesDataset(ResumableDataset):
+    state_format = STATE_FORMAT
+
     def __init__(self, request: DatasetRequest) -> None:
         super().__init__(request.dp_rank, request.dp_size)
         problems = check_frames_data(request.cfg, request.model_config)
@@ -74,7 +71,6 @@ class FramesDataset(ResumableDataset):
         self.seed = request.seed
         self.skipped = 0
         """Clips skipped as corrupt so far by this dataset's iterations (counted once per epoch)."""
-        self._start = self._pos = (0, 0)
 
     def _epoch_files(self, epoch: int) -> list[Path]:
         files = list(self.files)
@@ -115,46 +111,13 @@ class FramesDataset(ResumableDataset):
         return crop_image(frames, self.crop, random.Random(f"{self.seed}:{epoch}:{index}"))
 
     def __iter__(self) -> Iterator[dict]:
-        start, self._start = self._start, (0, 0)
-        self._pos = start
-        return self._batches(start)
+        return self._batches(self.begin())
 
     def _batches(self, start: tuple[int, int]) -> Iterator[dict]:
         for images, next_position in greedy_pack(self._images(start), self.cfg.tokens_per_micro_batch,
                                                  cost=lambda image: 1):
             self._pos = next_position if next_position is not None else (1, 0)  # eval: after its one pass
             yield {"images": torch.stack(images)}
-
-    def state_dict(self) -> dict[str, Any]:
-        consumer, consumers = self.consumer()
-        epoch, index = self._pos
-        return {"format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers,
-                "epoch": epoch, "index": index}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        consumer, consumers = self.consumer()
-        saved_by = state.get("format") == STATE_FORMAT and (state["consumer"], state["num_consumers"])
-        if saved_by != (consumer, consumers):
-            raise ValueError(f"not the {STATE_FORMAT} state of consumer {consumer}/{consumers}: {state}; the dp "
-                             "size or num_workers changed, merge the old ranks' states with merge_states")
-        self._start = self._pos = (state["epoch"], state["index"])
-
-    def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
-        for state in find_dataset_states(loader_state, STATE_FORMAT):
-            if state["num_consumers"] != consumers:
-                raise ValueError(f"loader state was saved with {state['num_consumers']} consumers (dp ranks x "
-                                 f"workers), this loader has {consumers}; merge the old ranks' states first")
-
-    @classmethod
-    def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
-        """Start every new consumer at the earliest old position: every clip before it was used."""
-        found = [s for state in loader_states for s in find_dataset_states(state, STATE_FORMAT)]
-        if not found:
-            raise ValueError(f"no {STATE_FORMAT} dataset state in the given loader states")
-        return {MERGED_KEY: min((s["epoch"], s["index"]) for s in found)}
-
-    def start_from(self, merged: Any) -> None:
-        self._start = self._pos = tuple(merged)
 
 
 def check_frames_data(cfg: DataConfig, model_config: Any) -> list[str]:

@@ -30,7 +30,8 @@ run, naming the sample.
 and the indices of the records read but still in the packer's buffer. A resumed reader reads the
 epoch's stream again up to that index, decoding (so the bad counts are those of the uninterrupted
 pass) but keeping only the buffered records, and packs on from the same buffer: the next rows are
-the same. ``merge_states`` (another layout) restarts at the earliest epoch any old consumer was in.
+the same. At another layout (``merge_positions``) every consumer restarts at the earliest epoch any
+old consumer was in. The protocol around the position is ``ResumableDataset``'s (``veomni/data/resume.py``).
 """
 
 from __future__ import annotations
@@ -48,14 +49,8 @@ from safetensors.torch import load as load_safetensors
 
 from veomni.config.schema import DataConfig
 from veomni.data.builders import MANIFEST
-from veomni.data.kinds import (
-    MERGED_KEY,
-    DatasetKind,
-    DatasetRequest,
-    ResumableDataset,
-    find_dataset_states,
-    register_dataset,
-)
+from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
+from veomni.data.resume import every_consumer
 from veomni.data.sources import ReadStats, count_bad, iter_records, manifest_shard_records, resolve_files, tar_samples
 from veomni.data.video.clip_packing import LatentSample, best_fit_rows, check_fits, pack_row, patch_count
 
@@ -89,8 +84,10 @@ class _Cursor:
 class VideoLatentsDataset(ResumableDataset):
     """One consumer's packed rows of a latent split (the module docstring)."""
 
+    state_format = STATE_FORMAT
+
     def __init__(self, request: DatasetRequest) -> None:
-        super().__init__(request.dp_rank, request.dp_size)
+        super().__init__(request.dp_rank, request.dp_size, Position())
         cfg, model = request.cfg, request.model_config
         problems = model_problems(model) or self._split_problems("data path", request.path, cfg, model)
         if problems:
@@ -101,7 +98,6 @@ class VideoLatentsDataset(ResumableDataset):
         self.cfg, self.split, self.seed = cfg, request.split, request.seed
         self.patch = tuple(model.patch_size)
         self.channels, self.text_dim = model.in_channels, model.text_dim
-        self._start = self._pos = Position()
 
     @staticmethod
     def _split_problems(name: str, path: str, cfg: DataConfig, model_config: Any) -> list[str]:
@@ -193,9 +189,7 @@ class VideoLatentsDataset(ResumableDataset):
     # ----- rows, epochs and positions ----------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:
         """Start at the loaded position (once), else at the beginning; eval is one pass, train loops."""
-        start, self._start = self._start, Position()
-        self._pos = start
-        return self._rows(start)
+        return self._rows(self.begin())
 
     def _rows(self, start: Position) -> Iterator[dict]:
         records_prior, bad_prior = start.records_prior_epochs, start.bad_prior_epochs
@@ -227,52 +221,22 @@ class VideoLatentsDataset(ResumableDataset):
                                  f"sample in a whole epoch of {self.files[0].parent}")
             start = self._pos
 
-    def state_dict(self) -> dict[str, Any]:
-        consumer, consumers = self.consumer()
-        return {"format": STATE_FORMAT, "consumer": consumer, "num_consumers": consumers,
-                **asdict(self._pos), "pending": list(self._pos.pending)}
+    def position_state(self) -> dict[str, Any]:
+        return {**asdict(self._pos), "pending": list(self._pos.pending)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a {STATE_FORMAT} loader state: {sorted(state)}")
-        consumer, consumers = self.consumer()
-        if (state["consumer"], state["num_consumers"]) != (consumer, consumers):
-            raise ValueError(f"loader state of consumer {state['consumer']}/{state['num_consumers']} loaded into "
-                             f"consumer {consumer}/{consumers}: the dp size or data.num_workers changed; merge the "
-                             "old ranks' states with merge_states")
-        self._start = self._pos = _position(state)
-
-    def check_loader_state(self, loader_state: dict[str, Any], consumers: int) -> None:
-        for state in find_dataset_states(loader_state, STATE_FORMAT):
-            if state["num_consumers"] != consumers:
-                raise ValueError(f"loader state was saved with {state['num_consumers']} consumers (dp ranks x "
-                                 f"workers), this loader has {consumers}; merge the old ranks' states with "
-                                 "merge_states")
+    def position_from(self, state: dict[str, Any]) -> Position:
+        return Position(state["epoch"], state["next_record"], tuple(state["pending"]), state["records_prior_epochs"],
+                        state["bad_prior_epochs"])
 
     @classmethod
-    def merge_states(cls, loader_states: list[dict[str, Any]]) -> dict[str, Any]:
+    def merge_positions(cls, states: list[dict[str, Any]]) -> dict[str, Any]:
         """The start of the earliest epoch any old consumer was in: which consumer read which
         shard depends on the layout, so only an epoch boundary is common to every layout; the
         part of that epoch already trained on is seen again, nothing is skipped."""
-        found = [s for state in loader_states for s in find_dataset_states(state, STATE_FORMAT)]
-        if not found:
-            raise ValueError("no video_latents dataset state found in the given loader states")
-        consumers = {s["num_consumers"] for s in found}
-        seen = {s["consumer"] for s in found}
-        if len(consumers) != 1 or seen != set(range(consumers.pop())):
-            raise ValueError(f"incomplete or mixed loader states: consumers {sorted(seen)} of {sorted(consumers)}; "
-                             "pass the states of every rank of the old run")
-        earliest = min(found, key=lambda s: s["epoch"])
-        return {MERGED_KEY: asdict(Position(earliest["epoch"], 0, (), earliest["records_prior_epochs"],
-                                            earliest["bad_prior_epochs"]))}
-
-    def start_from(self, merged: dict[str, Any]) -> None:
-        self._start = self._pos = _position(merged)
-
-
-def _position(state: dict[str, Any]) -> Position:
-    return Position(state["epoch"], state["next_record"], tuple(state["pending"]), state["records_prior_epochs"],
-                    state["bad_prior_epochs"])
+        every_consumer(states)  # refuses an incomplete or mixed set
+        earliest = min(states, key=lambda s: s["epoch"])
+        return asdict(Position(earliest["epoch"], 0, (), earliest["records_prior_epochs"],
+                               earliest["bad_prior_epochs"]))
 
 
 def decode_sample(record: dict, channels: int, text_dim: int) -> LatentSample:

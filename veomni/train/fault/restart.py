@@ -1,14 +1,12 @@
-"""What a (re)started worker group needs to know: which attempt this is, which checkpoint the run
-continues from, and how many steps a restart lost.
+"""What a (re)started worker group needs to know: which attempt this is, which run it belongs to,
+and how many steps a restart lost.
 
 ``scripts/train.sh`` runs the workers under torchrun with ``--max-restarts``: when a worker dies
 the whole group is stopped and started again, with ``TORCHELASTIC_RESTART_COUNT`` counting the
 attempts and ``TORCHELASTIC_RUN_ID`` naming the run. Every checkpoint records that run id, so a
 restarted group resumes from the newest checkpoint of its own run whatever ``checkpoint.resume``
-says (``none`` must not start a crashed run over), and otherwise from what the recipe asks for.
-Every candidate is verified against its checksums first (``checkpoint/verify.py``); a damaged one
-is passed over, and when none is left the run stops (``RunStopped``: a restart would find the same
-files).
+says (``none`` must not start a crashed run over), and otherwise from what the recipe asks for;
+that choice is ``veomni/checkpoint/restore.py``'s ``choose_resume``.
 """
 
 from __future__ import annotations
@@ -16,11 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
-
-from veomni.checkpoint.manager import resolve_resume
-from veomni.train.fault.stop import RunStopped
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +27,6 @@ def restart_attempt() -> int:
 def run_id() -> str:
     """The run's id, the same across restarts ("" outside torchrun)."""
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
-
-
-def choose_resume(resume: str, root: Path, problems: Callable[[Path], list[str]]) -> Path | None:
-    """The checkpoint to resume from (None: a fresh run), by ``problems`` (the ranks' agreed
-    verification); RunStopped, on every rank, when the only candidates are damaged."""
-    try:
-        return resolve_resume(resume, root, run_id() if restart_attempt() else None, problems)
-    except (ValueError, FileNotFoundError) as exc:
-        raise RunStopped(str(exc)) from None
 
 
 def last_logged_step(metrics_file: Path, tail_bytes: int = 1 << 20) -> int:
