@@ -21,3 +21,9 @@ def test_the_engine_never_imports_the_zoo() -> None:
 
 def test_models_import_no_trainer_loader_or_checkpoint_code() -> None:
     assert not _offenders("models", ENGINE_INTERNALS)
+
+
+def test_generic_pipelining_imports_no_modality_wing() -> None:
+    """The pipeline package reaches the media and graph wings only through ``StageHooks``, which
+    the wiring layer (``veomni/parallel/apply.py``) fills in."""
+    assert not _offenders("veomni/parallel/pipeline", ("veomni.parallel.media", "veomni.parallel.graph"))
