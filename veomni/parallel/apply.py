@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from veomni.config.schema import ParallelConfig
+from veomni.contract.hooks import attention_modules
 from veomni.contract.media import MediaHost
 from veomni.contract.plan import ParallelPlan, flatten_plan, match_modules
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -58,7 +59,7 @@ def _auto_cp_mesh(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, 
         raise ValueError("parallel.cp_mesh is empty (automatic) but parallelize() got no row_tokens to size "
                          "the choice; pass row_tokens or set parallel.cp_mesh")
     dims = meshes.dims
-    _, attention = match_modules(model, plan.attention)[0]
+    attention = attention_modules(model, plan.attention)[0][1].attention_spec()  # all of a model's alike
     kv_heads = attention.num_kv_heads * kv_repeat_factor(attention.num_heads, attention.num_kv_heads, dims.sp)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
