@@ -75,7 +75,7 @@ from veomni.contract import build_model, get_model_spec  # noqa: E402
 from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples  # noqa: E402
 from veomni.data.text.packed import load_tokenizer  # noqa: E402
 from veomni.launch import _validate_model  # noqa: E402  (the launcher's model checks)
-from veomni.parallel.apply import parallelize  # noqa: E402
+from veomni.parallel.apply import PIPELINE_HOOKS, parallelize  # noqa: E402
 from veomni.parallel.media.encoder_work import watch_encoder_work  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.pipeline.stages import build_pipeline  # noqa: E402
@@ -265,7 +265,8 @@ def train_pipeline(run: RunConfig, steps: list[list[dict]], modality: str, row_l
         meta = build()
     task = get_model_spec(run.model.arch).task(meta.config)
     pipe = build_pipeline(build, lambda m: m.init_weights(), lambda m: parallelize(m, run.parallel, meshes, "cpu"),
-                          run.parallel, len(steps[0]), meshes.pp, torch.device("cpu"), task, meshes)
+                          run.parallel, len(steps[0]), meshes.pp, torch.device("cpu"), task, meshes,
+                          hooks=PIPELINE_HOOKS)
     optimizer = build_optimizer(pipe.modules, run.train)
     ran, busy = watch_encoder_work(pipe.modules, modality), [0.0]
 

@@ -37,7 +37,7 @@ import models  # noqa: E402,F401  (registers the zoo)
 from veomni.config.schema import ParallelConfig  # noqa: E402
 from veomni.contract import build_model  # noqa: E402
 from veomni.data.packing import pack_samples  # noqa: E402
-from veomni.parallel.apply import parallelize  # noqa: E402
+from veomni.parallel.apply import PIPELINE_HOOKS, parallelize  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.pipeline.layout import analytic_bubble, check_pipeline, virtual_stages  # noqa: E402
 from veomni.parallel.pipeline.stages import build_pipeline  # noqa: E402
@@ -73,7 +73,7 @@ def _worker(rank: int, args, schedule: str, microbatches: int, port: int, queue)
 
     task = LanguageModelingTask()
     pipe = build_pipeline(build, lambda m: m.init_weights(), lambda m: parallelize(m, parallel, meshes, "cpu"),
-                          parallel, microbatches, meshes.pp, torch.device("cpu"), task)
+                          parallel, microbatches, meshes.pp, torch.device("cpu"), task, hooks=PIPELINE_HOOKS)
     compute = [0.0]
     for stage in pipe.stages:
         for name in COMPUTE:

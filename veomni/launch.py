@@ -143,6 +143,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
 
     from veomni.contract import build_model
     from veomni.contract.plugin_check import plugin_problems
+    from veomni.parallel.apply import PIPELINE_HOOKS
     from veomni.parallel.expert import check_model_experts
     from veomni.parallel.fsdp import check_encoder_fsdp
     from veomni.parallel.media.colocate import check_media_routing
@@ -162,7 +163,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         check_model_experts(model, cfg.parallel.ep)
         check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
         try:
-            check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum)
+            check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum, PIPELINE_HOOKS)
         except TooFewBlocksError as exc:  # the engine counts blocks; the spec knows the key that sets them
             raise ValueError(f"{exc} (model.{spec.blocks_option}); raise model.{spec.blocks_option} or lower "
                              "parallel.pp / parallel.pp_virtual_stages") from None

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.contract.hooks import AttentionSpec
 from veomni.ops.attention import RowShare, SeqInfo, bidirectional_varlen_attention
 from veomni.ops.rope import apply_rope
 
@@ -36,7 +37,9 @@ class EncoderAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         self.proj = nn.Linear(hidden_size, hidden_size)
         self.attn_fn = bidirectional_varlen_attention
-        self.causal = False  # for parallel recipes that replace attn_fn (context parallelism)
+
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, causal=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         tokens = x.shape[0]

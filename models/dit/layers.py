@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.contract.hooks import AttentionSpec
 from veomni.ops.attention import SeqInfo, bidirectional_varlen_attention, cross_varlen_attention
 from veomni.ops.rope import apply_interleaved_rope
 
@@ -86,7 +87,9 @@ class SelfAttention(nn.Module):
         self.norm_q = nn.RMSNorm(dim, eps=cfg.eps)
         self.norm_k = nn.RMSNorm(dim, eps=cfg.eps)
         self.attn_fn = bidirectional_varlen_attention
-        self.causal = False  # for parallel recipes that replace attn_fn (context parallelism)
+
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, causal=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         heads = (self.num_heads, self.head_dim)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.contract.hooks import AttentionSpec
 from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import SeqInfo, varlen_attention
 from veomni.ops.norm import RMSNorm
@@ -38,7 +39,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn_fn = varlen_attention
-        self.causal = True  # for parallel recipes that replace attn_fn (context parallelism)
+
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, causal=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         tokens = x.shape[0]

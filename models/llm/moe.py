@@ -50,6 +50,10 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.local_weight: Callable[[torch.Tensor], torch.Tensor] = _identity
 
+    def expert_count(self) -> int:
+        """Experts in the group, whole (``veomni.contract.hooks.ExpertGroup``)."""
+        return self.gate_up_proj.shape[0]
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of ``x`` sorted by expert, ``counts[e]`` rows for (local) expert ``e``."""
         gate_up, down = self.local_weight(self.gate_up_proj), self.local_weight(self.down_proj)

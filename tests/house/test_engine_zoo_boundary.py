@@ -34,3 +34,13 @@ def test_tests_scripts_and_the_harness_keep_to_their_side() -> None:
                  for folders, forbidden in rules.items() for path in python_files(*folders)
                  for name in sorted(imports(path)) if _within(name, forbidden)]
     assert not offenders, "\n".join(offenders)
+
+
+def test_generic_pipelining_imports_no_modality_wing() -> None:
+    """The pipeline package reaches the media and graph wings only through ``StageHooks``, which
+    the wiring layer (``veomni/parallel/apply.py``) fills in."""
+    wings = ("veomni.parallel.media", "veomni.parallel.graph")
+    offenders = [f"{path.relative_to(REPO)} imports {name}" for path in python_files("veomni")
+                 if path.parent == REPO / "veomni" / "parallel" / "pipeline"
+                 for name in sorted(imports(path)) if _within(name, wings)]
+    assert not offenders, "\n".join(offenders)

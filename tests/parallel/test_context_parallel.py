@@ -319,8 +319,9 @@ def test_launch_checks_name_what_context_parallelism_needs():
     assert check_sequence_parallel(model, 1, 8) == []  # 4 heads: cp has no head limit
     assert "parallel.sp=8 does not divide the 4 attention heads" in check_sequence_parallel(model, 8, 1)[0]
     assert "put the other ranks in parallel.cp" in check_sequence_parallel(model, 8, 1)[0]
-    for module in model.modules():
-        if hasattr(module, "causal"):
-            del module.causal
+    for layer in model.layers:  # an attention module without the attn_fn injection point declares no AttentionModule
+        del layer.attn.attn_fn
     problem = check_sequence_parallel(model, 1, 2)[0]
-    assert "parallel.cp=2: attention module layers.0.attn (Attention) does not declare `causal`" in problem
+    assert ("parallel.cp=2: DecoderLM: layers.0.attn (Attention) is listed in parallel_plan().attention but does "
+            "not implement veomni.contract.hooks.AttentionModule") in problem
+    assert "causal" in problem

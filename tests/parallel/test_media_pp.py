@@ -23,7 +23,7 @@ from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
 from veomni.data.text.packed import load_tokenizer
-from veomni.parallel.apply import parallelize
+from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.media.colocate import check_media_routing
 from veomni.parallel.media.encoder_work import watch_encoder_work
 from veomni.parallel.mesh import LayoutError, ParallelDims, build_mesh
@@ -120,7 +120,7 @@ def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, s
     task = get_model_spec("omni").task(meta.config)
     pipe = build_pipeline(lambda: build(options), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, MICROBATCHES, meshes.pp,
-                          torch.device("cpu"), task, meshes)
+                          torch.device("cpu"), task, meshes, hooks=PIPELINE_HOOKS)
     if pipe.encoders is not None and not stage_aware:
         pipe.encoders.stage_work = None
     optimizer = build_optimizer(pipe.modules, TrainConfig(optimizer="sgd", lr=0.1, weight_decay=0.0))
@@ -253,7 +253,7 @@ def test_media_pipelines_refuse_what_they_cannot_run(parallel, message):
     with torch.device("meta"):
         model = build(VLM)
     with pytest.raises(PipelineConfigError, match=message):
-        check_pipeline_model(model, parallel, 4)
+        check_pipeline_model(model, parallel, 4, PIPELINE_HOOKS)
 
 
 def test_routing_under_pp_needs_colocated_encoders_and_sizes_that_fit():
@@ -326,4 +326,4 @@ def test_pipeline_refusals_say_what_the_recipe_needs():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1F1B: 2 stages" in result.stdout + result.stderr
     with torch.device("meta"):  # a tied embedding and head, as the recipes have, is not refused
-        check_pipeline_model(build(TINY_OMNI), ParallelConfig(pp=2), 2)
+        check_pipeline_model(build(TINY_OMNI), ParallelConfig(pp=2), 2, PIPELINE_HOOKS)

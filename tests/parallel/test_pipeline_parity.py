@@ -21,7 +21,7 @@ from tests.parity_utils import (
 from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model
 from veomni.data.packing import pack_samples
-from veomni.parallel.apply import parallelize
+from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.pipeline.stages import build_pipeline
 from veomni.tasks import LanguageModelingTask
@@ -58,7 +58,7 @@ def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbat
     task = LanguageModelingTask()
     pipe = build_pipeline(lambda: build(options, arch), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, microbatches, meshes.pp,
-                          torch.device("cpu"), task)
+                          torch.device("cpu"), task, hooks=PIPELINE_HOOKS)
     optimizer = build_optimizer(pipe.parts, TrainConfig(optimizer="sgd", lr=lr, weight_decay=0.0))
     with torch.device("meta"):
         flops_model = build(options, arch)
@@ -225,4 +225,4 @@ def test_vwn_with_mtp_is_rejected():
     from veomni.parallel.pipeline.stages import check_pipeline_model
 
     with pytest.raises(PipelineConfigError, match="outside the pipelined container"):
-        check_pipeline_model(build({**VWN, "mtp": True}, "vwn"), ParallelConfig(pp=2), 2)
+        check_pipeline_model(build({**VWN, "mtp": True}, "vwn"), ParallelConfig(pp=2), 2, PIPELINE_HOOKS)

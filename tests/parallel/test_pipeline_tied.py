@@ -18,6 +18,7 @@ from tests.parallel.test_pipeline_parity import OPTIONS, build, global_steps, me
 from tests.parity_utils import assert_records_close, assert_scalar_parity, assert_series_parity, run_steps
 from tests.train.test_pipeline_trainer import _config
 from veomni.config.schema import ParallelConfig
+from veomni.parallel.apply import PIPELINE_HOOKS
 from veomni.parallel.pipeline.layout import PipelineConfigError
 from veomni.parallel.pipeline.stages import check_pipeline_model
 from veomni.train.trainer import Trainer
@@ -94,7 +95,7 @@ def test_sharing_inside_the_blocks_is_refused():
     model = build(TIED)
     model.layers[0].mlp.up_proj.weight = model.layers[3].mlp.up_proj.weight
     with pytest.raises(PipelineConfigError, match="layers.0.mlp.up_proj.weight = layers.3"):
-        check_pipeline_model(model, ParallelConfig(pp=2), 2)
+        check_pipeline_model(model, ParallelConfig(pp=2), 2, PIPELINE_HOOKS)
 
 
 def _run(rank, world, tmp, pp, steps, schedule="1F1B"):

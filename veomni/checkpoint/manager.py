@@ -19,7 +19,7 @@ checkpoint loads at any world size or FSDP layout. Under pipeline parallelism a 
 several stage modules with disjoint original parameter names; their model and (flattened,
 FQN-keyed) optimizer entries are united into one dict, so pipeline sizes reshard like any other
 layout change. Loader and RNG state are per rank; what a resume does with them (same layout,
-or merged across a changed one) is ``restore.py``'s decision.
+or merged across a changed one) is ``veomni/train/restore.py``'s decision.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@
 - ``SampleWriter``: what a generative family writes during training (validation clips, images)
   for people to look at; ``train.sample_interval`` says how often.
 - ``ParamRule``: optimizer options for parameters matched by name (a spec's parameter rules).
+- ``AttentionModule`` (its ``AttentionSpec``), ``ExpertGroup`` and ``MoELayer``: what the plan's
+  ``attention`` and ``experts`` modules declare to the parallel recipes, so the engine reads no
+  weight shapes and probes no attributes; ``attention_modules`` / ``expert_modules`` match the
+  plan's modules and name the model, the module and the missing hook when one lacks it.
+  ``AttentionWrapper``: the base of the ``attn_fn`` wrappers the recipes install.
 
 Media models' hooks (``MediaHost``, its ``media_fn`` injection point, ``MediaKind``) live with
 the rest of the media contract in ``veomni/contract/media.py``.
@@ -26,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from veomni.contract.plan import ParallelPlan, module_path_matches
+from veomni.contract.plan import ParallelPlan, match_modules, module_path_matches
 
 
 @runtime_checkable
@@ -126,3 +131,97 @@ class ParamRule:
         if self.pattern is not None and module_path_matches(name, self.pattern):
             return True
         return self.predicate is not None and self.predicate(name, param)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The shape an attention module declares to the recipes around its ``attn_fn``."""
+
+    num_heads: int
+    """Query heads (Ulysses gives each sequence-parallel rank ``num_heads / sp`` of them)."""
+    num_kv_heads: int
+    """K/V heads (GQA: a divisor of ``num_heads``; Ulysses repeats them as needed)."""
+    head_dim: int
+    """Elements per head (the planner's and Mesh-Attention's cost models)."""
+    causal: bool
+    """True for a decoder's mask, False for full attention within each sample: context
+    parallelism skips and masks blocks by it."""
+
+
+@runtime_checkable
+class AttentionModule(Protocol):
+    """A module the plan lists under ``attention``. Its forward calls ``self.attn_fn(q, k, v, seq)``
+    on [tokens, heads, head_dim] tensors (single-device default: a ``veomni.ops.attention`` core),
+    the injection point sequence and context parallelism replace; ``attention_spec()`` says what
+    they need to know about it."""
+
+    attn_fn: Callable[..., torch.Tensor]
+
+    def attention_spec(self) -> AttentionSpec: ...
+
+
+class AttentionWrapper:
+    """Base of the ``attn_fn`` values the engine installs around a module's own (Ulysses, context
+    parallelism, an encoder's row shares): ``inner`` is the function each wraps, so the chain
+    unwinds to the model's core (``veomni.parallel.sequence.full_sequence_attention``)."""
+
+    inner: Callable[..., torch.Tensor]
+
+
+@runtime_checkable
+class ExpertGroup(Protocol):
+    """A module the plan lists under ``experts``: grouped expert weights, every parameter leading
+    with the expert dim, which expert parallelism shards."""
+
+    local_weight: Callable[[torch.Tensor], torch.Tensor]
+    """Injection point applied to each weight inside ``forward`` (default: identity); expert
+    parallelism sets it to take this rank's slice of the weight FSDP gathered."""
+
+    def expert_count(self) -> int:
+        """Experts in the group, whole (the leading dim of its parameters before any sharding)."""
+        ...
+
+
+@runtime_checkable
+class MoELayer(Protocol):
+    """The parent module of an ``ExpertGroup``: it hands tokens to its experts through
+    ``dispatcher(x, expert_idx, weights, experts)`` and reduces per-expert token counts through
+    ``reduce_load(counts)``, injection points with single-device defaults (``docs/moe.md``)."""
+
+    dispatcher: Callable[..., torch.Tensor]
+    reduce_load: Callable[[torch.Tensor], torch.Tensor]
+
+
+def declared_modules(model: nn.Module, patterns: tuple[str, ...], hook: type, role: str,
+                     needs: str) -> list[tuple[str, Any]]:
+    """``match_modules(model, patterns)`` (the plan's ``role`` modules), each checked to implement
+    the runtime-checkable ``hook``; a ``TypeError`` names the model, the module and what it lacks."""
+    found = match_modules(model, patterns)
+    for path, module in found:
+        if not isinstance(module, hook):
+            raise TypeError(f"{type(model).__name__}: {path} ({type(module).__name__}) is listed in "
+                            f"parallel_plan().{role} but does not implement {hook.__module__}.{hook.__name__}: "
+                            f"{needs} (see docs/adding_a_model.md)")
+    return found
+
+
+def attention_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, AttentionModule]]:
+    """The plan's attention modules of ``model``, each an ``AttentionModule`` (``TypeError`` if not)."""
+    return declared_modules(model, patterns, AttentionModule, "attention",
+                            "an `attn_fn` injection point and `attention_spec()` returning its AttentionSpec "
+                            "(num_heads, num_kv_heads, head_dim, causal)")
+
+
+def expert_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, ExpertGroup]]:
+    """The plan's grouped-expert modules of ``model``, each an ``ExpertGroup`` whose parent is a
+    ``MoELayer`` (``TypeError`` naming the model and the module if not)."""
+    found = declared_modules(model, patterns, ExpertGroup, "experts",
+                             "a `local_weight` injection point and `expert_count()`")
+    for path, _ in found:
+        parent_path = path.rpartition(".")[0]
+        layer = model.get_submodule(parent_path) if parent_path else model
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"{type(model).__name__}: {parent_path or 'the model'} ({type(layer).__name__}) holds the "
+                            f"grouped experts {path} but does not implement {MoELayer.__module__}.MoELayer: "
+                            "`dispatcher` and `reduce_load` injection points (see docs/moe.md)")
+    return found

@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 from veomni.contract.families import ModelSpec
+from veomni.contract.graph import message_passing_modules
+from veomni.contract.hooks import expert_modules
+from veomni.contract.plan import flatten_plan
 from veomni.tasks.base import BatchContract
 
 DOC = "docs/adding_a_model.md"
@@ -72,15 +75,33 @@ def task_problems(spec: ModelSpec, task: Any, pp: int) -> list[str]:
     return problems
 
 
+def plan_hook_problems(model: nn.Module) -> list[str]:
+    """The plan's expert and message-passing modules that do not declare the hooks every run injects
+    into (``ExpertGroup`` in a ``MoELayer``, ``MessagePassingLayer``). Attention modules are checked
+    where sequence or context parallelism needs them (``check_sequence_parallel``)."""
+    plan = flatten_plan(model.parallel_plan())
+    problems = []
+    for declared, patterns in ((expert_modules, plan.experts), (message_passing_modules, plan.message_passing)):
+        try:
+            declared(model, patterns)
+        except TypeError as error:
+            problems.append(str(error))
+    return problems
+
+
 def plugin_problems(spec: ModelSpec, model_config: Any, model: nn.Module, pp: int) -> list[str]:
     """Everything of the family's contract this run would call and cannot: the task (built here on the
-    meta device), the model's hooks, the cost model, and under pipelines the block-count option the
-    memory estimate sets. Empty when the family is complete for this run."""
+    meta device), the model's hooks and its plan modules' (``plan_hook_problems``), the cost model,
+    and under pipelines the block-count option the memory estimate sets. Empty when the family is
+    complete for this run."""
     with torch.device("meta"):
         task = spec.task(model_config)
     problems = task_problems(spec, task, pp)
+    missing = _missing(model, MODEL_MEMBERS)
     problems += [f"model family {spec.name!r}: {type(model).__name__} has no `{name}()`: see {DOC}, section 2"
-                 for name in _missing(model, MODEL_MEMBERS)]
+                 for name in missing]
+    if "parallel_plan" not in missing:
+        problems += plan_hook_problems(model)
     problems += [f"model family {spec.name!r}: its cost model {type(spec.cost).__name__} has no `{name}`: "
                  f"see {DOC}, section 5" for name in _missing(spec.cost, COST_MEMBERS)]
     if pp > 1 and not _option_exists(model_config, spec.blocks_option):

@@ -6,6 +6,10 @@ parameters for EP-sharded DTensors and sets the MoE dispatchers, which checkpoin
 compile must then capture;
 checkpointing and compile wrap the block's forward, and FSDP must see the final module tree
 so its hooks sit outside both.
+
+The pipeline cut is generic (``veomni/parallel/pipeline``) and imports no modality code: the
+graph and media wings' rules and stage pieces reach it through ``PIPELINE_HOOKS``, which every
+caller of its builders and checks passes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from veomni.config.schema import ParallelConfig
+from veomni.contract.hooks import attention_modules
 from veomni.contract.media import MediaHost
 from veomni.contract.plan import ParallelPlan, flatten_plan, match_modules
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -24,12 +29,20 @@ from veomni.parallel.cp_cost import auto_cp_mesh
 from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from veomni.parallel.graph.halo import apply_graph_parallel
+from veomni.parallel.graph.layer_pipeline import check_graph_stages
 from veomni.parallel.media.colocate import apply_media_routing
+from veomni.parallel.media.pipeline_encoders import PipelineMedia
 from veomni.parallel.mesh import ParallelMeshes
+from veomni.parallel.pipeline.hooks import StageHooks
 from veomni.parallel.pipeline.layout import SPLIT_BACKWARD_SCHEDULES
 from veomni.parallel.sequence import apply_sequence_parallel, check_sequence_parallel, kv_repeat_factor
 
 logger = logging.getLogger(__name__)
+
+_MEDIA = PipelineMedia()
+PIPELINE_HOOKS = StageHooks(checks=(check_graph_stages, _MEDIA.check), media=_MEDIA)
+"""The graph and media wings, as the pipeline builders and checks take them (graph rules first:
+a graph model's own schedules replace the generic ones)."""
 
 
 def apply_compile(model: nn.Module, plan: ParallelPlan) -> None:
@@ -46,7 +59,7 @@ def _auto_cp_mesh(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, 
         raise ValueError("parallel.cp_mesh is empty (automatic) but parallelize() got no row_tokens to size "
                          "the choice; pass row_tokens or set parallel.cp_mesh")
     dims = meshes.dims
-    _, attention = match_modules(model, plan.attention)[0]
+    attention = attention_modules(model, plan.attention)[0][1].attention_spec()  # all of a model's alike
     kv_heads = attention.num_kv_heads * kv_repeat_factor(attention.num_heads, attention.num_kv_heads, dims.sp)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32

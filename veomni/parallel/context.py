@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.contract.plan import ParallelPlan, match_modules
+from veomni.contract.hooks import AttentionWrapper, attention_modules
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import AttentionFn, SeqInfo
 from veomni.ops.attention_blocks import Segment, accumulators, attend_block, attend_block_backward, merge_partials
 from veomni.parallel.comm_counter import COMM_COUNTER
@@ -244,7 +245,7 @@ class _MeshAttention(torch.autograd.Function):
         return dq.to(queries.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-class ContextParallelAttention:
+class ContextParallelAttention(AttentionWrapper):
     """Wraps an attention core ``fn(q, k, v, seq)``: ring attention (``a = 1``) or Mesh-Attention
     over this rank's zig-zag chunk of the row. ``inner`` is the wrapped core, used when every rank
     holds the whole sequence (``full_sequence_attention``)."""
@@ -263,7 +264,7 @@ class ContextParallelAttention:
 def apply_context_parallel(model: nn.Module, plan: ParallelPlan, groups: MeshGroups) -> int:
     """Replace the ``attn_fn`` of every plan attention module; returns how many. Runs before
     Ulysses, which then wraps these from outside (the hybrid)."""
-    modules = match_modules(model, plan.attention)
+    modules = attention_modules(model, plan.attention)
     for _, module in modules:
-        module.attn_fn = ContextParallelAttention(module.attn_fn, groups, module.causal)
+        module.attn_fn = ContextParallelAttention(module.attn_fn, groups, module.attention_spec().causal)
     return len(modules)

@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from veomni.contract.plan import ParallelPlan, flatten_plan, match_modules
+from veomni.contract.hooks import expert_modules
+from veomni.contract.plan import ParallelPlan, flatten_plan
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,8 @@ def check_expert_layout(ep: int, num_experts: int, model_name: str = "the model"
 
 def check_model_experts(model: nn.Module, ep: int) -> None:
     """``check_expert_layout`` for the grouped-expert modules the (meta) model's plan declares."""
-    experts = match_modules(model, flatten_plan(model.parallel_plan()).experts)
-    check_expert_layout(ep, experts[0][1].gate_up_proj.shape[0] if experts else 0, type(model).__name__)
+    experts = expert_modules(model, flatten_plan(model.parallel_plan()).experts)
+    check_expert_layout(ep, experts[0][1].expert_count() if experts else 0, type(model).__name__)
 
 
 def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None,
@@ -135,7 +136,7 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceM
     Must run before activation checkpointing and FSDP (they wrap what this sets up). Returns
     the grouped-expert modules, which FSDP then shards over the ``ep_fsdp`` mesh.
     """
-    experts = match_modules(model, plan.experts)
+    experts = expert_modules(model, plan.experts)  # each held by a MoELayer
     ep = ep_mesh.size() if ep_mesh is not None else 1
     if ep > 1 and not experts:
         raise ValueError(f"parallel.ep={ep} but {type(model).__name__}.parallel_plan() declares no experts "
@@ -143,13 +144,11 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceM
     for path, module in experts:
         parent_path = path.rpartition(".")[0]
         layer = model.get_submodule(parent_path) if parent_path else model
-        if not hasattr(layer, "dispatcher"):
-            raise TypeError(f"{type(layer).__name__} at {parent_path!r} has no `dispatcher` injection point")
         if loss_size > 1:
             layer.reduce_load = GlobalLoadReducer(loss_mesh)
         if ep == 1:
             continue
-        num_experts = module.gate_up_proj.shape[0]
+        num_experts = module.expert_count()
         check_expert_layout(ep, num_experts)
         layer.dispatcher = ExpertParallelDispatcher(ep_mesh, num_experts)
         module.local_weight = LocalExpertWeight(ep)

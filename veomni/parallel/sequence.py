@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.contract.hooks import AttentionModule, AttentionWrapper, attention_modules
 from veomni.contract.media import MediaHost
-from veomni.contract.plan import ParallelPlan, match_modules
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import AttentionFn, SeqInfo
 from veomni.parallel.comm_counter import COMM_COUNTER
 
@@ -64,24 +65,21 @@ def check_sequence_parallel(model: nn.Module, sp_size: int, cp_size: int = 1) ->
         return [f"{keys}: a graph model has no sequence to split; graphs scale by partitions "
                 "(each data-parallel rank trains one partition of the nodes) and by layers (parallel.pp, "
                 "GNNPipe): set parallel.sp and parallel.cp to 1 and those ranks become graph partitions"]
-    modules = match_modules(model, plan.attention)
+    try:
+        modules = attention_modules(model, plan.attention)
+    except TypeError as error:  # a module that does not declare its heads and mask
+        return [f"{keys}: {error}"]
     if not modules:
         return [f"{keys}: the model's plan declares no attention modules to split the sequence around"]
     name, module = modules[0]  # all attention modules of a model share their head counts
-    problems = []
-    if module.num_heads % sp_size:
-        divisors = [d for d in range(1, module.num_heads + 1) if module.num_heads % d == 0]
-        problems.append(f"parallel.sp={sp_size} does not divide the {module.num_heads} attention heads of {name}; "
-                        f"use a divisor of {module.num_heads} ({', '.join(map(str, divisors))}) and put the other "
-                        "ranks in parallel.cp (ring / Mesh-Attention has no head limit)")
-    else:
-        kv_repeat_factor(module.num_heads, module.num_kv_heads, sp_size)  # raises if no K/V layout fits
-    if cp_size > 1:
-        problems += [f"parallel.cp={cp_size}: attention module {n} ({type(m).__name__}) does not declare "
-                     "`causal` (True for a decoder, False for full attention within each sample), which "
-                     "context parallelism needs to skip and mask blocks"
-                     for n, m in modules if not isinstance(getattr(m, "causal", None), bool)][:1]
-    return problems
+    heads = module.attention_spec()
+    if heads.num_heads % sp_size:
+        divisors = [d for d in range(1, heads.num_heads + 1) if heads.num_heads % d == 0]
+        return [f"parallel.sp={sp_size} does not divide the {heads.num_heads} attention heads of {name}; "
+                f"use a divisor of {heads.num_heads} ({', '.join(map(str, divisors))}) and put the other "
+                "ranks in parallel.cp (ring / Mesh-Attention has no head limit)"]
+    kv_repeat_factor(heads.num_heads, heads.num_kv_heads, sp_size)  # raises if no K/V layout fits
+    return []
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -126,7 +124,7 @@ def gather_heads_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> 
     return received.transpose(0, 1).reshape(tokens // sp, sp * local_heads, dim)
 
 
-class UlyssesAttention:
+class UlyssesAttention(AttentionWrapper):
     """Wraps an attention core ``fn(q, k, v, seq)`` (the model's, or context parallelism's) with
     the Ulysses all-to-alls."""
 
@@ -146,10 +144,11 @@ class UlyssesAttention:
 def apply_sequence_parallel(model: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup) -> int:
     """Replace the ``attn_fn`` of every plan attention module; returns how many."""
     sp = dist.get_world_size(group)
-    modules = match_modules(model, plan.attention)
+    modules = attention_modules(model, plan.attention)
     for _, module in modules:
-        module.attn_fn = UlyssesAttention(module.attn_fn, group,
-                                          kv_repeat_factor(module.num_heads, module.num_kv_heads, sp))
+        heads = module.attention_spec()
+        repeat = kv_repeat_factor(heads.num_heads, heads.num_kv_heads, sp)
+        module.attn_fn = UlyssesAttention(module.attn_fn, group, repeat)
     return len(modules)
 
 
@@ -157,10 +156,11 @@ def apply_sequence_parallel(model: nn.Module, plan: ParallelPlan, group: dist.Pr
 def full_sequence_attention(model: nn.Module) -> Iterator[None]:
     """Run with the plain attention cores (every rank holding the whole sequence), e.g. for
     generation, where all ranks decode the same prompt."""
-    wrapped = [(m, m.attn_fn) for m in model.modules() if hasattr(getattr(m, "attn_fn", None), "inner")]
+    wrapped = [(m, m.attn_fn) for m in model.modules()
+               if isinstance(m, AttentionModule) and isinstance(m.attn_fn, AttentionWrapper)]
     for module, fn in wrapped:
         inner = fn
-        while hasattr(inner, "inner"):  # Ulysses around context parallelism around the model's core
+        while isinstance(inner, AttentionWrapper):  # Ulysses around context parallelism around the model's core
             inner = inner.inner
         module.attn_fn = inner
     try:

@@ -29,6 +29,7 @@ import torch
 from veomni.config.schema import RunConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.contract.graph import GraphCost
+from veomni.contract.hooks import attention_modules
 from veomni.contract.plan import flatten_plan, match_modules
 from veomni.parallel.mesh import ParallelDims
 from veomni.planner.graph_plan import graph_plan
@@ -91,10 +92,10 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     graph = (graph_plan(cfg, dims, model, cost, activations)
              if plan.message_passing and isinstance(cost, GraphCost) else None)
     activations_per_rank = activations * cfg.data.tokens_per_micro_batch / dims.row_ranks
-    attention = match_modules(model, plan.attention)
+    attention = attention_modules(model, plan.attention) if dims.row_ranks > 1 else []
     sequence_lines = []
-    if dims.row_ranks > 1 and attention:
-        _, first = attention[0]
+    if attention:
+        first = attention[0][1].attention_spec()
         shape = AttentionShape(len(attention), first.num_heads, first.num_kv_heads, first.head_dim)
         sequence_lines = sequence_split_lines(shape, cfg.data.tokens_per_micro_batch, dims.sp, dims.cp, dims.cp_mesh,
                                               compute_bytes, cfg.parallel.activation_checkpointing,

@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import CheckpointManager
-from veomni.checkpoint.restore import RunState, app_state, choose_resume, rank_state, restore
 from veomni.config.load import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.contract import build_config, get_model_spec, load_plugins
@@ -47,6 +46,7 @@ from veomni.train.fault.watchdog import Watchdog, process_group_timeout_s
 from veomni.train.report.baseline import BaselineCollector
 from veomni.train.report.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.report.sinks import MetricsReporter
+from veomni.train.restore import RunState, app_state, choose_resume, rank_state, restore
 from veomni.train.run_end import RunEnd
 from veomni.train.runners.build import build_runner
 
@@ -174,7 +174,7 @@ class Trainer(RunEnd):
         self._last_saved_step = self.step
 
     def _restore(self, path: Path, data: bool = True) -> int:
-        """Checkpoint ``path`` into this run, as ``veomni/checkpoint/restore.py`` decides (``data``: the
+        """Checkpoint ``path`` into this run, as ``veomni/train/restore.py`` decides (``data``: the
         data position and RNG too); returns the step it was saved at."""
         self.watchdog.beat(f"checkpoint load from {path}")
         restored = restore(path, self.checkpoints, self.run_state, data)

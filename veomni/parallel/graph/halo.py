@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.contract.plan import ParallelPlan, match_modules
+from veomni.contract.graph import message_passing_modules
+from veomni.contract.plan import ParallelPlan
 from veomni.ops.graph import NeighbourAggregation, aggregate, has_stale_edges, sparse_adjacency
 from veomni.parallel.comm_counter import COMM_COUNTER
 
@@ -155,10 +156,11 @@ def _deliver(table: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> tor
 def apply_graph_parallel(model: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup | None) -> int:
     """Install a ``GraphAggregation`` (exchanging over ``group``; None: one partition) in every
     message-passing module; returns how many."""
-    modules = match_modules(model, plan.message_passing)
+    modules = message_passing_modules(model, plan.message_passing)
     for name, module in modules:
-        if not isinstance(getattr(module, "aggregate", None), NeighbourAggregation):
-            raise TypeError(f"{name} is listed in parallel_plan().message_passing but has no NeighbourAggregation "
-                            "named 'aggregate' (veomni.ops.graph); declare the injection point in the layer")
+        if not isinstance(module.aggregate, NeighbourAggregation):
+            raise TypeError(f"{type(model).__name__}: {name} ({type(module).__name__}) holds a "
+                            f"{type(module.aggregate).__name__} as `aggregate`, not the veomni.ops.graph."
+                            "NeighbourAggregation graph parallelism replaces; declare the injection point in the layer")
         module.aggregate = GraphAggregation(group)
     return len(modules)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.config.schema import ParallelConfig
 from veomni.parallel.pipeline.layout import GRAPH_SCHEDULES, PipelineConfigError
 from veomni.parallel.pipeline.p2p import recv_tensor, send_tensor
 from veomni.tasks.base import LossOutput, Task
@@ -48,6 +49,21 @@ def schedule_actions(schedule: str, stage: int, n_stages: int, chunks: int) -> l
         return actions + [("B", c) for c in range(chunks - warmup, chunks)]
     raise PipelineConfigError(f"parallel.pp_schedule={schedule} is not a graph pipeline schedule; a model with "
                               f"message-passing layers pipelines with one of {', '.join(GRAPH_SCHEDULES)}")
+
+
+def check_graph_stages(model: nn.Module, cfg: ParallelConfig, grad_accum: int) -> None:
+    """The pipeline rules of a model with message-passing layers (a ``StageHooks`` check; other
+    models pass): one stage per rank, a GPipe or 1F1B order, and one pipeline micro-batch per
+    chunk."""
+    if not model.parallel_plan().message_passing:
+        return
+    if cfg.pp_schedule not in GRAPH_SCHEDULES:
+        raise PipelineConfigError(f"parallel.pp_schedule={cfg.pp_schedule}: a model with message-passing layers "
+                                  f"pipelines its graph chunks with {' or '.join(GRAPH_SCHEDULES)}; set one")
+    if cfg.pp_microbatches not in (0, grad_accum):
+        raise PipelineConfigError(f"parallel.pp_microbatches={cfg.pp_microbatches}: a graph pipeline runs one "
+                                  f"micro-batch per chunk, and the chunks are train.grad_accum={grad_accum}; "
+                                  "leave pp_microbatches at 0")
 
 
 class GraphPipeline:

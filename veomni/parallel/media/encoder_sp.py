@@ -59,8 +59,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from veomni.contract.hooks import AttentionModule, AttentionSpec, AttentionWrapper, attention_modules
 from veomni.contract.media import MediaHost, ShardableEncoder
-from veomni.contract.plan import match_modules
 from veomni.ops.attention import AttentionFn, RowShare, SeqInfo
 from veomni.parallel.sequence import UlyssesAttention, kv_repeat_factor
 
@@ -110,14 +110,13 @@ class _ShareHandle:
     chunk: int
 
 
-class ShareAttention:
+class ShareAttention(AttentionWrapper):
     """An encoder attention module's ``attn_fn``: the model's own core on a whole sequence, or,
     when ``seq.share`` is set, Ulysses over the share's group (module docstring, step 3)."""
 
-    def __init__(self, inner: AttentionFn, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(self, inner: AttentionFn, heads: AttentionSpec) -> None:
         self.inner = inner
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.heads = heads
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         if seq.share is None:
@@ -128,7 +127,7 @@ class ShareAttention:
         held = q.shape[0]
         padding = (0, 0, 0, 0, 0, handle.chunk - held)  # rows past cu_seqlens[-1] (module docstring)
         q, k, v = (F.pad(t, padding) for t in (q, k, v))
-        repeat = kv_repeat_factor(self.num_heads, self.num_kv_heads, dist.get_world_size(handle.group))
+        repeat = kv_repeat_factor(self.heads.num_heads, self.heads.num_kv_heads, dist.get_world_size(handle.group))
         ulysses = UlyssesAttention(self.inner, handle.group, repeat)
         return ulysses(q, k, v, seq._replace(share=None))[:held]
 
@@ -138,8 +137,8 @@ def _encoders(model: nn.Module) -> dict[str, nn.Module]:
     return {path: model.get_submodule(path) for path in model.parallel_plan().encoders}
 
 
-def _attention_modules(encoder: nn.Module) -> list[tuple[str, nn.Module]]:
-    return match_modules(encoder, encoder.parallel_plan().attention)
+def _attention_modules(encoder: nn.Module) -> list[tuple[str, AttentionModule]]:
+    return attention_modules(encoder, encoder.parallel_plan().attention)
 
 
 def encoder_share_problems(name: str, encoder: nn.Module, ranks: int) -> list[str]:
@@ -147,17 +146,21 @@ def encoder_share_problems(name: str, encoder: nn.Module, ranks: int) -> list[st
     if not isinstance(encoder, ShardableEncoder):
         return [f"parallel.encoder_sp={ranks}: encoder {name} ({type(encoder).__name__}) cannot run on a share of "
                 "its rows (it does not derive from veomni.contract.media.ShardableEncoder); use parallel.encoder_sp: 1"]
-    modules = _attention_modules(encoder)
+    try:
+        modules = _attention_modules(encoder)
+    except TypeError as error:  # a module that does not declare its heads
+        return [f"parallel.encoder_sp={ranks}, encoder {name}: {error}"]
     if not modules:
         return [f"parallel.encoder_sp={ranks}: encoder {name} declares no attention modules in its parallel plan"]
     path, module = modules[0]  # an encoder's attention modules share their head counts
-    if module.num_heads % ranks:
-        divisors = [d for d in range(1, module.num_heads + 1) if module.num_heads % d == 0]
-        return [f"parallel.encoder_sp={ranks} does not divide the {module.num_heads} attention heads of "
+    heads = module.attention_spec()
+    if heads.num_heads % ranks:
+        divisors = [d for d in range(1, heads.num_heads + 1) if heads.num_heads % d == 0]
+        return [f"parallel.encoder_sp={ranks} does not divide the {heads.num_heads} attention heads of "
                 f"{name}.{path} (Ulysses gives each rank heads / encoder_sp of them); use one of "
                 f"{', '.join(map(str, divisors))}"]
     try:
-        kv_repeat_factor(module.num_heads, module.num_kv_heads, ranks)
+        kv_repeat_factor(heads.num_heads, heads.num_kv_heads, ranks)
     except ValueError as error:
         return [f"parallel.encoder_sp={ranks}, encoder {name}: {error}"]
     return []
@@ -192,7 +195,7 @@ def apply_encoder_sp(model: nn.Module) -> int:
             continue
         for _, module in _attention_modules(encoder):
             if not isinstance(module.attn_fn, ShareAttention):
-                module.attn_fn = ShareAttention(module.attn_fn, module.num_heads, module.num_kv_heads)
+                module.attn_fn = ShareAttention(module.attn_fn, module.attention_spec())
                 count += 1
     return count
 

@@ -31,10 +31,16 @@ dummy input), so the encoders' FSDP collectives match. The backward goes from th
 feature gradients through the inverse all-to-all to the encoders of the ranks that ran each
 item. Because the encoder mesh averages gradients over pp x dp ranks while the loss is
 normalised for the dp ranks only, the feature gradients are scaled by pp before that backward.
+
+The generic pipeline reaches all this only through ``PipelineMedia`` (its ``StageMedia`` hook,
+``veomni/parallel/pipeline/hooks.py``, whose ``check`` is one of its checks), which the wiring
+layer hands it (``veomni/parallel/apply.py``, ``PIPELINE_HOOKS``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,6 +58,9 @@ from veomni.parallel.media.colocate import RoutedMediaFn, long_items
 from veomni.parallel.media.encoder_sp import apply_encoder_sp
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline.layout import SINGLE_STAGE_SCHEDULES, PipelineConfigError
+from veomni.tasks.base import Task
+
+logger = logging.getLogger(__name__)
 
 
 def has_media(model: nn.Module) -> bool:
@@ -209,3 +218,32 @@ class PipelineEncoders:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             torch.autograd.backward(features, grad * self.pp)
         self._pending = []
+
+
+class PipelineMedia:
+    """The ``StageMedia`` hook of generic pipelining (module doc): which models it concerns,
+    their rules, their hollowed stages, the encoder part and the ``PipelineEncoders`` around the
+    schedule."""
+
+    def check(self, model: nn.Module, cfg: ParallelConfig, grad_accum: int) -> None:
+        """``check_pipeline_media`` as a ``StageHooks`` check (the micro-batch count is no concern of it)."""
+        check_pipeline_media(model, cfg)
+
+    def applies(self, model: nn.Module) -> bool:
+        return has_media(model)
+
+    def hollow(self, model: nn.Module) -> nn.Module:
+        return hollow_encoders(model)
+
+    def part_maker(self, cfg: ParallelConfig, meshes: ParallelMeshes,
+                   device: torch.device) -> Callable[[nn.Module], nn.Module]:
+        logger.info("media encoders on every pipeline rank (sharded %d-way over %d ranks), their work spread over "
+                    "the %d ranks around the schedule", meshes.dims.encoder_shard_size, meshes.dims.encoder_span,
+                    meshes.media.size())
+        return functools.partial(encoder_part, cfg=cfg, mesh=meshes.encoder_fsdp, device_type=device.type)
+
+    def around_schedule(self, part: nn.Module, stages: list[nn.Module], first_stage: bool, task: Task,
+                        cfg: ParallelConfig, meshes: ParallelMeshes, device: torch.device) -> PipelineEncoders:
+        route = media_router(part, meshes, cfg)
+        return PipelineEncoders(part, task.contract.media, task.contract.row_length, route, first_stage, cfg.pp,
+                                device, stage_work_per_unit(stages, route.group, device))

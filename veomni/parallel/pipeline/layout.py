@@ -18,8 +18,8 @@ LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Stages dealt round-robin: rank r runs stages r, r + pp, r + 2 pp, ..."""
 
 GRAPH_SCHEDULES = ("GPipe", "1F1B")
-"""The schedules of a graph model's layer pipeline (``graph_pipeline.py``): chunks of one graph,
-one stage per rank."""
+"""The schedules of a graph model's layer pipeline (the graph wing's ``layer_pipeline.py``):
+chunks of one graph, one stage per rank."""
 
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """Zero-bubble schedules: input gradients first, weight gradients later. FSDP must keep the
@@ -50,8 +50,8 @@ def check_pipeline(cfg: ParallelConfig, grad_accum: int, num_blocks: int | None 
                    own_schedule: bool = False) -> None:
     """Raise ``PipelineConfigError`` when the schedule, stage count, split or micro-batches do
     not fit. ``num_blocks`` (the model's plan blocks) is checked when known. ``own_schedule``: a
-    graph pipeline (``graph_pipeline.py``) orders its chunks itself and takes any number of them,
-    one chunk included, so the torch schedules' micro-batch minimum does not apply."""
+    graph pipeline (the graph wing's ``layer_pipeline.py``) orders its chunks itself and takes any
+    number of them, one chunk included, so the torch schedules' micro-batch minimum does not apply."""
     if cfg.pp == 1:
         return
     schedule, v = cfg.pp_schedule, virtual_stages(cfg)

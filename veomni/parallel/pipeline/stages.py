@@ -9,7 +9,7 @@ pipeline sizes by resharding alone, and the model's own ``forward`` runs unchang
 stage ``embed_tokens`` passes the incoming hidden state through).
 
 Micro-batches. A pipeline micro-batch is one packed row padded to a fixed length
-(``pipeline_rows.py``); the first stage takes the contract's ``stage_input``, its
+(``rows.py``); the first stage takes the contract's ``stage_input``, its
 ``stage_kwargs`` and ``valid_tokens`` go to every stage as keyword inputs, and only hidden states
 travel between stages; the last stage's loss reads the contract's ``target``.
 
@@ -18,6 +18,11 @@ Loss. The last stage computes each micro-batch's summed loss times ``scale`` (th
 runs with ``scale_grads=False``, so gradients equal the one-process gradients of the step.
 MoE models also tie each stage's auxiliary losses to its output and sum its expert loads,
 through the stage-output hook ``step`` accepts (``veomni/train/moe_stats.PipelineMoEStats``).
+
+Modalities. A graph model's schedules and a media model's encoders need rules and stage pieces
+of their own; they come in through ``StageHooks`` (``hooks.py``), which the wiring layer fills from the graph
+and media wings (``veomni/parallel/apply.py``, ``PIPELINE_HOOKS``), so this package imports
+neither.
 """
 
 from __future__ import annotations
@@ -37,18 +42,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from veomni.config.schema import ParallelConfig
 from veomni.contract.plan import ParallelPlan, match_modules
 from veomni.parallel.materialize import build_sharded_parts
-from veomni.parallel.media.pipeline_encoders import (
-    PipelineEncoders,
-    check_pipeline_media,
-    encoder_part,
-    has_media,
-    hollow_encoders,
-    media_router,
-    stage_work_per_unit,
-)
 from veomni.parallel.mesh import ParallelMeshes
+from veomni.parallel.pipeline.hooks import StageEncoders, StageHooks
 from veomni.parallel.pipeline.layout import (
-    GRAPH_SCHEDULES,
     PipelineConfigError,
     TooFewBlocksError,
     balanced_split,
@@ -138,30 +134,18 @@ def cut_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     return model
 
 
-def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int) -> None:
+def check_pipeline_model(model: nn.Module, cfg: ParallelConfig, grad_accum: int, hooks: StageHooks) -> None:
     """Everything about a pipeline that can be checked on the (meta) model before any worker
-    starts: the settings against its block count, and what stage cutting cannot handle."""
+    starts: the wings' rules (``hooks.checks``), the settings against its block count, and what
+    stage cutting cannot handle."""
     if cfg.pp == 1:
         return
     plan = model.parallel_plan()
     piece, blocks = _container(model, plan)
-    if plan.message_passing:  # first: its own schedules, whose rules replace the generic ones
-        check_graph_pipeline(cfg, grad_accum)
-    check_pipeline_media(model, cfg)  # before the generic rules: a schedule it refuses says so first
+    for check in hooks.checks:
+        check(model, cfg, grad_accum)
     check_pipeline(cfg, grad_accum, num_blocks=len(blocks), own_schedule=bool(plan.message_passing))
     check_tied(model, plan, piece)
-
-
-def check_graph_pipeline(cfg: ParallelConfig, grad_accum: int) -> None:
-    """A graph model pipelines its chunks (``graph_pipeline.py``): one stage per rank, a GPipe or
-    1F1B order, and one pipeline micro-batch per chunk."""
-    if cfg.pp_schedule not in GRAPH_SCHEDULES:
-        raise PipelineConfigError(f"parallel.pp_schedule={cfg.pp_schedule}: a model with message-passing layers "
-                                  f"pipelines its graph chunks with {' or '.join(GRAPH_SCHEDULES)}; set one")
-    if cfg.pp_microbatches not in (0, grad_accum):
-        raise PipelineConfigError(f"parallel.pp_microbatches={cfg.pp_microbatches}: a graph pipeline runs one "
-                                  f"micro-batch per chunk, and the chunks are train.grad_accum={grad_accum}; "
-                                  "leave pp_microbatches at 0")
 
 
 def check_pipeline_task(task: Task, cfg: ParallelConfig) -> None:
@@ -200,7 +184,7 @@ class Pipeline:
 
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], cfg: ParallelConfig, microbatches: int,
                  pp_group: dist.ProcessGroup, device: torch.device,
-                 task: Task, encoders: PipelineEncoders | None = None,
+                 task: Task, encoders: StageEncoders | None = None,
                  tied: list[dict[int, str]] | None = None) -> None:
         self.parts, self.stage_indices = parts, stage_indices
         self.encoders = encoders
@@ -227,13 +211,13 @@ class Pipeline:
     @property
     def uncounted(self) -> list[nn.Parameter]:
         """Parameters that grad-norm clipping must leave out of the norm: the tied copies past the
-        first (``pipeline_tied.py``)."""
+        first (``tied.py``)."""
         return self.tied.uncounted if self.tied is not None else []
 
     @property
     def modules(self) -> list[nn.Module]:
         """Every module this rank holds and steps: its stages, then the encoders when they run
-        outside the stages (``pipeline_media.py``)."""
+        outside the stages (``hooks.media``)."""
         return self.parts + ([self.encoders.part] if self.encoders is not None else [])
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -322,31 +306,30 @@ class Pipeline:
 def build_pipeline(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                    parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
                    pp_mesh: DeviceMesh, device: torch.device, task: Task,
-                   meshes: ParallelMeshes | None = None, probe: nn.Module | None = None) -> Pipeline:
+                   meshes: ParallelMeshes | None = None, probe: nn.Module | None = None, *,
+                   hooks: StageHooks) -> Pipeline:
     """This rank's stages (``build_stage_parts``) and the ``torch.distributed.pipelining``
     schedule that drives them. A model with media encoders (``parallel.encoder_colocate``) also
-    gets them on every rank, sharded over ``meshes.encoder_fsdp`` (every pipeline x data-parallel
-    rank), their work spread over ``meshes.media`` and run around the schedule
-    (``pipeline_media.py``). ``probe``: a meta build of the model, when the caller has one."""
+    gets them on every rank, their work run around the schedule by ``hooks.media``
+    (the media wing's ``pipeline_encoders.py``). ``probe``: a meta build of the model, when
+    the caller has one."""
     check_pipeline_task(task, cfg)
     if probe is None:
         with torch.device("meta"):
             probe = build()
     parts, indices = build_stage_parts(build, initialise, parallelize, cfg, grad_accum, pp_mesh, device, meshes,
-                                       probe)
+                                       probe, hooks=hooks)
     encoders = None
-    if len(parts) > len(indices):
+    if len(parts) > len(indices):  # only hooks.media adds a part (build_stage_parts)
         part = parts.pop()
-        route = media_router(part, meshes, cfg)
-        encoders = PipelineEncoders(part, task.contract.media, task.contract.row_length, route, 0 in indices,
-                                    cfg.pp, device, stage_work_per_unit(parts, route.group, device))
+        encoders = hooks.media.around_schedule(part, parts, 0 in indices, task, cfg, meshes, device)
     return Pipeline(parts, indices, cfg, microbatch_count(cfg, grad_accum), pp_mesh.get_group(), device, task,
                     encoders, tied_copies(probe, cfg))
 
 
 def tied_copies(model: nn.Module, cfg: ParallelConfig) -> list[dict[int, str]]:
     """Per group of parameter names tied across the stage pieces of ``model`` (a meta build),
-    ``{global stage: name}`` of the stages that hold a copy (``pipeline_tied.py``); empty for
+    ``{global stage: name}`` of the stages that hold a copy (``tied.py``); empty for
     untied models."""
     plan = model.parallel_plan()
     piece, _ = _container(model, plan)
@@ -358,35 +341,36 @@ def tied_copies(model: nn.Module, cfg: ParallelConfig) -> list[dict[int, str]]:
 def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.Module], None],
                       parallelize: Callable[[nn.Module], nn.Module], cfg: ParallelConfig, grad_accum: int,
                       pp_mesh: DeviceMesh, device: torch.device, meshes: ParallelMeshes | None = None,
-                      probe: nn.Module | None = None) -> tuple[list[nn.Module], list[int]]:
+                      probe: nn.Module | None = None, *, hooks: StageHooks) -> tuple[list[nn.Module], list[int]]:
     """This rank's stage modules and their global stage indices, cut from the model ``build()``
     makes, parallelised by ``parallelize`` (FSDP / EP within the stage's ranks) and filled with
     rank 0's initial weights exactly as in one process (see ``materialize.py``). A model with
-    media encoders colocated (``parallel.encoder_colocate``) gets one more part after the stages:
-    the encoders, sharded over ``meshes.encoder_fsdp``; its stages hold none. Run inline, the encoders
-    stay in the first stage only. ``probe``: a meta build of the model, when the caller has one."""
+    media encoders (``hooks.media``) colocated (``parallel.encoder_colocate``) gets one more part
+    after the stages: the encoders, sharded over ``meshes.encoder_fsdp``; its stages hold none.
+    Run inline, the encoders stay in the first stage only. ``probe``: a meta build of the model,
+    when the caller has one."""
     if probe is None:
         with torch.device("meta"):
             probe = build()
-    check_pipeline_model(probe, cfg, grad_accum)
+    check_pipeline_model(probe, cfg, grad_accum, hooks)
     counts = stage_block_counts(probe, cfg)
     indices = stage_ids(pp_mesh.get_local_rank(), cfg.pp, virtual_stages(cfg), cfg.pp_schedule)
     logger.info("pipeline %s: %d stages with %s blocks; this rank runs stages %s", cfg.pp_schedule, len(counts),
                 counts, indices)
-    media, colocate = has_media(probe), cfg.encoder_colocate
+    media = hooks.media if hooks.media is not None and hooks.media.applies(probe) else None
+    colocate = cfg.encoder_colocate
     makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize,
-                                hollow=media and (colocate or i > 0)) for i in indices]
-    if media and colocate:
+                                hollow=media.hollow if media is not None and (colocate or i > 0) else None)
+              for i in indices]
+    if media is not None and colocate:
         if meshes is None:
             raise ValueError("a pipelined model with media encoders needs the layout's meshes (ParallelMeshes)")
-        makers.append(functools.partial(encoder_part, cfg=cfg, mesh=meshes.encoder_fsdp, device_type=device.type))
-        logger.info("media encoders on every pipeline rank (sharded %d-way over %d ranks), their work spread over "
-                    "the %d ranks around the schedule", meshes.dims.encoder_shard_size, meshes.dims.encoder_span,
-                    meshes.media.size())
+        makers.append(media.part_maker(cfg, meshes, device))
     return build_sharded_parts(build, initialise, makers, device, strict=False), indices
 
 
 def _cut_and_parallelize(model: nn.Module, stage: int, counts: list[int],
-                         parallelize: Callable[[nn.Module], nn.Module], hollow: bool = False) -> nn.Module:
+                         parallelize: Callable[[nn.Module], nn.Module],
+                         hollow: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     model = cut_stage(model, stage, counts)
-    return parallelize(hollow_encoders(model) if hollow else model)
+    return parallelize(hollow(model) if hollow is not None else model)

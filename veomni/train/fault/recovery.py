@@ -11,7 +11,7 @@ unstable run, not one bad batch. Stops are ``RunStopped``: every rank reaches th
 step, since the verdicts are agreed.
 
 ``BadStepRecovery`` takes everything it uses as arguments (it was a trainer mixin that worked only
-through the trainer's attributes); what a rollback restores is ``veomni/checkpoint/restore.py``'s.
+through the trainer's attributes); what a rollback restores is ``veomni/train/restore.py``'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class BadStepRecovery:
     """The bad-step policy of one run. Its inputs are explicit: the ``guard``'s verdicts, the
     recipe's ``max_bad_steps`` and ``on_bad_steps``, the run's ``checkpoints``, ``log(step,
     record)`` for metrics.jsonl, ``reload(path) -> step`` that restores a checkpoint's training
-    state but not its data position (``veomni/checkpoint/restore.py`` with ``data=False``), and
+    state but not its data position (``veomni/train/restore.py`` with ``data=False``), and
     the worker group's ``restarts`` so far."""
 
     def __init__(self, guard: StepGuard, max_bad_steps: int, on_bad_steps: str, checkpoints: CheckpointManager,

@@ -22,7 +22,7 @@ from torch import nn
 from veomni.config.schema import RunConfig
 from veomni.contract import ModelSpec
 from veomni.contract.plan import flatten_plan
-from veomni.parallel.apply import parallelize
+from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.graph.layer_pipeline import GraphPipeline
 from veomni.parallel.materialize import build_sharded
 from veomni.parallel.mesh import ParallelMeshes
@@ -123,12 +123,12 @@ def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
             meta_model = build()
         if flatten_plan(meta_model.parallel_plan()).message_passing:
             parts, stages = build_stage_parts(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum,
-                                              meshes.pp, device, probe=meta_model)
+                                              meshes.pp, device, probe=meta_model, hooks=PIPELINE_HOOKS)
             graph = GraphPipeline(parts[0], stages[0], meshes.dims.pp, cfg.parallel.pp_schedule, meshes.pp.get_group(),
                                   device, task)
             return GraphPipelineRunner(graph, meta_model, cfg, spec, model_config, task, meshes)
         pipeline = build_pipeline(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum, meshes.pp,
-                                  device, task, meshes, meta_model)
+                                  device, task, meshes, meta_model, hooks=PIPELINE_HOOKS)
         return PipelineRunner(pipeline, meta_model, cfg, spec, model_config, task, meshes)
     model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
     return PlainRunner(model, cfg, spec, model_config, task, meshes)
