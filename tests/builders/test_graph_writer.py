@@ -15,6 +15,8 @@ from veomni.data.graph.format import file_problems, load_graph, read_manifest
 from veomni.data.graph.views import edge_weights
 from veomni.data.graph.writer import write_graph_folder
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 CLASSES, FEATURES = 3, 8
 
 

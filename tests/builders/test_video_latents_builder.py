@@ -23,6 +23,8 @@ from tests.parity_utils import assert_parity
 from veomni.data.sources import ReadStats, iter_tar_samples
 from veomni.data.video.clip_format import decode_clip
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 DATA = Path(__file__).resolve().parents[2] / "data"
 
 

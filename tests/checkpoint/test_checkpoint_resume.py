@@ -13,6 +13,8 @@ from tests.trainer_utils import tiny_run_config
 from veomni.checkpoint.manager import CheckpointSaveError, list_checkpoints, resolve_resume
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 
 def _losses(history):
     return [m["loss"] for m in history]

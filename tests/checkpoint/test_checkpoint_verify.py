@@ -18,6 +18,8 @@ from veomni.launch import main as launch
 from veomni.train.fault.stop import RunStopped
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 
 def _train(rank, world, tmp, steps):
     Trainer(tiny_run_config(Path(tmp), max_steps=steps)).train()

@@ -14,6 +14,8 @@ from tests.launch.test_launch import train_sh
 from tests.trainer_utils import TOKENIZER, write_corpus
 from veomni import launch
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 BASE = """\
 model:
   arch: llm

@@ -22,6 +22,8 @@ from veomni.config.schema import DataConfig
 from veomni.contract import load_plugins
 from veomni.data.kinds import DatasetRequest
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "regression_family"
 TEST_RUN = ["--train.max_steps", "6", "--train.eval_interval", "3", "--checkpoint.interval", "3",

@@ -29,6 +29,8 @@ from veomni.data.graph.views import edge_weights, partition_views
 from veomni.data.kinds import MERGED_KEY, DatasetRequest
 from veomni.tasks import IGNORE_INDEX
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 BUILDER = Path(__file__).resolve().parents[2] / "data" / "build_graph.py"
 
 

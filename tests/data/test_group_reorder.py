@@ -16,6 +16,8 @@ from veomni.data.build_loader import build_dataloader
 from veomni.data.group_reorder import GroupReorder, balance_group_size, balance_groups
 from veomni.data.text.packed import load_tokenizer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizers" / "stdlib-bpe-8k"
 WORDS = ["def", "class", "return", "import", "self", "value", "data", "yield", "lambda", "tensor"]
 GRAD_ACCUM, BUDGET, MAX_LEN = 2, 256, 128

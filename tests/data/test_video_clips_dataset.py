@@ -19,6 +19,8 @@ from veomni.config.schema import DataConfig
 from veomni.data.build_loader import build_dataloader
 from veomni.data.video.clips import check_video_clips
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 BUDGET = 400  # the largest clip, 9 frames of 48x48, is 324 patches of (1, 2, 2)
 
 

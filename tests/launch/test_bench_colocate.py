@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_colocate.py"
 COLUMNS = ("image:text", "technique", "tokens/s off", "tokens/s on", "on/off", "imbalance off", "imbalance on",

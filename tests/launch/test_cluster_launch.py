@@ -12,6 +12,8 @@ import pytest
 
 from tests.launch.test_launch import QUICKSTART, REPO, SMALL, _free_port
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 LAYOUT = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ID", "NPROC_PER_NODE", "WORLD_SIZE", "RANK")
 
 

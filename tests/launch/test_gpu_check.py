@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "scripts" / "gpu_check.py"
 

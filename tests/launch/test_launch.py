@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart" / "tiny_llm.yaml"
 SMALL = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_layers", "2",

@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 DEPS = REPO / "scripts" / "_deps.py"

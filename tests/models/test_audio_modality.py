@@ -19,6 +19,8 @@ from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
 from veomni.data.text.packed import load_tokenizer
 from veomni.eval.vqa import DEFAULT_MAX_ANSWER_TOKENS
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 AUDIO = dict(n_mels=16, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, out_hidden_size=32)
 ENCODERS = {**TINY_OMNI["encoders"], "audio": AUDIO}
 

@@ -13,6 +13,8 @@ from models.llm import hf_adapter
 from veomni.contract import build_config, build_model
 from veomni.launch import main as launch_main
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "qwen3-moe" / "tiny.yaml"
 BIG = REPO / "recipes" / "qwen3-moe" / "qwen3_30b_a3b.yaml"

@@ -24,6 +24,8 @@ from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
 from veomni.train.step import clip_and_step, forward_backward
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 TINY_DIT = dict(num_layers=2, num_attention_heads=4, attention_head_dim=8, ffn_dim=48, in_channels=4,
                 out_channels=4, text_dim=12, freq_dim=16, patch_size=[1, 2, 2])
 # (frames, height, width) of latent samples: images (1 frame) and clips, mixed sizes

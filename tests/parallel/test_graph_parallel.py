@@ -28,6 +28,8 @@ from veomni.parallel.graph.layer_pipeline import GraphPipeline, schedule_actions
 from veomni.parallel.pipeline.stages import cut_stage
 from veomni.tasks import NodeClassificationTask
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 LAYERS = 4
 
 

@@ -33,6 +33,8 @@ from veomni.train.optim import build_optimizer
 from veomni.train.runners.pipeline_step import pipeline_forward_backward
 from veomni.train.step import clip_and_step, forward_backward
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 MICROBATCHES = 2
 VLM = {**TINY_OMNI, "llm": {**TINY_OMNI["llm"], "tie_embeddings": False}}
 AUDIO = {"llm": VLM["llm"], "encoders": {"audio": dict(n_mels=16, hidden_size=32, num_layers=2, num_heads=4,

@@ -23,6 +23,8 @@ from veomni.parallel.pipeline.layout import PipelineConfigError
 from veomni.parallel.pipeline.stages import check_pipeline_model
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 TIED = dict(OPTIONS, tie_embeddings=True)
 DEEP_TIED = dict(TIED, num_layers=8)
 

@@ -14,6 +14,8 @@ from tests.launch.test_launch import REPO, train_sh
 from veomni.config.load import load_config
 from veomni.data.builders import MANIFEST
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 
 def wan_parameters(o: dict) -> int:
     """Parameters of diffusers' WanTransformer3DModel (text-to-video) at these widths."""

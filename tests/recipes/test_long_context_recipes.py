@@ -10,6 +10,8 @@ import pytest
 
 from tests.launch.test_launch import train_sh
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 LONG = REPO / "recipes" / "long-context"
 GiB = 2**30

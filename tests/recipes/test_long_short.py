@@ -17,6 +17,8 @@ from tests.parity_utils import assert_records_close
 from veomni.config.schema import ParallelConfig
 from veomni.parallel.media.assign import assign_items, assign_work, block_chunks
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 THRESHOLD = 32  # patches: the 168x168 image (144) and the 84x56 one (24) -> only the first is long
 
 

@@ -9,9 +9,13 @@ import math
 import re
 import subprocess
 
+import pytest
+
 from tests.launch.test_launch import REPO, train_sh
 from tests.omni_utils import build_vqa
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
 RECIPES = REPO / "recipes" / "seed1.5-vl"
 

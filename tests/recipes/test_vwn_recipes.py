@@ -13,6 +13,8 @@ from tests.launch.test_launch import REPO, train_sh
 from veomni.config.load import config_to_dict, load_config
 from veomni.contract import build_config
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 SWEEP = ["baseline", "r1p5", "r2", "r4", "r8"]
 
 

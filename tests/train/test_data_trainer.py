@@ -11,6 +11,8 @@ from tests.trainer_utils import tiny_run_config, write_corpus
 from veomni.config.schema import SourceConfig
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 
 def _config(tmp: str, mixture: bool, balance: bool):
     cfg = tiny_run_config(Path(tmp))

@@ -24,6 +24,8 @@ from veomni.config.schema import (
 )
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, in_channels=4, out_channels=4,
             text_dim=64, freq_dim=32, patch_size=[1, 2, 2], shift_base_tokens=64, text_len=8)
 

@@ -27,6 +27,8 @@ from veomni.config.schema import (
 from veomni.data.graph.format import GraphData, save_graph
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 NODES, CLASSES, FEATURES, LAYERS = 60, 3, 8, 4
 
 

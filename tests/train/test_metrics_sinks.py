@@ -3,9 +3,13 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.train.trainer import Trainer
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
 
 def _train(rank, world, tmp):

@@ -17,6 +17,8 @@ from veomni.tasks.lm import LanguageModelingTask
 from veomni.tasks.node import correct_count
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 
 def _config(tmp: str, pp: int, schedule: str = "1F1B", tied: bool = False, **train):
     cfg = tiny_run_config(Path(tmp), grad_accum=4, **train)

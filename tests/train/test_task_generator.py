@@ -17,6 +17,8 @@ from tests.trainer_utils import tiny_run_config
 from veomni.tasks import LanguageModelingTask, task_generator
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 GRAD_ACCUM = 2
 
 

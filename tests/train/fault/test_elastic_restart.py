@@ -12,6 +12,8 @@ from tests.fault_injection import faults_env, kill
 from tests.launch.test_launch import QUICKSTART, REPO, SMALL, _free_port, train_sh
 from tests.parity_utils import assert_scalar_parity
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 RUN = [str(QUICKSTART), *SMALL, "--train.max_steps", "12", "--checkpoint.interval", "5",
        "--train.eval_interval", "0"]
 

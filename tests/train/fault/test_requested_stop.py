@@ -14,9 +14,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from veomni.inference import load_run
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "regression_family"

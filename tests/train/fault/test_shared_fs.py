@@ -5,10 +5,14 @@ import os
 import subprocess
 import time
 
+import pytest
+
 from harness.gloo_ranks import run_distributed
 from tests.launch.test_launch import QUICKSTART, REPO, SMALL, _free_port
 from veomni.train.fault.shared_fs import MARKER_PREFIX, check_shared_output_dir
 from veomni.train.fault.stop import RunStopped
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
 
 def _check(rank, world, folders, timeout_s):

@@ -16,6 +16,8 @@ from veomni.train.fault.guard import StepGuard
 from veomni.train.fault.stop import RunStopped
 from veomni.train.trainer import Trainer
 
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
+
 
 def _verdicts(rank, world, losses):
     """Rank 0 sees ``losses``; rank 1 always a finite 1.0 (one rank's overflow, say)."""

@@ -9,12 +9,15 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from harness.gloo_ranks import run_distributed
 from tests.launch.test_launch import QUICKSTART, SMALL, train_sh
 from veomni.train.fault.hang_report import locate
 from veomni.train.fault.watchdog import HANG_EXIT_CODE, Watchdog
+
+pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
 
 def _probe_during_barrier(rank, world, tmp):
