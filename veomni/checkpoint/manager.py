@@ -240,6 +240,13 @@ class CheckpointManager:
         dist.all_gather_object(gathered, mine, group=group)
         return {name: entry for part in gathered for name, entry in sorted(part.items())}
 
+    def choose_resume(self, resume: str, own_run: str | None) -> Path | None:
+        """The checkpoint this run resumes from (None: a fresh run), verified by every rank
+        (``problems``); ``own_run``: a restarted worker group's run id, whose newest checkpoint
+        wins over ``checkpoint.resume``. ValueError / FileNotFoundError when the only candidates
+        are damaged or missing."""
+        return resolve_resume(resume, self.root, own_run, self.problems)
+
     def problems(self, path: Path) -> list[str]:
         """What is wrong with the files of checkpoint ``path`` (sizes and hashes against complete.json),
         each rank checking its share; the same list on every rank."""

@@ -364,5 +364,6 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+def dump_config(cfg: RunConfig | dict[str, Any]) -> str:
+    """The YAML of ``cfg`` (or of its ``config_to_dict``, when the caller has it already)."""
+    return yaml.safe_dump(cfg if isinstance(cfg, dict) else config_to_dict(cfg), sort_keys=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from veomni.config.schema import DataConfig
@@ -21,6 +22,32 @@ from veomni.data.text.packed import load_tokenizer
 from veomni.data.video import clips, frames, latents  # noqa: F401
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """A run's data as one rank reads it: the dataset kind, its tokenizer (None for kinds without
+    text) and the loader of either split, all from the same settings."""
+
+    cfg: DataConfig
+    kind: str
+    tokenizer: Any
+    dp_rank: int
+    dp_size: int
+    seed: int
+    model_config: Any
+    micro_batches: int
+
+    def loader(self, split: str) -> ResumableLoader:
+        return build_dataloader(self.cfg, split, self.tokenizer, self.dp_rank, self.dp_size, self.seed,
+                                self.model_config, self.kind, self.micro_batches)
+
+
+def run_data(cfg: DataConfig, spec_dataset: str, dp_rank: int, dp_size: int, seed: int, model_config: Any,
+             micro_batches: int) -> RunData:
+    """The run's ``RunData``: the recipe's kind (else the spec's) and the tokenizer it needs."""
+    kind = dataset_kind_name(cfg, spec_dataset)
+    return RunData(cfg, kind, load_run_tokenizer(cfg, kind), dp_rank, dp_size, seed, model_config, micro_batches)
 
 
 def dataset_kind_name(cfg: DataConfig, spec_dataset: str) -> str:

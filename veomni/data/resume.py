@@ -177,3 +177,26 @@ class ResumableLoader(StatefulDataLoader):
             return
         self.dataset.check_loader_state(state_dict, self.dataset.dp_size * max(self.num_workers, 1))
         super().load_state_dict(state_dict)
+
+
+def restore_position(loader: ResumableLoader, rank_states: list[dict[str, Any]], same_layout: bool, dp_rank: int,
+                     dp_size: int) -> list[list[Any]]:
+    """Put ``loader`` where a checkpoint's ranks left it: at the same data-parallel layout this
+    rank's own saved state, at another the kind's merge of every old rank's (``merge_states``).
+    Returns this rank's balancing window (drawn, not trained): its own, or its share of the old
+    ones (``pending_share``)."""
+    if same_layout:
+        mine = next(s for s in rank_states if s["dp_rank"] == dp_rank)
+        state, pending = mine["loader"], mine.get("pending", [])
+    else:
+        state = type(loader.dataset).merge_states([s["loader"] for s in rank_states])
+        pending = pending_share(rank_states, dp_rank, dp_size)
+    loader.load_state_dict(state)
+    return pending
+
+
+def pending_share(rank_states: list[dict[str, Any]], dp_rank: int, dp_size: int) -> list[list[Any]]:
+    """This rank's share of an old layout's balancing windows (drawn, not trained), dealt round-robin
+    over the new data-parallel ranks in old data-parallel order; each old dp rank counted once."""
+    old = {state["dp_rank"]: state.get("pending", []) for state in rank_states}
+    return [p for rank in sorted(old) for p in old[rank]][dp_rank::dp_size]

@@ -160,3 +160,13 @@ def task_generator(seed: int, step: int, micro_batch: int, dp_rank: int, stream:
     key = f"{stream}:{seed}:{step}:{micro_batch}:{dp_rank}".encode()
     value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
     return torch.Generator().manual_seed(value)
+
+
+def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Every tensor of the batch, nested ones included (an omni batch's ``media`` inputs)."""
+    def move(value: Any) -> Any:
+        if torch.is_tensor(value):
+            return value.to(device, non_blocking=True)
+        return {k: move(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    return move(batch)

@@ -9,8 +9,8 @@ with ``data=False``. The mechanics stay below: DCP loading and tied names (``man
 dataset kind's merge of loader states (``veomni/data/resume.py``), the exact re-deal of text
 readers (``veomni/data/relayout.py``).
 
-Which checkpoint: ``choose_resume`` (``checkpoint.resume``; a restarted worker group takes its own
-run's newest; every candidate verified by ``verify.py``).
+Which checkpoint is the manager's ``choose_resume`` (``checkpoint.resume``; a restarted worker
+group takes its own run's newest; every candidate verified by ``verify.py``), called by the trainer.
 
 What, in this order (``restore``):
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from veomni.checkpoint.manager import CheckpointManager, resolve_resume
-from veomni.train.fault.restart import restart_attempt, run_id
+from veomni.checkpoint.manager import CheckpointManager
+from veomni.data.resume import restore_position
 from veomni.train.fault.stop import RunStopped
 
 if TYPE_CHECKING:
@@ -94,15 +93,6 @@ def rank_state(run: RunState, pending: list[list[Any]]) -> dict[str, Any]:
     }
 
 
-def choose_resume(resume: str, root: Path, problems: Callable[[Path], list[str]]) -> Path | None:
-    """The checkpoint to resume from (None: a fresh run), by ``problems`` (the ranks' agreed
-    verification); RunStopped, on every rank, when the only candidates are damaged."""
-    try:
-        return resolve_resume(resume, root, run_id() if restart_attempt() else None, problems)
-    except (ValueError, FileNotFoundError) as exc:
-        raise RunStopped(str(exc)) from None
-
-
 def restore(path: Path, checkpoints: CheckpointManager, run: RunState, data: bool = True) -> Restored:
     """Checkpoint ``path`` into ``run`` (the module docstring says what and in which order)."""
     try:
@@ -117,30 +107,17 @@ def restore(path: Path, checkpoints: CheckpointManager, run: RunState, data: boo
                                    "_step_count": saved["_step_count"]})
     if run.ema is not None:
         run.ema.load_state_dict(app["ema"])
-    pending = _restore_data(meta, rank_states, run) if data else None
-    return Restored(int(app["step"]), int(app["units_seen"]), pending)
-
-
-def _restore_data(meta: dict[str, Any], rank_states: list[dict[str, Any]], run: RunState) -> list[list[Any]]:
-    """The loader position and RNG, as saved (same layout) or merged (another one); returns this
-    rank's balancing window."""
-    if (meta["dp_size"], meta["num_workers"]) == (run.dp_size, run.num_workers):
-        mine = next(s for s in rank_states if s["dp_rank"] == run.dp_rank)
-        run.loader.load_state_dict(mine["loader"])
-        rng = mine["rng"]
+    if not data:
+        return Restored(int(app["step"]), int(app["units_seen"]), None)
+    same = (meta["dp_size"], meta["num_workers"]) == (run.dp_size, run.num_workers)
+    if not same:
+        logger.warning("data-parallel layout changed (dp %d -> %d): data loader positions merged",
+                       meta["dp_size"], run.dp_size)
+    pending = restore_position(run.loader, rank_states, same, run.dp_rank, run.dp_size)
+    if same:  # the run goes on exactly: its RNG states too (at another layout they stay as seeded)
+        rng = next(s for s in rank_states if s["dp_rank"] == run.dp_rank)["rng"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        return mine.get("pending", [])
-    logger.warning("data-parallel layout changed (dp %d -> %d): data loader positions merged",
-                   meta["dp_size"], run.dp_size)
-    run.loader.load_state_dict(type(run.loader.dataset).merge_states([s["loader"] for s in rank_states]))
-    return pending_share(rank_states, run.dp_rank, run.dp_size)
-
-
-def pending_share(rank_states: list[dict[str, Any]], dp_rank: int, dp_size: int) -> list[list[Any]]:
-    """This rank's share of an old layout's balancing windows (drawn, not trained), dealt round-robin
-    over the new data-parallel ranks in old data-parallel order; each old dp rank counted once."""
-    old = {state["dp_rank"]: state.get("pending", []) for state in rank_states}
-    return [p for rank in sorted(old) for p in old[rank]][dp_rank::dp_size]
+    return Restored(int(app["step"]), int(app["units_seen"]), pending)

@@ -28,39 +28,30 @@ from veomni.checkpoint.manager import CheckpointManager
 from veomni.config.load import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.contract import build_config, get_model_spec, load_plugins
-from veomni.data.build_loader import build_dataloader, dataset_kind_name, load_run_tokenizer
+from veomni.data.build_loader import run_data
+from veomni.data.feed import build_feed
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
-from veomni.tasks.base import Baseline, Task, task_generator
-from veomni.train.data_feed import build_feed
+from veomni.tasks.base import Baseline, Task, batch_to_device, task_generator
 from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
 from veomni.train.fault.injection import FaultInjector
 from veomni.train.fault.recovery import BadStepRecovery
 from veomni.train.fault.restart import restart_attempt, restart_record, run_id
 from veomni.train.fault.shared_fs import check_shared_output_dir
+from veomni.train.fault.stop import RunStopped
 from veomni.train.fault.stragglers import StragglerDetector
 from veomni.train.fault.watchdog import Watchdog, process_group_timeout_s
 from veomni.train.report.baseline import BaselineCollector
 from veomni.train.report.metrics import StepTimer, device_peak_flops, peak_memory_gb
 from veomni.train.report.sinks import MetricsReporter
-from veomni.train.restore import RunState, app_state, choose_resume, rank_state, restore
+from veomni.train.restore import RunState, app_state, rank_state, restore
 from veomni.train.run_end import RunEnd
 from veomni.train.runners.build import build_runner
 
 logger = logging.getLogger(__name__)
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Every tensor of the batch, nested ones included (an omni batch's ``media`` inputs)."""
-    def move(value: Any) -> Any:
-        if torch.is_tensor(value):
-            return value.to(device, non_blocking=True)
-        return {k: move(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-    return move(batch)
 
 
 class Trainer(RunEnd):
@@ -74,15 +65,14 @@ class Trainer(RunEnd):
         self.rank = dist.get_rank()
         self.watchdog = Watchdog.for_run(cfg.train.collective_timeout_s, Path(cfg.train.output_dir), self.rank,
                                          dist.get_world_size(), dist.get_backend())
-        self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
-        self.meshes = build_mesh(self.dims, self.device.type)
-        self.stragglers = StragglerDetector.for_run(cfg.train.straggler_factor, cfg.train.straggler_window,
-                                                    self.meshes.pp.get_local_rank())
         self.output_dir = Path(cfg.train.output_dir)
         self.launch = list(launch) if launch else [str(self.output_dir / "config.yaml")]
         check_shared_output_dir(self.output_dir, cfg.train.shared_fs_timeout_s)  # makes it on every node
+        self.dims = ParallelDims.resolve(cfg.parallel, dist.get_world_size())
+        self.meshes = build_mesh(self.dims, self.device.type)
+        self.settings = config_to_dict(cfg)  # what config.yaml and the metric sinks record
         if self.rank == 0:
-            (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+            (self.output_dir / "config.yaml").write_text(dump_config(self.settings))
         logger.info("layout: %s", self.dims.describe())
 
         load_plugins(cfg.model.plugins)
@@ -95,7 +85,11 @@ class Trainer(RunEnd):
             layout={"world_size": self.dims.world_size, "dp_size": self.dims.dp_size,
                     "num_workers": cfg.data.num_workers, "run_id": run_id()},
         )
-        self.resume_path = choose_resume(cfg.checkpoint.resume, self.checkpoints.root, self.checkpoints.problems)
+        try:
+            self.resume_path = self.checkpoints.choose_resume(cfg.checkpoint.resume,
+                                                              run_id() if restart_attempt() else None)
+        except (ValueError, FileNotFoundError) as exc:  # damaged or missing: the same on every rank
+            raise RunStopped(str(exc)) from None
         torch.manual_seed(cfg.train.seed)
         self.runner = build_runner(cfg, self.spec, self.model_config, self.task, self.meshes, self.device,
                                    self._initialise)
@@ -108,9 +102,10 @@ class Trainer(RunEnd):
         self.sample_writer = self.spec.sample_writer(self.model_config, cfg.data) \
             if cfg.train.sample_interval and self.spec.sample_writer else None
 
-        self.data_kind = dataset_kind_name(cfg.data, self.spec.dataset)
-        self.tokenizer = load_run_tokenizer(cfg.data, self.data_kind)
-        self.train_loader = self._loader("train")
+        self.data = run_data(cfg.data, self.spec.dataset, self.meshes.dp_rank, self.dims.dp_size, cfg.train.seed,
+                             self.model_config, cfg.train.grad_accum)
+        self.tokenizer = self.data.tokenizer
+        self.train_loader = self.data.loader("train")
         if cfg.data.balance:
             self.train_loader.dataset.unpacked = True  # single samples: the feed packs them after balancing
         self.run_state = RunState(self.parts, self.optimizer, self.scheduler, self.ema, self.runner.tied,
@@ -119,9 +114,10 @@ class Trainer(RunEnd):
         self.step, self.units_seen, self._last_saved_step = 0, 0, -1
         if self.resume_path is not None:
             self._restore(self.resume_path)
+        self.feed = build_feed(cfg, self.train_loader, self.meshes, self.spec, self.device, self._pending,
+                               all_reduce_values)
         # goes into the next step's metrics only
         self._once: dict[str, Any] = restart_record(self.output_dir, self.step, cfg.train.max_restarts)
-        self.feed = build_feed(cfg, self.train_loader, self.meshes, self.spec, self.device, self._pending)
         self._timer = StepTimer()
         self._last_eval_step = -1
         self.last_eval: dict[str, float] = {}
@@ -132,10 +128,12 @@ class Trainer(RunEnd):
             signal.signal(signal.SIGTERM, self._on_stop_signal)
             signal.signal(signal.SIGINT, self._on_stop_signal)
 
+        self.stragglers = StragglerDetector.for_run(cfg.train.straggler_factor, cfg.train.straggler_window,
+                                                    self.meshes.pp.get_local_rank())
         peak, self.peak_source = device_peak_flops(self.device)
         self.peak_flops = all_reduce_values([peak], group=self.meshes.loss.get_group())[0] / self.dims.loss_size
         logger.info("MFU peak: %s", self.peak_source)
-        self.reporter = MetricsReporter(self.output_dir, cfg.log, config_to_dict(cfg), cfg.train.max_steps,
+        self.reporter = MetricsReporter(self.output_dir, cfg.log, self.settings, cfg.train.max_steps,
                                         self.step, enabled=self.rank == 0, throughput_key=self._key("s_per_s"))
         self.recovery = BadStepRecovery(self.runner.guard, cfg.train.max_bad_steps, cfg.train.on_bad_steps,
                                         self.checkpoints, self.reporter.log, self._restore_weights, restart_attempt())
@@ -150,10 +148,6 @@ class Trainer(RunEnd):
         return f"{self.unit}{suffix}"
 
     # ----- state ------------------------------------------------------------------------
-    def _loader(self, split: str):
-        return build_dataloader(self.cfg.data, split, self.tokenizer, self.meshes.dp_rank, self.dims.dp_size,
-                                self.cfg.train.seed, self.model_config, self.data_kind, self.cfg.train.grad_accum)
-
     def _initialise(self, model: torch.nn.Module) -> None:
         """Rank 0's full copy: seeded init, then for a fresh run the pretrained folders of
         ``checkpoint.init_from_hf`` (the whole model) and ``checkpoint.init`` (sub-modules)."""
@@ -200,7 +194,7 @@ class Trainer(RunEnd):
         batch = self.task.prepare(batch, generator, training=training)
         if self.dims.row_ranks > 1 and not self.runner.shards_rows:
             batch = shard_batch(batch, self.meshes.row_split, self.task.contract)
-        return _to_device(batch, self.device)
+        return batch_to_device(batch, self.device)
 
     def _next_micro_batches(self) -> list[dict[str, Any]]:
         self.faults.before_step(self.step + 1)
@@ -228,7 +222,7 @@ class Trainer(RunEnd):
         for part in self.parts:
             part.eval()
         baseline = BaselineCollector(self.task)
-        result = self.runner.evaluate(baseline.observe(self._eval_batches(self._loader("eval"))))
+        result = self.runner.evaluate(baseline.observe(self._eval_batches(self.data.loader("eval"))))
         for part in self.parts:
             part.train()
         # Whole rows (the runner slices them) are the same on every cp x sp rank: add them over dp only.

@@ -6,7 +6,7 @@ the whole group is stopped and started again, with ``TORCHELASTIC_RESTART_COUNT`
 attempts and ``TORCHELASTIC_RUN_ID`` naming the run. Every checkpoint records that run id, so a
 restarted group resumes from the newest checkpoint of its own run whatever ``checkpoint.resume``
 says (``none`` must not start a crashed run over), and otherwise from what the recipe asks for;
-that choice is ``veomni/train/restore.py``'s ``choose_resume``.
+that choice is ``CheckpointManager.choose_resume`` (``veomni/checkpoint/manager.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The restore decision's re-deal of balancing windows at a changed data-parallel size
-(veomni/train/restore.py): every drawn, untrained sample goes to exactly one new rank."""
+(veomni/data/resume.py): every drawn, untrained sample goes to exactly one new rank."""
 
 from __future__ import annotations
 
-from veomni.train.restore import pending_share
+from veomni.data.resume import pending_share
 
 
 def test_balancing_windows_are_dealt_to_the_new_ranks_once_each():

@@ -4,8 +4,9 @@ The trainer asks for ``grad_accum`` micro-batches per step: as the loader packed
 ``data.balance``, balanced across the rank's group by ``veomni.data.group_reorder`` (the loader
 then yields single samples, and this module gives the reordering the family's cost model). A
 micro-batch says how many of its samples each source gave (``SOURCE_COUNTS``); that is removed
-here before the task sees the batch and summed over the data-parallel ranks into the realised
-mixture ``mix_<source>`` (the share of the step's samples), reported when a run mixes sources.
+here before the task sees the batch and summed over the data-parallel ranks (by the trainer's
+``reduce``) into the realised mixture ``mix_<source>`` (the share of the step's samples), reported
+when a run mixes sources. A data concern, so it sits with the dataset kinds it feeds from.
 """
 
 from __future__ import annotations
@@ -25,18 +26,21 @@ from veomni.data.group_reorder import GroupReorder, balance_group_size, balance_
 from veomni.data.mixture import run_sources
 from veomni.data.text.packed import SOURCE_COUNTS, Drawn, PackedTextDataset
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.train.distributed import all_reduce_values
 
 logger = logging.getLogger(__name__)
+
+ReduceValues = Callable[..., list[float]]
+"""``reduce(values, group=, device=)``: the values summed over the group's ranks."""
 
 
 class DataFeed:
     def __init__(self, next_step: Callable[[], list[dict]], sources: list[str], dp_group: Any,
-                 device: torch.device, reorder: GroupReorder | None = None) -> None:
+                 device: torch.device, reduce: ReduceValues, reorder: GroupReorder | None = None) -> None:
         self._next_step = next_step
         self.sources = sources
         self.dp_group = dp_group
         self.device = device
+        self.reduce = reduce
         self.reorder = reorder
         self._counts: Counter = Counter()
 
@@ -55,8 +59,7 @@ class DataFeed:
         metrics = dict(self.reorder.last) if self.reorder is not None else {}
         if len(self.sources) < 2:
             return metrics
-        totals = all_reduce_values([float(counts[name]) for name in self.sources], group=self.dp_group,
-                                   device=self.device)
+        totals = self.reduce([float(counts[name]) for name in self.sources], group=self.dp_group, device=self.device)
         drawn = sum(totals) or 1.0
         return metrics | {f"mix_{name}": total / drawn for name, total in zip(self.sources, totals)}
 
@@ -66,32 +69,33 @@ class DataFeed:
 
 
 def build_feed(cfg: RunConfig, loader: Any, meshes: ParallelMeshes, spec: Any, device: torch.device,
-               pending: list[list[Any]]) -> DataFeed:
-    """The run's feed: plain, or balanced (``data.balance``) with the restored window ``pending``."""
+               pending: list[list[Any]], reduce: ReduceValues) -> DataFeed:
+    """The run's feed: plain, or balanced (``data.balance``) with the restored window ``pending``;
+    ``reduce`` sums values over a group (the trainer's ``all_reduce_values``)."""
+    reorder = balanced_feed(cfg, loader, meshes, spec, pending) if cfg.data.balance else None
     sources = [source.name for source in run_sources(cfg.data, "train")]
-    if not cfg.data.balance:
-        it = iter(loader)
-        return DataFeed(lambda: [next(it) for _ in range(cfg.train.grad_accum)], sources, meshes.dp.get_group(),
-                        device)
+    if reorder is not None:
+        return DataFeed(reorder.next_step, sources, meshes.dp.get_group(), device, reduce, reorder)
+    it = iter(loader)
+    return DataFeed(lambda: [next(it) for _ in range(cfg.train.grad_accum)], sources, meshes.dp.get_group(), device,
+                    reduce)
+
+
+def balanced_feed(cfg: RunConfig, loader: Any, meshes: ParallelMeshes, spec: Any,
+                  pending: list[list[Any]]) -> GroupReorder:
+    """The group reordering of this rank: the family's cost per sample and the micro-batch target
+    (from a meta build of the model), its group (gloo), the restored window."""
     with torch.device("meta"):
         _, meta_model = build_model(cfg.model.arch, cfg.model.options)
-    reorder = balanced_feed(loader, cfg.train.grad_accum, meshes, spec, meta_model, cfg.data.balance_group,
-                            cfg.data.balance_max_wait, pending)
-    return DataFeed(reorder.next_step, sources, meshes.dp.get_group(), device, reorder)
-
-
-def balanced_feed(loader: Any, grad_accum: int, meshes: ParallelMeshes, spec: Any, meta_model: nn.Module,
-                  group_size: int, max_wait: int, pending: list[list[Any]]) -> GroupReorder:
-    """The group reordering of this rank: its group (gloo), the family's cost per sample and the
-    micro-batch target, the restored window."""
     dataset: PackedTextDataset = loader.dataset
+    target, cost_of = sample_costs(spec, meta_model, dataset)
     dims = meshes.dims
-    size = balance_group_size(group_size, dims.dp_size, dims.world_size // dims.pp // dims.dp_size)
+    size = balance_group_size(cfg.data.balance_group, dims.dp_size, dims.world_size // dims.pp // dims.dp_size)
     group = None
     if size > 1:
         group, _ = dist.new_subgroups_by_enumeration(balance_groups(meshes.dp_rank_lists(), size), backend="gloo")
-    target, cost_of = sample_costs(spec, meta_model, dataset)
-    reorder = GroupReorder(dataset, iter(loader), grad_accum, cost_of, target, max_wait, group)
+    reorder = GroupReorder(dataset, iter(loader), cfg.train.grad_accum, cost_of, target, cfg.data.balance_max_wait,
+                           group)
     reorder.load_state_dict(pending)
     logger.info("data balancing: groups of %d data-parallel rank(s), target %.3g FLOPs per micro-batch", size, target)
     return reorder
