@@ -1,7 +1,9 @@
-"""The recipe reference lists every schema key, and the README starts with the two commands."""
+"""The recipe reference lists every schema key, the README starts with the two commands, and every
+file the docs name exists."""
 
 import dataclasses
 import re
+import subprocess
 from pathlib import Path
 
 from veomni.config.schema import RunConfig
@@ -30,3 +32,20 @@ def test_readme_opens_with_the_two_commands():
     assert "bash scripts/test.sh" in first_block
     for link in re.findall(r"\]\((docs/[^)]+)\)", readme):
         assert (REPO / link).is_file(), link
+
+
+def test_every_python_file_the_docs_and_docstrings_name_exists() -> None:
+    """A file named in backticks (a path, or a bare file name) in the docs, the README or a
+    docstring exists: a path as written, a bare name somewhere in the tree. Moves leave no stale name."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    paths, names = set(tracked), {Path(f).name for f in tracked}
+    stale = []
+    for file in tracked:
+        if not file.endswith((".md", ".py")) or file.startswith("data/cache"):
+            continue
+        for name in re.findall(r"`{1,2}([\w./-]+\.py)\b", (REPO / file).read_text(errors="replace")):
+            name = name.removeprefix("./")
+            known = (name in paths or any(p.endswith("/" + name) for p in paths)) if "/" in name else name in names
+            if not known and not name.startswith(("torch/", "transformers/", "diffusers/")):
+                stale.append(f"{file}: {name}")
+    assert not stale, "these files do not exist (renamed or moved?):\n" + "\n".join(sorted(set(stale)))

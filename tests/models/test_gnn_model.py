@@ -16,7 +16,7 @@ from models.gnn.config import GNNConfig
 from models.gnn.layers import GCNIILayer, GCNLayer, SAGELayer
 from tests.parity_utils import assert_parity
 from veomni.contract import build_config, build_model, get_model_spec
-from veomni.contract.graph import GraphModelConfig
+from veomni.contract.graph_model import GraphModelConfig
 from veomni.contract.plan import match_modules
 from veomni.data.graph.views import edge_weights, partition_views, split_labels
 from veomni.ops.graph import NeighbourAggregation

@@ -277,7 +277,7 @@ def test_routing_under_pp_needs_colocated_encoders_and_sizes_that_fit():
 
 PIPELINE_OVERRIDES = ("--parallel.pp", "2")
 """All the tiny recipes need: they take two micro-batches per step (1F1B needs one per stage);
-their tied embedding and head become one copy on each end stage (``pipeline_tied.py``)."""
+their tied embedding and head become one copy on each end stage (``veomni/parallel/pipeline/tied.py``)."""
 
 
 def test_tiny_vlm_recipe_trains_with_pp2(tmp_path, vqa_build):

@@ -1,6 +1,6 @@
 """The range and cross-field rules of a loaded recipe that the field types alone cannot express
 (``train.lr > 0``, ``data.max_seq_len <= model.max_position_embeddings``, ...), each refusal
-naming the recipe line the value came from. Kept apart from ``loader.py``, which reads, merges
+naming the recipe line the value came from. Kept apart from ``load.py``, which reads, merges
 and types the YAML, so that adding a rule touches only this list."""
 
 from __future__ import annotations

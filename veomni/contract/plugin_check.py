@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from veomni.contract.families import ModelSpec
-from veomni.contract.graph import message_passing_modules
+from veomni.contract.graph_model import message_passing_modules
 from veomni.contract.hooks import expert_modules
 from veomni.contract.plan import flatten_plan
 from veomni.tasks.base import BatchContract

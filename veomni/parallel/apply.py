@@ -1,6 +1,6 @@
 """The one ordered parallel recipe applied to a plain model.
 
-Order matters: pipeline split (``pipeline.py`` cuts the model before calling this) -> sequence,
+Order matters: pipeline split (``pipeline/stages.py`` cuts the model before calling this) -> sequence,
 graph, expert and encoder-balance injection -> activation checkpointing -> compile -> FSDP. Expert injection swaps
 parameters for EP-sharded DTensors and sets the MoE dispatchers, which checkpointing and
 compile must then capture;
@@ -33,8 +33,8 @@ from veomni.parallel.graph.layer_pipeline import check_graph_stages
 from veomni.parallel.media.colocate import apply_media_routing
 from veomni.parallel.media.pipeline_encoders import PipelineMedia
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.parallel.pipeline.hooks import StageHooks
 from veomni.parallel.pipeline.layout import SPLIT_BACKWARD_SCHEDULES
+from veomni.parallel.pipeline.stage_hooks import StageHooks
 from veomni.parallel.sequence import apply_sequence_parallel, check_sequence_parallel, kv_repeat_factor
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
         count = apply_graph_parallel(model, plan, group)
         logger.info("graph aggregation on %d message-passing modules (%d partitions)", count, meshes.dims.dp_size)
     experts = apply_expert_parallel(model, plan, meshes.ep, meshes.loss, meshes.dims.loss_size)
-    # (a pipeline that colocates its encoders routes their media around the schedule: pipeline_media.py)
+    # (a pipeline that colocates its encoders routes their media around the schedule: media/pipeline_encoders.py)
     routed = cfg.encoder_balance or cfg.encoder_sp > 1 or (isinstance(model, MediaHost) and meshes.dims.sp > 1)
     if routed and not meshes.dims.pipeline_encoders:
         apply_media_routing(model, meshes, cfg)

@@ -46,7 +46,7 @@ class ParallelDims:
     pipeline_encoders: bool = False
     """A pipeline colocates media encoders on all its ranks (``parallel.pp`` > 1 with
     ``parallel.encoder_colocate``): their work and their FSDP mesh span every pp x dp rank
-    (``pipeline_media.py``)."""
+    (``media/pipeline_encoders.py``)."""
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -232,7 +232,7 @@ class ParallelMeshes:
         """Every rank sharing the step's media encoder work (the routing group of
         ``colocate.py``): the ranks holding part of the step's tokens (``loss``), or every
         pipeline x data-parallel rank when a pipeline colocates the encoders (cp = sp = 1 there,
-        ``pipeline_media.check_pipeline_media``)."""
+        ``pipeline_encoders.check_pipeline_media``)."""
         if self.dims.pipeline_encoders:
             return self.root["pp", "dp_replicate", "dp_shard"]._flatten("media")
         return self.loss

@@ -17,7 +17,7 @@ recipes. Memory per rank (bytes):
   that split each row).
 
 Under sequence or context parallelism a "sequence split" section follows: each way to split a
-row over the ``sp x cp`` ranks, with its attention traffic and buffers (``estimate_cp.py``).
+row over the ``sp x cp`` ranks, with its attention traffic and buffers (``sequence_split.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from veomni.config.schema import RunConfig
 from veomni.contract import build_model, get_model_spec
-from veomni.contract.graph import GraphCost
+from veomni.contract.graph_model import GraphCost
 from veomni.contract.hooks import attention_modules
 from veomni.contract.plan import flatten_plan, match_modules
 from veomni.parallel.mesh import ParallelDims
@@ -57,11 +57,11 @@ class Estimate:
     model_lines: list[str] = field(default_factory=list)
     """Lines the family adds about itself (its cost model's ``report_lines``, e.g. VWN's overhead)."""
     history_gb: float = 0.0
-    """Graph models in chunked runs: the per-layer history tables (``estimate_graph.py``)."""
+    """Graph models in chunked runs: the per-layer history tables (``graph_plan.py``)."""
     ema_gb: float = 0.0
     """The weight EMA's fp32 copy (``train.ema_decay``)."""
     sequence_lines: list[str] = field(default_factory=list)
-    """Under sp or cp > 1: each way to split a row over those ranks (``estimate_cp.py``)."""
+    """Under sp or cp > 1: each way to split a row over those ranks (``sequence_split.py``)."""
 
     @property
     def total_gb(self) -> float:

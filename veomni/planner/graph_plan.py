@@ -1,7 +1,7 @@
 """``--dry-run`` lines for graph models: the graph, the history memory per rank, and the bytes
 an epoch sends under graph parallelism, GNNPipe and their hybrid.
 
-The graph's size comes from its manifest when the folder exists (``graph_format.py``); before it
+The graph's size comes from its manifest when the folder exists (``veomni/data/graph/format.py``); before it
 is built, from the recipe: ``data.tokens_per_micro_batch`` nodes per chunk (the micro-batch
 budget in the task's unit) x ``train.grad_accum`` chunks x data-parallel partitions, and the
 model's ``avg_degree``.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from veomni.config.schema import RunConfig
-from veomni.contract.graph import GraphCost
+from veomni.contract.graph_model import GraphCost
 from veomni.data.graph.format import GraphFormatError, read_manifest
 from veomni.parallel.mesh import ParallelDims
 

@@ -136,7 +136,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
     every group scaled by the same coefficient. Under pipeline parallelism each rank holds only
     its stages' parameters: the squared norms are summed over ``pp_group`` first, except those
     of gradients sharded over a mesh that spans the pipeline ranks (media encoders colocated on
-    every stage, ``pipeline_media.py``): their norm is already whole on every rank. Parameters in
+    every stage, ``media/pipeline_encoders.py``): their norm is already whole on every rank. Parameters in
     ``uncounted`` (copies of a tied parameter, whose gradient another copy already counts) are
     clipped but not counted.
     """

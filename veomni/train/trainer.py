@@ -2,7 +2,7 @@
 
 Set-up (process group, mesh, the family's spec, its task, the step runner, data, resume), then
 steps of ``grad_accum`` micro-batches per data-parallel rank (the step math is in ``step.py``,
-the layout-specific part in ``runner.py``), periodic eval and checkpoints, metrics, and an end
+the layout-specific part in ``runners/``), periodic eval and checkpoints, metrics, and an end
 of run that says what was learned.
 
 Everything family-specific comes from the model spec (``veomni.contract``): how to build the model,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from veomni.config.schema import DataConfig
-from veomni.contract.graph import GraphModelConfig
+from veomni.contract.graph_model import GraphModelConfig
 from veomni.data.graph.format import GraphData, check_graph, load_graph, read_manifest
 from veomni.data.graph.partition import chunk_nodes, metis_binding, partition_nodes
 from veomni.data.graph.views import edge_weights, empty_view, partition_views, split_labels

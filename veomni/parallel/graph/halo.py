@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.contract.graph import message_passing_modules
+from veomni.contract.graph_model import message_passing_modules
 from veomni.contract.plan import ParallelPlan
 from veomni.ops.graph import NeighbourAggregation, aggregate, has_stale_edges, sparse_adjacency
 from veomni.parallel.comm_counter import COMM_COUNTER

@@ -1,5 +1,5 @@
 """Encoder-LLM colocation on the model side: the ``MediaFn`` that routes an omni model's media
-through ``media_route.route_media``, and the recipe that installs it.
+through ``route.route_media``, and the recipe that installs it.
 
 With a dynamic image:text mix one rank's micro-batch may hold most of the step's images and the
 others wait for it (``parallel.encoder_balance`` spreads the items by encoder cost); one huge
@@ -13,7 +13,7 @@ holds each feature row (``holders``, set by the VLM contract when the row is sha
 split the row's items between them by encoder cost (no communication: they all see the same
 items), announce their share, and each receives exactly the rows of its slice. A pipeline that
 colocates its encoders uses the same router with the pipeline ranks of a data-parallel group as
-the peers and every row destined to the first stage (``pipeline_media.media_router``).
+the peers and every row destined to the first stage (``pipeline_encoders.media_router``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def apply_media_routing(model: nn.Module, meshes: ParallelMeshes, cfg: ParallelC
     dims = meshes.dims
     if dims.cp > 1 or dims.pipeline_encoders:
         raise ValueError("media routing in the model: not under context parallelism (check_sequence_parallel) nor "
-                         "where a pipeline routes the media around its schedule (pipeline_media.py)")
+                         "where a pipeline routes the media around its schedule (media/pipeline_encoders.py)")
     long = long_items(meshes.media, cfg)
     if long is not None:
         apply_encoder_sp(model)

@@ -1,6 +1,6 @@
 """The media-encoder work a rank actually ran, priced by the family's own cost model.
 
-Balancing (``media_assign.py``) places items by their predicted cost; this is the other side,
+Balancing (``assign.py``) places items by their predicted cost; this is the other side,
 what each rank's encoders then ran: the check behind the colocation parity tests ("no rank
 encoded more than its share") and the imbalance the colocation benchmark reports. One forward
 pre-hook per encoder records each real call: an input run whole adds its ``MediaKind.flops``;

@@ -20,7 +20,7 @@ step, while the other stages sit idle in the warm-up and cool-down bubbles. Here
 
 Which rank encodes which item: every pipeline rank of a data-parallel group reads the same loader
 rows, so all of them hold the step's media. The encoders route it with the one media router
-(``colocate.RoutedMediaFn`` over ``media_route.route_media``, on ``ParallelMeshes.media``: every
+(``colocate.RoutedMediaFn`` over ``route.route_media``, on ``ParallelMeshes.media``: every
 pp x dp rank, in rank order): the pp ranks of a data-parallel group are the *peers* of its rows
 (the first stage peer 0), they split the items by encoder cost among themselves with no input
 moving, and every feature row goes to the first stage (``holders`` all zero) by the router's
@@ -33,7 +33,7 @@ item. Because the encoder mesh averages gradients over pp x dp ranks while the l
 normalised for the dp ranks only, the feature gradients are scaled by pp before that backward.
 
 The generic pipeline reaches all this only through ``PipelineMedia`` (its ``StageMedia`` hook,
-``veomni/parallel/pipeline/hooks.py``, whose ``check`` is one of its checks), which the wiring
+``veomni/parallel/pipeline/stage_hooks.py``, whose ``check`` is one of its checks), which the wiring
 layer hands it (``veomni/parallel/apply.py``, ``PIPELINE_HOOKS``).
 """
 

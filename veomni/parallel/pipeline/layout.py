@@ -2,7 +2,7 @@
 whether a schedule accepts the micro-batch count.
 
 Pure functions of sizes (no process group), so the launcher and the config checks reject a bad
-pipeline before any worker starts; ``pipeline.py`` builds the stages from the same answers.
+pipeline before any worker starts; ``stages.py`` builds the stages from the same answers.
 """
 
 from __future__ import annotations

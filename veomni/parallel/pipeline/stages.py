@@ -20,7 +20,7 @@ MoE models also tie each stage's auxiliary losses to its output and sum its expe
 through the stage-output hook ``step`` accepts (``veomni/train/moe_stats.PipelineMoEStats``).
 
 Modalities. A graph model's schedules and a media model's encoders need rules and stage pieces
-of their own; they come in through ``StageHooks`` (``hooks.py``), which the wiring layer fills from the graph
+of their own; they come in through ``StageHooks`` (``stage_hooks.py``), which the wiring layer fills from the graph
 and media wings (``veomni/parallel/apply.py``, ``PIPELINE_HOOKS``), so this package imports
 neither.
 """
@@ -43,7 +43,6 @@ from veomni.config.schema import ParallelConfig
 from veomni.contract.plan import ParallelPlan, match_modules
 from veomni.parallel.materialize import build_sharded_parts
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.parallel.pipeline.hooks import StageEncoders, StageHooks
 from veomni.parallel.pipeline.layout import (
     PipelineConfigError,
     TooFewBlocksError,
@@ -54,6 +53,7 @@ from veomni.parallel.pipeline.layout import (
     virtual_stages,
 )
 from veomni.parallel.pipeline.p2p import recv_tensor, send_tensor
+from veomni.parallel.pipeline.stage_hooks import StageEncoders, StageHooks
 from veomni.parallel.pipeline.tied import TiedCopies, check_tied, tied_across_pieces, tied_stage
 from veomni.tasks.base import Task
 

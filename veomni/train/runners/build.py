@@ -2,7 +2,7 @@
 
 ``PlainRunner`` runs each micro-batch forward and backward on the (FSDP/EP/SP-parallelised)
 model; ``PipelineRunner`` hands a step's micro-batches to a pipeline schedule;
-``GraphPipelineRunner`` (``graph_runner.py``) runs a graph model's chunks through its layer
+``GraphPipelineRunner`` (``graph_pipeline.py``) runs a graph model's chunks through its layer
 pipeline, chosen for models whose plan names message-passing modules. All own the optimizer and
 LR schedule of the modules they hold (``parts``), return the same global metrics
 (generic names: ``units``, ``loss_units``, ``flops``; the trainer names them after the task's
@@ -30,9 +30,9 @@ from veomni.parallel.pipeline.rows import empty_row
 from veomni.parallel.pipeline.stages import Pipeline, build_pipeline, build_stage_parts
 from veomni.parallel.pipeline.tied import aliases, tied_names
 from veomni.tasks.base import Task
-from veomni.train.runners.base import RunnerBase, StepRunner
-from veomni.train.runners.graph import GraphPipelineRunner
+from veomni.train.runners.graph_pipeline import GraphPipelineRunner
 from veomni.train.runners.pipeline_step import pipeline_forward_backward, pipeline_rows
+from veomni.train.runners.step_runner import RunnerBase, StepRunner
 from veomni.train.step import add_task_metrics, clip_and_step, forward_backward
 
 

@@ -1,6 +1,6 @@
 """The step runner of a layer-pipelined graph model (GNNPipe; ``parallel/graph/layer_pipeline.py``).
 
-Same contract as the other runners (``runner.py``): global metrics under generic names, eval
+Same contract as the other runners (``build.py``): global metrics under generic names, eval
 results as ``eval_loss`` and ``eval_<metric>``. Every rank of a pipeline reads the same chunk
 views (it shares its data-parallel rank, hence its graph partition, with its stage peers), so
 each counts the step's loss units itself; loss, units and the task's metrics exist on the last
@@ -21,7 +21,7 @@ from veomni.parallel.graph.layer_pipeline import GraphPipeline
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.tasks.base import LossOutput, Task
 from veomni.train.distributed import all_reduce_values
-from veomni.train.runners.base import RunnerBase
+from veomni.train.runners.step_runner import RunnerBase
 from veomni.train.step import add_task_metrics, clip_and_step, count_global_loss_units, step_flops, task_metric_means
 
 
