@@ -40,7 +40,7 @@ def user_latents(folder: Path, text_dim: int) -> Path:
 
 
 @pytest.mark.parametrize("recipe, world, sp", [
-    ("goku/goku_2b.yaml", 64, 4), ("goku/goku_8b.yaml", 128, 8), ("seaweed/seaweed_7b.yaml", 224, 7)])
+    ("goku/goku_2b.yaml", 64, 4), ("goku/goku_8b.yaml", 128, 8), ("seaweed/seaweed_7b.yaml", 256, 4)])
 def test_full_size_recipes_plan(recipe, world, sp, tmp_path):
     path = REPO / "recipes" / recipe
     if recipe == "goku/goku_2b.yaml":  # the README's command, in a fresh clone: planned without the latents
