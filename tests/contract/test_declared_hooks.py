@@ -100,7 +100,7 @@ def test_the_layer_holding_experts_must_declare_its_injection_points() -> None:
 def test_a_message_passing_module_must_declare_its_aggregation() -> None:
     model = Toy(nn.Linear(2, 2), "message_passing")
     with pytest.raises(TypeError, match=r"Toy: layers\.0 \(Linear\) is listed in parallel_plan\(\)\.message_passing "
-                                        r"but does not implement veomni\.contract\.graph\.MessagePassingLayer"):
+                                        r"but does not implement veomni\.contract\.graph_model\.MessagePassingLayer"):
         apply_graph_parallel(model, model.parallel_plan(), None)
     assert "MessagePassingLayer" in plan_hook_problems(model)[0]
     layer = nn.Linear(2, 2)
