@@ -35,8 +35,9 @@ def test_readme_opens_with_the_two_commands():
 
 
 def test_every_python_file_the_docs_and_docstrings_name_exists() -> None:
-    """A file named in backticks (a path, or a bare file name) in the docs, the README or a
-    docstring exists: a path as written, a bare name somewhere in the tree. Moves leave no stale name."""
+    """A file or folder named in backticks (a path, or a bare file name) in the docs, the README or
+    a docstring exists: a path as written, a bare name somewhere in the tree. Moves leave no stale
+    name."""
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     paths, names = set(tracked), {Path(f).name for f in tracked}
     stale = []
@@ -48,4 +49,11 @@ def test_every_python_file_the_docs_and_docstrings_name_exists() -> None:
             known = (name in paths or any(p.endswith("/" + name) for p in paths)) if "/" in name else name in names
             if not known and not name.startswith(("torch/", "transformers/", "diffusers/")):
                 stale.append(f"{file}: {name}")
+        for path in re.findall(r"`{1,2}((?:veomni|models|tests|scripts|harness|recipes|examples)/[\w/.-]*)`",
+                               (REPO / file).read_text(errors="replace")):
+            path = path.rstrip("/.")
+            folder, _, last = path.rpartition("/")
+            module = f"{folder}/{last.split('.')[0]}.py"  # a/b.attr: an attribute of a/b.py
+            if not (REPO / path).exists() and not (REPO / module).exists() and "_N" not in path:
+                stale.append(f"{file}: {path}")
     assert not stale, "these files do not exist (renamed or moved?):\n" + "\n".join(sorted(set(stale)))
