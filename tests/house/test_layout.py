@@ -93,13 +93,8 @@ def test_every_file_that_finds_the_repository_root_finds_it() -> None:
     wrong = [f"{path.relative_to(REPO)}: parents[{k}] is {path.resolve().parents[int(k)]}, the root is {REPO}"
              for path in python_files() for k in re.findall(r"Path\(__file__\)\.resolve\(\)\.parents\[(\d)\]",
                                                              path.read_text())
-             if path.resolve().parents[int(k)] != REPO and not _names_a_folder_below(path, int(k))]
+             if path.resolve().parents[int(k)] != REPO]
     assert not wrong, "\n".join(wrong)
-
-
-def _names_a_folder_below(path, k: int) -> bool:
-    """``parents[k] / "data"`` style lines reach the root plus a folder: only the root counts here."""
-    return False
 
 
 def test_no_file_is_over_400_lines() -> None:

@@ -186,13 +186,19 @@ def restore_position(loader: ResumableLoader, rank_states: list[dict[str, Any]],
     Returns this rank's balancing window (drawn, not trained): its own, or its share of the old
     ones (``pending_share``)."""
     if same_layout:
-        mine = next(s for s in rank_states if s["dp_rank"] == dp_rank)
+        mine = own_state(rank_states, dp_rank)
         state, pending = mine["loader"], mine.get("pending", [])
     else:
         state = type(loader.dataset).merge_states([s["loader"] for s in rank_states])
         pending = pending_share(rank_states, dp_rank, dp_size)
     loader.load_state_dict(state)
     return pending
+
+
+def own_state(rank_states: list[dict[str, Any]], dp_rank: int) -> dict[str, Any]:
+    """The rank state this data-parallel rank saved (its sequence, context and pipeline peers saved
+    the same)."""
+    return next(s for s in rank_states if s["dp_rank"] == dp_rank)
 
 
 def pending_share(rank_states: list[dict[str, Any]], dp_rank: int, dp_size: int) -> list[list[Any]]:

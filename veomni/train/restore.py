@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from veomni.checkpoint.manager import CheckpointManager
-from veomni.data.resume import restore_position
+from veomni.data.resume import own_state, restore_position
 from veomni.train.fault.stop import RunStopped
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def restore(path: Path, checkpoints: CheckpointManager, run: RunState, data: boo
                        meta["dp_size"], run.dp_size)
     pending = restore_position(run.loader, rank_states, same, run.dp_rank, run.dp_size)
     if same:  # the run goes on exactly: its RNG states too (at another layout they stay as seeded)
-        rng = next(s for s in rank_states if s["dp_rank"] == run.dp_rank)["rng"]
+        rng = own_state(rank_states, run.dp_rank)["rng"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if rng["cuda"] is not None and torch.cuda.is_available():
