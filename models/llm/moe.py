@@ -41,7 +41,9 @@ class GroupedExperts(nn.Module):
     gate_up_proj [E, 2I, H] (gate rows first, then up rows) and down_proj [E, H, I]: the
     leading expert dim is the one expert parallelism shards. ``local_weight`` is an injection
     point: expert parallelism sets it to return this rank's slice of a sharded weight; it is
-    applied inside ``forward`` so that it sees the weights as FSDP gathered them.
+    applied inside ``forward`` so that it sees the weights as FSDP gathered them. ``expert_delta``
+    is another (``veomni.contract.hooks.ExpertGroup``): LoRA adds its per-expert low-rank update
+    to each projection through it.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
@@ -49,6 +51,7 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.local_weight: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.expert_delta: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def expert_count(self) -> int:
         """Experts in the group, whole (``veomni.contract.hooks.ExpertGroup``)."""
@@ -56,9 +59,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of ``x`` sorted by expert, ``counts[e]`` rows for (local) expert ``e``."""
-        gate_up, down = self.local_weight(self.gate_up_proj), self.local_weight(self.down_proj)
-        gate, up = grouped_mm(x, gate_up.transpose(1, 2), counts).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, down.transpose(1, 2), counts)
+        gate, up = self._project("gate_up_proj", x, counts).chunk(2, dim=-1)
+        return self._project("down_proj", F.silu(gate) * up, counts)
+
+    def _project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = grouped_mm(x, self.local_weight(getattr(self, name)).transpose(1, 2), counts)
+        return out if self.expert_delta is None else out + self.expert_delta(name, x, counts)
 
 
 class Dispatcher(Protocol):

@@ -20,7 +20,7 @@ full CPU copy after the seeded init (``load_components``), only when not resumin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,9 +206,11 @@ def _listed(names: list[str]) -> str:
     return (", ".join(names[:_LISTED]) + more) or "none"
 
 
-def load_components(model: nn.Module, entries: Mapping[str, str]) -> list[str]:
+def load_components(model: nn.Module, entries: Mapping[str, str],
+                    added: Callable[[str], bool] = lambda name: False) -> list[str]:
     """Load each entry's folder into its sub-module of ``model`` (rank 0's full copy), strictly;
-    returns one log line per entry. Raises ValueError on a mismatching config or parameter set."""
+    returns one log line per entry. Raises ValueError on a mismatching config or parameter set.
+    ``added`` tells the names no pretrained folder holds (LoRA adapters): they keep their values."""
     lines = []
     for path, folder_path in entries.items():
         module = find_component(model, path)
@@ -217,11 +219,11 @@ def load_components(model: nn.Module, entries: Mapping[str, str]) -> list[str]:
         if problems:
             raise ValueError("\n".join(problems))
         state = folder.state_dict()
-        expected = module.state_dict().keys()
+        expected = {name for name in module.state_dict() if not added(name)}
         missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
         if missing or unexpected:
             raise ValueError(f"{_key(path)}: {folder.path} does not hold the parameters of {_label(path)}: "
                              f"missing {_listed(missing)}; unexpected {_listed(unexpected)}")
-        module.load_state_dict(state, strict=True)
+        module.load_state_dict(state, strict=not any(added(name) for name in module.state_dict()))
         lines.append(f"{_label(path)} initialised from {folder.describe()}")
     return lines

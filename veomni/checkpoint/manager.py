@@ -76,12 +76,14 @@ def _optimizers(optimizer) -> list:
     return list(optimizer.optimizers) if isinstance(optimizer, StageOptimizers) else [optimizer]
 
 
-def _stage_state(model, optimizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per stage module: its model state dict and its optimizer's flattened state dict."""
+def _stage_state(model, optimizer, trainable_only: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per stage module: its model state dict (``trainable_only``: without the frozen parameters)
+    and its optimizer's flattened state dict."""
     parts, optims = _parts(model), _optimizers(optimizer)
     if len(parts) != len(optims):
         raise ValueError(f"{len(parts)} model parts but {len(optims)} optimizers; expected one optimizer per part")
-    return ([get_model_state_dict(p) for p in parts],
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    return ([get_model_state_dict(p, options=options) for p in parts],
             [get_optimizer_state_dict(p, o, options=_OPTIM) for p, o in zip(parts, optims)])
 
 
@@ -160,8 +162,12 @@ class _PendingSave:
 class CheckpointManager:
     """Saves and restores the whole training state; one instance per rank."""
 
-    def __init__(self, root: Path, keep_last: int, async_save: bool, layout: dict[str, Any]) -> None:
+    def __init__(self, root: Path, keep_last: int, async_save: bool, layout: dict[str, Any],
+                 trainable_only: bool = False) -> None:
+        """``trainable_only``: checkpoints leave out the frozen parameters (a LoRA run's base, which
+        every start rebuilds from the recipe that ``layout["frozen_base"]`` records)."""
         self.root = root
+        self.trainable_only = trainable_only
         self.keep_last = keep_last
         self.async_save = async_save
         self.layout = layout
@@ -185,7 +191,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         dist.barrier()
         torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")  # plain values and tensors only
-        models, optims = _stage_state(model, optimizer)
+        models, optims = _stage_state(model, optimizer, self.trainable_only)
         state = {"model": _union(models), "optim": _union(optims), "app": app_state}
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
@@ -275,7 +281,7 @@ class CheckpointManager:
         the checkpoint lacks under one name is read under another (a one-process run keys a tied
         parameter's optimizer state by its first name only; a pipeline's last stage asks for the
         head's)."""
-        models, optims = _stage_state(model, optimizer)
+        models, optims = _stage_state(model, optimizer, self.trainable_only)
         state = {"model": _union(models), "optim": _union(optims), "app": app_state}
         twins: dict[str, list[tuple[str, Any, str]]] = {}
         if tied:
@@ -288,7 +294,8 @@ class CheckpointManager:
         # dcp.load fills tensors in place but replaces plain values (learning rates, steps) in
         # the united dicts: read each stage's entries back from them.
         for part, optim, model_sd, optim_sd in zip(_parts(model), _optimizers(optimizer), models, optims):
-            set_model_state_dict(part, {k: state["model"][k] for k in model_sd}, options=StateDictOptions(strict=True))
+            set_model_state_dict(part, {k: state["model"][k] for k in model_sd},
+                                 options=StateDictOptions(strict=not self.trainable_only))
             set_optimizer_state_dict(part, optim, {k: state["optim"][k] for k in optim_sd}, options=_OPTIM)
         meta = json.loads((path / COMPLETE_MARKER).read_text())
         rank_files = sorted(path.glob("rank_*.pt"))

@@ -8,7 +8,7 @@ How a flag names a key:
 
 - In the open ``model`` section every dot nests, at any depth:
   ``--model.encoders.image.num_layers 3`` sets ``num_layers`` in ``model: encoders: image:``.
-- A closed section (data, parallel, train, checkpoint, log) holds flat fields: ``--train.foo.bar``
+- A closed section (data, parallel, train, checkpoint, log, lora) holds flat fields: ``--train.foo.bar``
   is an unknown key, ``--train.lr.x`` is nested too deep. Only a field typed ``dict`` takes a
   key below it, and everything after the field name is ONE key of that dict, dots included:
   ``--checkpoint.init.encoders.image /p`` sets the key ``"encoders.image"``.
@@ -47,6 +47,7 @@ PATH_KEYS = {
     ("data", "text_encoder"),
     ("train", "output_dir"),
     ("checkpoint", "init_from_hf"),
+    ("lora", "init_from_peft"),
     ("checkpoint", "init"),
 }
 """Keys holding paths: relative values in a YAML file are resolved against that file's folder,

@@ -271,6 +271,32 @@ class LogConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA) on a frozen base, applied from outside like the parallel recipes
+    (``veomni/adapters/lora.py``, docs/lora.md). ``rank`` 0 trains the whole model."""
+
+    rank: int = 0
+    """Adapter rank r; 0 turns LoRA off."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with ``rslora``)."""
+    rslora: bool = False
+    dropout: float = 0.0
+    """Dropout on the adapters' input (training only)."""
+    targets: list[str] = field(default_factory=list)
+    """Modules to adapt: a name without dots matches a module's last path segment (``q_proj``,
+    ``experts``), a dotted pattern its whole path (``llm.layers.*.attn.q_proj``, ``*`` = one
+    segment). Linear layers get one adapter, grouped experts one per expert. Empty: every linear
+    layer and expert group inside the model's blocks (no embedding, no head)."""
+    train: list[str] = field(default_factory=list)
+    """Modules trained whole beside the adapters (e.g. ``[projector]``), by the same patterns."""
+    init_from_peft: str = ""
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) whose
+    adapters this run starts from, when not resuming; its rank, alpha and targets must match."""
+    base_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Storage of the frozen base: auto keeps it in bf16 on a GPU under bf16 compute, fp32 on CPU."""
+
+
+@dataclass
 class ModelConfig:
     """``arch`` picks a registered model family; ``plugins`` lists the packages that register
     families (module names or package folders, see ``veomni.contract.load_plugins``); the remaining
@@ -293,3 +319,4 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)

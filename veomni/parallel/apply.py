@@ -45,6 +45,19 @@ PIPELINE_HOOKS = StageHooks(checks=(check_graph_stages, _MEDIA.check), media=_ME
 a graph model's own schedules replace the generic ones)."""
 
 
+@torch.no_grad()
+def store_frozen(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every frozen floating-point parameter stored in ``dtype``; returns how many changed. FSDP2
+    needs one dtype only among the parameters that train, so a bf16 frozen base beside fp32
+    adapters shards as one unit."""
+    count = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            count += 1
+    return count
+
+
 def apply_compile(model: nn.Module, plan: ParallelPlan) -> None:
     """Compile each block in place (``Module.compile`` keeps parameter names unchanged)."""
     blocks = match_modules(model, plan.blocks)
@@ -70,8 +83,12 @@ def _auto_cp_mesh(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, 
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str,
-                row_tokens: int = 0) -> nn.Module:
-    """``row_tokens`` (the micro-batch budget) sizes the automatic Mesh-Attention choice."""
+                row_tokens: int = 0, frozen_dtype: torch.dtype | None = None) -> nn.Module:
+    """``row_tokens`` (the micro-batch budget) sizes the automatic Mesh-Attention choice;
+    ``frozen_dtype`` stores the parameters that do not train in that dtype (a LoRA run's base in
+    bf16 on GPU), before anything shards them."""
+    if frozen_dtype is not None:
+        store_frozen(model, frozen_dtype)
     problems = check_sequence_parallel(model, meshes.dims.sp, meshes.dims.cp)  # the launcher's check, for callers
     if problems:
         raise ValueError("; ".join(problems))

@@ -155,8 +155,8 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceM
         rank, local = ep_mesh.get_local_rank(), num_experts // ep
         for name, param in list(module.named_parameters(recurse=False)):
             shard = param.detach()[rank * local:(rank + 1) * local].clone()
-            module.register_parameter(name, nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)],
-                                                                            run_check=False)))
+            sharded = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     if experts and ep > 1:
         logger.info("expert parallel: %d MoE layers, experts sharded %d-way", len(experts), ep)
     return [module for _, module in experts] if ep > 1 else []

@@ -100,6 +100,11 @@ def restore(path: Path, checkpoints: CheckpointManager, run: RunState, data: boo
         meta, rank_states = checkpoints.load(path, run.parts, run.optimizer, app, run.tied)
     except ValueError as exc:  # a rank-state file that is not plain data: the same on every rank
         raise RunStopped(str(exc)) from None
+    saved_base, base = meta.get("frozen_base"), checkpoints.layout.get("frozen_base")
+    if saved_base != base:
+        raise RunStopped(f"{path} was saved by a run whose frozen base was {saved_base}, and this run's is {base}: "
+                         "a checkpoint that holds only the adapters resumes only onto the same base. Resume "
+                         "with the recipe that wrote it, or set checkpoint.resume: none to start over")
     # Only the schedule's position: its per-param-group lists (base_lrs, _last_lr) follow this
     # layout's groups (a V pipeline rank holds two stage optimizers' groups, one process one set).
     saved = app["scheduler"]

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from veomni.adapters.lora import is_adapter_name
+from veomni.adapters.peft_io import frozen_base, init_adapters
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import CheckpointManager
 from veomni.config.load import config_to_dict, dump_config
@@ -83,7 +85,8 @@ class Trainer(RunEnd):
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
             layout={"world_size": self.dims.world_size, "dp_size": self.dims.dp_size,
-                    "num_workers": cfg.data.num_workers, "run_id": run_id()},
+                    "num_workers": cfg.data.num_workers, "run_id": run_id(), "frozen_base": frozen_base(cfg)},
+            trainable_only=cfg.lora.rank > 0,
         )
         try:
             self.resume_path = self.checkpoints.choose_resume(cfg.checkpoint.resume,
@@ -150,11 +153,15 @@ class Trainer(RunEnd):
     # ----- state ------------------------------------------------------------------------
     def _initialise(self, model: torch.nn.Module) -> None:
         """Rank 0's full copy: seeded init, then for a fresh run the pretrained folders of
-        ``checkpoint.init_from_hf`` (the whole model) and ``checkpoint.init`` (sub-modules)."""
+        ``checkpoint.init_from_hf`` (the whole model) and ``checkpoint.init`` (sub-modules); a LoRA
+        run loads them at every start (its checkpoints hold only what trains), then its adapters."""
         model.init_weights()
-        if self.resume_path is None:
-            for line in load_components(model, init_entries(self.cfg.checkpoint)):
+        if self.resume_path is None or self.cfg.lora.rank > 0:  # a LoRA checkpoint holds no base
+            for line in load_components(model, init_entries(self.cfg.checkpoint), is_adapter_name):
                 logger.info(line)
+        for line in init_adapters(model, self.cfg.lora, self.spec.hf_adapter, self.model_config,
+                                  resuming=self.resume_path is not None):
+            logger.info(line)
 
     def _app_state(self) -> dict[str, Any]:
         return app_state(self.run_state, self.step, self.units_seen)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.adapters.lora import adapted_model, base_dtype
 from veomni.config.schema import RunConfig
 from veomni.contract import ModelSpec
 from veomni.contract.plan import flatten_plan
@@ -115,9 +116,10 @@ def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
                  device: torch.device, initialise: Callable[[nn.Module], None]) -> StepRunner:
     """The model built, initialised (``initialise`` runs on rank 0's full CPU copy), parallelised
     by the one recipe and wrapped in the runner its layout needs."""
-    build = functools.partial(spec.instantiate, model_config)
+    build = functools.partial(adapted_model, functools.partial(spec.instantiate, model_config), cfg.lora)
     recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type,
-                               row_tokens=cfg.data.tokens_per_micro_batch)
+                               row_tokens=cfg.data.tokens_per_micro_batch,
+                               frozen_dtype=base_dtype(cfg.lora, device.type, cfg.parallel.mixed_precision))
     if meshes.dims.pp > 1:
         with torch.device("meta"):
             meta_model = build()

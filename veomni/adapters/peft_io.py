@@ -1,0 +1,197 @@
+"""LoRA adapters in and out of PEFT's folder format, and the start of a LoRA run's weights.
+
+A PEFT folder is ``adapter_config.json`` + ``adapter_model.safetensors`` keyed by the Hugging Face
+(or diffusers) model's module paths: ``base_model.model.<hf module>.lora_A.weight`` [r, in] and
+``lora_B.weight`` [out, r] for a linear layer. Grouped experts are PEFT's ``target_parameters``:
+``lora_A.weight`` [E*r, in] (expert-major) and ``lora_B.weight`` [out, r*E] (expert-minor), one
+pair per targeted weight, the first weight listed innermost (``<module>.base_layer.lora_A``...).
+
+Our module paths become the Hugging Face ones through the family's own ``HFAdapter``: each
+adapted weight is exported with ``state_dict_to_hf`` and found among the results, so any family
+whose export renames (and may split) weights gets PEFT interop with no code of its own. A weight
+the export transforms in value (fused, transposed) cannot carry a PEFT adapter: refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from veomni.adapters.lora import ExpertLoRA, LoRALinear, init_lora, is_adapter_name, scaling_of
+from veomni.checkpoint.component_init import init_entries
+from veomni.config.schema import LoraConfig, RunConfig
+from veomni.contract import HFAdapter
+from veomni.contract.hooks import ExpertGroup
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
+    """What rebuilds a LoRA run's frozen base (its checkpoints hold only the adapters): the model,
+    the seed of its init and the pretrained folders loaded over it. None without LoRA."""
+    if cfg.lora.rank <= 0:
+        return None
+    return {"arch": cfg.model.arch, "seed": cfg.train.seed, "pretrained": init_entries(cfg.checkpoint),
+            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
+                     "train": list(cfg.lora.train)}}
+
+
+def adapted_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+    """(module path, module, adapted weight names) for every adapted linear layer and expert group."""
+    found = []
+    for path, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            found.append((path, module, ("weight",)))
+        elif isinstance(module, ExpertGroup) and isinstance(module.expert_delta, ExpertLoRA):
+            found.append((path, module, module.expert_delta.names))
+    return found
+
+
+def _join(path: str, leaf: str) -> str:
+    return f"{path}.{leaf}" if path else leaf
+
+
+def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, str]:
+    """Our adapted weight (``layers.0.attn.q_proj.weight``) -> the Hugging Face name PEFT targets:
+    the module path of a linear layer (``model.layers.0.self_attn.q_proj``) or the parameter path of
+    a grouped expert weight (``model.layers.0.mlp.experts.gate_up_proj``)."""
+    state = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
+    names = [_join(path, w) for path, _, weights in adapted_modules(model) for w in weights]
+    # Each adapted weight becomes a tensor of its own marker value: the exported entries holding
+    # that value are the ones it turned into, whatever the export renames or splits.
+    probe = {k: (torch.full(v.shape, float(names.index(k) + 1)) if k in names else torch.zeros(v.shape))
+             for k, v in state.items()}
+    exported = adapter.state_dict_to_hf(probe, model_cfg)
+    found: dict[str, list[str]] = {name: [] for name in names}
+    for key, tensor in exported.items():
+        marker = int(tensor.flatten()[0]) if tensor.numel() else 0
+        if marker and bool((tensor == marker).all()):
+            found[names[marker - 1]].append(key)
+    out = {}
+    for name, keys in found.items():
+        if not keys:
+            raise ValueError(f"{name}: the {type(adapter).__name__} export changes this weight's values (fused or "
+                             "transposed), so no PEFT adapter can target it; leave it out of lora.targets")
+        if name.endswith(".weight"):  # a linear layer: its module, renamed
+            out[name] = keys[0].removesuffix(".weight")
+            continue
+        # a grouped expert weight, kept grouped or split per expert: transformers holds it grouped on
+        # the experts' common module
+        common = os.path.commonprefix([k.split(".") for k in keys]) if len(keys) > 1 else keys[0].split(".")[:-1]
+        if common and common[-1].isdigit():
+            common = common[:-1]
+        out[name] = ".".join([*common, name.rpartition(".")[2]])
+    return out
+
+
+def export_peft(model: nn.Module, adapter: HFAdapter, model_cfg: Any, lora: LoraConfig, out: Path,
+                base_model: str = "", task_type: str | None = "CAUSAL_LM") -> Path:
+    """Write ``model``'s adapters (a plain CPU model holding the trained values) as a PEFT folder."""
+    paths = hf_paths(model, adapter, model_cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    modules, parameters = [], []
+    for path, module, weights in adapted_modules(model):
+        if isinstance(module, LoRALinear):
+            target = paths[_join(path, "weight")]
+            modules.append(target)
+            tensors[f"{PREFIX}{target}.lora_A.weight"] = module.lora_A.detach().contiguous()
+            tensors[f"{PREFIX}{target}.lora_B.weight"] = module.lora_B.detach().contiguous()
+            continue
+        for depth, weight in enumerate(weights):  # the first weight listed is wrapped innermost
+            target = paths[_join(path, weight)]
+            parameters.append(target)
+            owner = target.rpartition(".")[0] + ".base_layer" * (len(weights) - 1 - depth)
+            a, b = getattr(module, f"{weight}_lora_A").detach(), getattr(module, f"{weight}_lora_B").detach()
+            tensors[f"{PREFIX}{owner}.lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
+            tensors[f"{PREFIX}{owner}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+    config = {"peft_type": "LORA", "task_type": task_type, "r": lora.rank, "lora_alpha": lora.alpha,
+              "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": modules or None, "target_parameters": parameters or None,
+              "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+              "base_model_name_or_path": base_model or None}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.float() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter config, tensors) of a PEFT folder; FileNotFoundError / ValueError naming what is wrong."""
+    folder = Path(folder)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder} is not a PEFT adapter folder: {name} is missing")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
+    return config, load_file(str(folder / WEIGHTS_FILE))
+
+
+@torch.no_grad()
+def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cfg: Any, lora: LoraConfig) -> int:
+    """Copy a PEFT folder's adapters into ``model``'s (same rank, alpha, targets); returns how many
+    weights were loaded. ValueError naming each mismatch."""
+    config, tensors = read_peft(folder)
+    if (config.get("r"), float(config.get("lora_alpha", 0)), bool(config.get("use_rslora"))) != \
+            (lora.rank, float(lora.alpha), lora.rslora):
+        raise ValueError(f"{folder}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
+                         f"use_rslora={config.get('use_rslora')} but the recipe has lora.rank={lora.rank}, "
+                         f"lora.alpha={lora.alpha}, lora.rslora={lora.rslora}: make them equal")
+    tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+               for k, v in tensors.items()}
+    paths = hf_paths(model, adapter, model_cfg)
+    used: set[str] = set()
+    for path, module, weights in adapted_modules(model):
+        for depth, weight in enumerate(weights):
+            target = paths[_join(path, weight)]
+            grouped = not isinstance(module, LoRALinear)
+            owner = target.rpartition(".")[0] + ".base_layer" * (len(weights) - 1 - depth) if grouped else target
+            keys = (f"{PREFIX}{owner}.lora_A.weight", f"{PREFIX}{owner}.lora_B.weight")
+            missing = [k for k in keys if k not in tensors]
+            if missing:
+                raise ValueError(f"{folder}: no adapter for {_join(path, weight)} (looked for {missing[0]}); the "
+                                 "folder's targets must include every module lora.targets selects")
+            a, b = tensors[keys[0]], tensors[keys[1]]
+            if grouped:
+                dest_a, dest_b = getattr(module, f"{weight}_lora_A"), getattr(module, f"{weight}_lora_B")
+                num = dest_a.shape[0]
+                a = a.reshape(num, -1, a.shape[-1])
+                b = b.reshape(b.shape[0], -1, num).permute(2, 0, 1)
+            else:
+                dest_a, dest_b = module.lora_A, module.lora_B
+            for dest, src, key in ((dest_a, a, keys[0]), (dest_b, b, keys[1])):
+                if dest.shape != src.shape:
+                    raise ValueError(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs "
+                                     f"{tuple(dest.shape)}")
+                dest.copy_(src)
+            used.update(keys)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{folder}: adapters for modules lora.targets does not select, e.g. {extra[0]}; add "
+                         "them to lora.targets")
+    return len(used) // 2
+
+
+def init_adapters(model: nn.Module, lora: LoraConfig, adapter: HFAdapter | None, model_cfg: Any,
+                  resuming: bool) -> list[str]:
+    """The adapters' start on rank 0's full copy: PEFT's init, then ``lora.init_from_peft`` for a
+    fresh run. Returns log lines."""
+    if lora.rank <= 0:
+        return []
+    lines = [f"LoRA: {init_lora(model)} adapted weights, rank {lora.rank}, scaling {scaling_of(lora):g}"]
+    if lora.init_from_peft and not resuming:
+        if adapter is None:
+            raise ValueError("lora.init_from_peft: this model family has no Hugging Face adapter to map PEFT names")
+        count = load_peft(model, lora.init_from_peft, adapter, model_cfg, lora)
+        lines.append(f"LoRA: {count} adapters loaded from {lora.init_from_peft}")
+    return lines
