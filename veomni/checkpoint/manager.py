@@ -82,9 +82,23 @@ def _stage_state(model, optimizer, trainable_only: bool = False) -> tuple[list[d
     parts, optims = _parts(model), _optimizers(optimizer)
     if len(parts) != len(optims):
         raise ValueError(f"{len(parts)} model parts but {len(optims)} optimizers; expected one optimizer per part")
-    options = StateDictOptions(ignore_frozen_params=trainable_only)
-    return ([get_model_state_dict(p, options=options) for p in parts],
+    return ([_model_state(p, trainable_only) for p in parts],
             [get_optimizer_state_dict(p, o, options=_OPTIM) for p, o in zip(parts, optims)])
+
+
+def _model_state(part, trainable_only: bool) -> dict[str, Any]:
+    """``get_model_state_dict``, without the frozen parameters when ``trainable_only`` (every name
+    of a tied one: DCP's own ``ignore_frozen_params`` keeps a tied parameter's second name)."""
+    state = get_model_state_dict(part)
+    if not trainable_only:
+        return state
+    frozen = {".".join(s for s in name.split(".") if s not in WRAPPER_SEGMENTS)
+              for name, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+"""Name segments activation checkpointing, compile and FSDP add, which state-dict keys leave out."""
 
 
 def _union(dicts: list[dict[str, Any]]) -> dict[str, Any]:

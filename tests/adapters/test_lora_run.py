@@ -1,0 +1,90 @@
+"""A LoRA run through the trainer, on real gloo ranks: only the adapters train (the base after
+training is the base before), a checkpoint holds only what trains (a small fraction of a full
+run's) and a resume from it gives the same losses as the run that went on; a checkpoint resumes
+only onto the base it was trained on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.gloo_ranks import run_distributed
+from tests.parity_utils import full_params
+from tests.trainer_utils import tiny_run_config
+from veomni.config.schema import LoraConfig, ParallelConfig
+from veomni.train.fault.stop import RunStopped
+from veomni.train.trainer import Trainer
+
+pytestmark = pytest.mark.full
+
+
+def _config(tmp: str, out: str, lora: bool, **train):
+    cfg = tiny_run_config(Path(tmp), max_steps=6, **train)
+    cfg.train.output_dir = str(Path(tmp) / out)
+    cfg.parallel = ParallelConfig()
+    if lora:
+        cfg.lora = LoraConfig(rank=4, alpha=8.0)
+    return cfg
+
+
+def _train(rank, world, tmp, out, lora, max_steps=6, resume="auto", seed=3):
+    cfg = _config(tmp, out, lora, seed=seed)
+    cfg.checkpoint.resume = resume
+    trainer = Trainer(cfg)
+    before = full_params(trainer.model)
+    trainer.cfg.train.max_steps = max_steps
+    trainer.train()
+    return before, full_params(trainer.model)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "step_time_s" in r}
+
+
+def _checkpoint_bytes(run_dir: Path, step: int) -> int:
+    return sum(f.stat().st_size for f in (run_dir / "checkpoints" / f"step_{step:08d}").glob("*.distcp"))
+
+
+def test_lora_trains_only_adapters_saves_them_alone_and_resumes_exactly(tmp_path):
+    tmp = str(tmp_path)
+    before, after = run_distributed(_train, 2, tmp, "lora", True)[0]
+    adapters = [n for n in after if n.endswith(("lora_A", "lora_B"))]
+    assert adapters and all(n.startswith("layers.") for n in adapters)
+    assert any(not torch.equal(before[n], after[n]) for n in adapters if n.endswith("lora_B"))
+    for name in after:
+        if name not in adapters:
+            torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+
+    run_distributed(_train, 2, tmp, "full", False)
+    lora_bytes, full_bytes = _checkpoint_bytes(tmp_path / "lora", 6), _checkpoint_bytes(tmp_path / "full", 6)
+    assert 0 < lora_bytes < 0.2 * full_bytes, (lora_bytes, full_bytes)
+
+    # resume at step 3 (its checkpoint) in a fresh run folder: the same losses as the run that went on
+    straight = _losses(tmp_path / "lora")
+    resumed_dir = tmp_path / "resumed"
+    step3 = tmp_path / "lora" / "checkpoints" / "step_00000003"
+    run_distributed(_train, 2, tmp, "resumed", True, 6, str(step3))
+    resumed = _losses(resumed_dir)
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == straight[step], (step, resumed[step], straight[step])
+
+
+def _resume_on_another_base(rank, world, tmp, checkpoint):
+    try:
+        _train(rank, world, tmp, "other", True, 6, checkpoint, seed=4)
+    except RunStopped as exc:
+        return str(exc)
+    return "resumed"
+
+
+def test_an_adapter_checkpoint_refuses_another_base(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_train, 1, tmp, "lora", True, 3)
+    checkpoint = str(tmp_path / "lora" / "checkpoints" / "step_00000003")
+    message = run_distributed(_resume_on_another_base, 1, tmp, checkpoint)[0]
+    assert "frozen base" in message and "'seed': 3" in message and "'seed': 4" in message
