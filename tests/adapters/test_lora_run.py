@@ -88,3 +88,32 @@ def test_an_adapter_checkpoint_refuses_another_base(tmp_path):
     checkpoint = str(tmp_path / "lora" / "checkpoints" / "step_00000003")
     message = run_distributed(_resume_on_another_base, 1, tmp, checkpoint)[0]
     assert "frozen base" in message and "'seed': 3" in message and "'seed': 4" in message
+
+
+def test_a_lora_run_exports_as_peft_and_merged_folders_transformers_load(tmp_path):
+    import peft
+    import transformers
+
+    from veomni.adapters.export import load_lora_run, main
+    from veomni.adapters.lora import is_adapter_name
+    from veomni.checkpoint.hf_io import save_hf_pretrained
+
+    tmp = str(tmp_path)
+    _, trained = run_distributed(_train, 1, tmp, "lora", True, 3)[0]
+    run_dir = tmp_path / "lora"
+    assert main([str(run_dir), "--peft", str(tmp_path / "peft"), "--merged", str(tmp_path / "merged")]) == 0
+    _, model_cfg, ours = load_lora_run(run_dir / "checkpoints" / "step_00000003", run_dir / "config.yaml")
+    rebuilt = dict(ours.named_parameters())  # the base rebuilt from the recipe, the adapters from the checkpoint
+    for name, value in trained.items():
+        torch.testing.assert_close(rebuilt[name].detach(), value, rtol=0, atol=0, msg=name)
+    ids = torch.randint(0, 8192, (10,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours.eval()(ids, torch.arange(10), torch.tensor([0, 10], dtype=torch.int32), 10)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(ids[None]).logits[0], want, atol=1e-5, rtol=0)
+        base = {k: v for k, v in ours.state_dict().items() if not is_adapter_name(k)}
+        save_hf_pretrained("llm", model_cfg, base, tmp_path / "base")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+        assert (plain(ids[None]).logits[0] - want).abs().max() > 1e-4  # three steps moved the adapters
+        adapted = peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval()
+        torch.testing.assert_close(adapted(ids[None]).logits[0], want, atol=1e-5, rtol=0)

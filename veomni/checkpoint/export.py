@@ -41,6 +41,10 @@ def load_checkpoint_weights(checkpoint: Path, config_path: Path | None = None, p
     if not config_path.is_file():
         raise FileNotFoundError(f"run config not found at {config_path}; pass --config RUN/config.yaml")
     run_cfg = load_config(config_path)
+    if run_cfg.lora.rank > 0:
+        raise ValueError(f"{checkpoint} holds only the LoRA adapters of its run (lora.rank {run_cfg.lora.rank}): "
+                         f"export it with python -m veomni.adapters.export {checkpoint.parent.parent} --merged OUT "
+                         "(or --peft OUT for the adapters alone)")
     with torch.device("meta"):
         model_cfg, model = build_model(run_cfg.model.arch, run_cfg.model.options)
     model.to_empty(device="cpu")
