@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from veomni.config.load import ConfigError, dump_config, load_config, locate_model_error
-from veomni.config.schema import RunConfig, SourceConfig
+from veomni.config.schema import LoraConfig, RunConfig, SourceConfig
 from veomni.contract import get_model_spec
 from veomni.data.build_loader import dataset_kind_name
 from veomni.data.builders import MANIFEST
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
 
         device = f"{world_size} x {'GPU (bf16 compute)' if args.gpus else 'CPU (fp32)'}"
         print("# resolved config\n" + dump_config(cfg))
-        print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device))
+        full = estimate(replace(cfg, lora=LoraConfig()), dims, args.gpus) if cfg.lora.rank > 0 else None
+        print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device, full))
         return 0
     if args.launch_settings:
         _write_launch_settings(Path(args.launch_settings), cfg)

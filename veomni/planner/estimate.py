@@ -9,6 +9,9 @@ recipes. Memory per rank (bytes):
 - parameters, gradients: fp32 master copies, sharded over ``dp_shard x sp``;
 - optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none); a weight EMA
   (``train.ema_decay``) one more fp32 copy, sharded likewise;
+- under LoRA (``lora.rank`` > 0) gradients, optimizer and EMA cover only what trains, and the
+  frozen base is stored in its own dtype (bf16 on GPU); the report then shows full fine-tuning
+  beside it;
 - gathered parameters: FSDP holds the root's parameters (embeddings, head; kept gathered) plus
   two blocks (the current one and the prefetched next) unsharded in the compute dtype; with
   expert parallelism a block gathers only its ``E / ep`` local experts;
@@ -22,11 +25,12 @@ row over the ``sp x cp`` ranks, with its attention traffic and buffers (``sequen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from veomni.config.schema import RunConfig
+from veomni.adapters.lora import add_lora, base_dtype, trainable_counts
+from veomni.config.schema import LoraConfig, RunConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.contract.graph_model import GraphCost
 from veomni.contract.hooks import attention_modules
@@ -41,6 +45,8 @@ GiB = 2**30
 @dataclass
 class Estimate:
     total_params: int
+    trainable_params: int
+    """All of them, or under LoRA the adapters and the modules ``lora.train`` names."""
     activated_params: int
     """Parameters one unit uses (MoE: only its k routed experts); = total for dense models."""
     flops_per_unit: float
@@ -72,9 +78,12 @@ class Estimate:
 def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
     with torch.device("meta"):
         model_cfg, model = build_model(cfg.model.arch, cfg.model.options)
+        add_lora(model, cfg.lora)
     spec = get_model_spec(cfg.model.arch)
     cost = spec.cost
-    total = sum(p.numel() for p in model.parameters())
+    trainable, total = trainable_counts(model)
+    frozen_dtype = base_dtype(cfg.lora, "cuda" if compute_on_gpu else "cpu", cfg.parallel.mixed_precision)
+    frozen_bytes = frozen_dtype.itemsize if frozen_dtype is not None else 4
     seq = cfg.data.max_seq_len
     flops_per_unit = cost.sample_flops(model, seq) / seq
     compute_bytes = 2 if (cfg.parallel.mixed_precision == "bf16" or
@@ -105,10 +114,11 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         activated_params=activated,
         flops_per_unit=flops_per_unit,
         unit=spec.task(model_cfg).contract.unit,
-        params_gb=4 * total / shard / GiB,
-        grads_gb=4 * total / shard / GiB,
-        optimizer_gb=optimizer_states * 4 * total / shard / GiB,
-        ema_gb=4 * total / shard / GiB if cfg.train.ema_decay else 0.0,
+        trainable_params=trainable,
+        params_gb=(4 * trainable + frozen_bytes * (total - trainable)) / shard / GiB,
+        grads_gb=4 * trainable / shard / GiB,
+        optimizer_gb=optimizer_states * 4 * trainable / shard / GiB,
+        ema_gb=4 * trainable / shard / GiB if cfg.train.ema_decay else 0.0,
         gathered_gb=compute_bytes * (root_params + sum(block_params[:2]) - 2 * not_local) / GiB,
         activations_gb=activations_per_rank / GiB,
         compute_bytes=compute_bytes,
@@ -118,13 +128,12 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     )
 
 
-def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str) -> str:
-    unit = est.unit
-    step_units = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
+def _memory_rows(cfg: RunConfig, dims: ParallelDims, est: Estimate) -> list[tuple[str, float]]:
     shard = dims.shard_size
-    memory = [
-        (f"parameters (fp32, 1/{shard})", est.params_gb),
-        (f"gradients (fp32, 1/{shard})", est.grads_gb),
+    lora = cfg.lora.rank > 0
+    return [
+        (f"parameters ({'fp32 + frozen base' if lora else 'fp32'}, 1/{shard})", est.params_gb),
+        (f"gradients (fp32{', trained only' if lora else ''}, 1/{shard})", est.grads_gb),
         (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
         *([(f"weight EMA (fp32, 1/{shard})", est.ema_gb)] if est.ema_gb else []),
         ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
@@ -133,6 +142,14 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         *([("history tables (graph chunks)", est.history_gb)] if est.history_gb else []),
         ("total", est.total_gb),
     ]
+
+
+def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc: str,
+                  full: Estimate | None = None) -> str:
+    """``full``: the same run without LoRA, shown beside a LoRA run's memory."""
+    unit = est.unit
+    step_units = cfg.train.grad_accum * cfg.data.tokens_per_micro_batch * dims.dp_size
+    memory = _memory_rows(cfg, dims, est)
     if dims.pp > 1:  # each rank holds only its stages: the per-pipeline-rank table replaces the totals
         from veomni.planner.pipeline_memory import pipeline_memory_lines
 
@@ -140,12 +157,19 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         if est.history_gb:
             memory_lines.append(f"  + history tables (graph chunks): {est.history_gb:.3f} GiB on the rank with the "
                                 "most layers, on top of its total")
+    elif full is not None:
+        whole = [value for _, value in _memory_rows(replace(cfg, lora=LoraConfig()), dims, full)]
+        memory_lines = [f"memory / rank (estimate, GiB):{'LoRA':>26}{'full FT':>10}",
+                        *(f"  {name:<42}{value:10.2f}{other:10.2f}" for (name, value), other in zip(memory, whole))]
     else:
         memory_lines = ["memory / rank (estimate, GiB):", *(f"  {name:<42}{value:10.2f}" for name, value in memory)]
     lines = [
         f"layout        {dims.describe()}",
         f"devices       {device_desc}",
         f"parameters    {est.total_params:,} ({est.total_params / 1e9:.3f} B)",
+        *([f"trainable     {est.trainable_params:,} ({100 * est.trainable_params / est.total_params:.2f}%: "
+           f"LoRA rank {cfg.lora.rank}{' + ' + ', '.join(cfg.lora.train) if cfg.lora.train else ''})"]
+          if cfg.lora.rank > 0 else []),
         f"activated     {est.activated_params:,} ({est.activated_params / 1e9:.3f} B) per {unit}",
         f"model FLOPs   {est.flops_per_unit / 1e9:.3f} GFLOP per {unit} (forward+backward, in a sample of "
         f"data.max_seq_len {cfg.data.max_seq_len} {unit}s)",

@@ -81,7 +81,7 @@ class RunEnd:
         checkpoint = str(checkpoints[-1][1]) if checkpoints else None
         memory = "max allocated per GPU" if self.device.type == "cuda" else "max resident set per process"
         commands = next_commands(self.launch, self.step, checkpoint, self.cfg.checkpoint.resume,
-                                 self.spec.hf_adapter is not None, str(self.output_dir))
+                                 self.spec.hf_adapter is not None, str(self.output_dir), self.cfg.lora.rank > 0)
         if stopped:  # what to run next is the rest of this run
             commands = (("resume the run where it stopped", resume_command(self.launch, self.cfg.checkpoint.resume)),)
         return RunSummary(
@@ -96,6 +96,7 @@ class RunEnd:
             eval_metrics={k.removeprefix("eval_"): v for k, v in self.last_eval.items()
                           if k not in ("eval_loss", "eval_baseline", f"eval_loss_{self.unit}s")},
             stopped=stopped, stage=os.environ.get(STAGE_ENV, ""), mfu_peak=self.peak_source,
+            parameters=self.param_counts, lora=self.cfg.lora.rank > 0,
         )
 
     def write_samples(self) -> None:

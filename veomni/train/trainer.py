@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni.adapters.lora import is_adapter_name
+from veomni.adapters.lora import is_adapter_name, trainable_counts
 from veomni.adapters.peft_io import frozen_base, init_adapters
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import CheckpointManager
@@ -94,6 +94,7 @@ class Trainer(RunEnd):
         except (ValueError, FileNotFoundError) as exc:  # damaged or missing: the same on every rank
             raise RunStopped(str(exc)) from None
         torch.manual_seed(cfg.train.seed)
+        self.param_counts: tuple[int, int] | None = None  # (trainable, all), counted on rank 0's full copy
         self.runner = build_runner(cfg, self.spec, self.model_config, self.task, self.meshes, self.device,
                                    self._initialise)
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
@@ -159,6 +160,7 @@ class Trainer(RunEnd):
         if self.resume_path is None or self.cfg.lora.rank > 0:  # a LoRA checkpoint holds no base
             for line in load_components(model, init_entries(self.cfg.checkpoint), is_adapter_name):
                 logger.info(line)
+        self.param_counts = trainable_counts(model)
         for line in init_adapters(model, self.cfg.lora, self.spec.hf_adapter, self.model_config,
                                   resuming=self.resume_path is not None):
             logger.info(line)

@@ -101,6 +101,10 @@ class RunSummary:
     """Why the run ended before ``train.max_steps`` ("SIGTERM at step 12 of 400"); "" when it finished."""
     stage: str = ""
     """``$VEOMNI_STAGE``: the part of a multi-stage build this run is ("stage 0 of 2: ..."); "" for a whole run."""
+    parameters: tuple[int, int] | None = None
+    """(trainable, all) parameters of the model; None: not known on this rank."""
+    lora: bool = False
+    """A LoRA run: its checkpoints hold the adapters, exported by ``veomni.adapters.export``."""
     mfu_peak: str = ""
     """What MFU is measured against and where that figure came from (a spec table, a cached CPU measurement)."""
 
@@ -137,10 +141,10 @@ def resume_command(launch: Sequence[str], resume: str) -> str:
 
 
 def next_commands(launch: Sequence[str], step: int, checkpoint: str | None, resume: str,
-                  export: bool, output_dir: str) -> tuple[tuple[str, str], ...]:
+                  export: bool, output_dir: str, lora: bool = False) -> tuple[tuple[str, str], ...]:
     """What to try next, built from ``launch`` (the recipe and overrides this run was started with):
     train 4x longer (resuming from ``checkpoint`` when there is one), and export it to Hugging Face
-    when the family has an adapter (``export``)."""
+    when the family has an adapter (``export``; a LoRA run's as PEFT adapters and a merged model)."""
     recipe, *overrides = launch
     longer = 4 * max(step, 1)
     args = [*_without_flags(overrides, {"--train.max_steps", "--checkpoint.resume"}),
@@ -152,7 +156,12 @@ def next_commands(launch: Sequence[str], step: int, checkpoint: str | None, resu
     else:
         what = f"train {longer} steps (from scratch: this run saved no checkpoint)"
     commands = [(what, shlex.join(["bash", shown(REPO / "scripts" / "train.sh"), recipe, *args]))]
-    if export and checkpoint is not None:
+    if export and checkpoint is not None and lora:
+        target = f"exported/{Path(output_dir).name}"
+        commands.append(("export the adapters (PEFT) and the merged model (Hugging Face)",
+                         shlex.join(["python", "-m", "veomni.adapters.export", shown(output_dir), "--peft",
+                                     f"{target}-peft", "--merged", f"{target}-merged"])))
+    elif export and checkpoint is not None:
         script, target = shown(REPO / "scripts" / "export_hf.sh"), f"exported/{Path(output_dir).name}"
         commands.append(("export the checkpoint to a Hugging Face folder",
                          shlex.join(["bash", script, shown(checkpoint), target])))
@@ -245,6 +254,10 @@ def format_summary(s: RunSummary) -> str:
     lines += _eval_lines(s) + _coverage_lines(s)
     if s.eval_metrics:
         lines += _wrapped("eval metrics", ", ".join(f"{name} {value:.4g}" for name, value in s.eval_metrics.items()))
+    if s.parameters is not None:
+        trainable, total = s.parameters
+        lines.append("parameters".ljust(LABEL) + f"{trainable:,} trained of {total:,} ({trainable / total:.2%})"
+                     + (" (LoRA)" if s.lora else ""))
     lines += _training_lines(s)
     lines.append("outputs".ljust(LABEL) + f"{shown(out / 'metrics.jsonl')} (metrics of every step and eval)")
     if s.checkpoint is not None:
