@@ -94,15 +94,18 @@ def test_a_lora_run_exports_as_peft_and_merged_folders_transformers_load(tmp_pat
     import peft
     import transformers
 
-    from veomni.adapters.export import load_lora_run, main
     from veomni.adapters.lora import is_adapter_name
+    from veomni.checkpoint.export import main
     from veomni.checkpoint.hf_io import save_hf_pretrained
+    from veomni.checkpoint.lora_run import load_lora_checkpoint
+    from veomni.config.load import load_config
 
     tmp = str(tmp_path)
     _, trained = run_distributed(_train, 1, tmp, "lora", True, 3)[0]
     run_dir = tmp_path / "lora"
-    assert main([str(run_dir), "--peft", str(tmp_path / "peft"), "--merged", str(tmp_path / "merged")]) == 0
-    _, model_cfg, ours = load_lora_run(run_dir / "checkpoints" / "step_00000003", run_dir / "config.yaml")
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    assert main([str(checkpoint), str(tmp_path / "merged"), "--peft", str(tmp_path / "peft")]) == 0
+    model_cfg, ours = load_lora_checkpoint(checkpoint, load_config(run_dir / "config.yaml"))
     rebuilt = dict(ours.named_parameters())  # the base rebuilt from the recipe, the adapters from the checkpoint
     for name, value in trained.items():
         torch.testing.assert_close(rebuilt[name].detach(), value, rtol=0, atol=0, msg=name)

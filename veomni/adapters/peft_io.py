@@ -25,8 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from veomni.adapters.lora import ExpertLoRA, LoRALinear, init_lora, is_adapter_name, scaling_of
-from veomni.checkpoint.component_init import init_entries
-from veomni.config.schema import LoraConfig, RunConfig
+from veomni.config.schema import LoraConfig
 from veomni.contract import HFAdapter
 from veomni.contract.hooks import ExpertGroup
 
@@ -34,16 +33,6 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
-
-
-def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
-    """What rebuilds a LoRA run's frozen base (its checkpoints hold only the adapters): the model,
-    the seed of its init and the pretrained folders loaded over it. None without LoRA."""
-    if cfg.lora.rank <= 0:
-        return None
-    return {"arch": cfg.model.arch, "seed": cfg.train.seed, "pretrained": init_entries(cfg.checkpoint),
-            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
-                     "train": list(cfg.lora.train)}}
 
 
 def adapted_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:

@@ -5,7 +5,9 @@
 Runs in one process without a process group: DCP reads the sharded checkpoint whatever world
 size or FSDP layout wrote it. The model config comes from the run's resolved
 ``config.yaml`` (two folders up from the checkpoint), unless ``--config`` names another.
-The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(EXPORT_DIR)``.
+The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(EXPORT_DIR)``. A LoRA
+run's checkpoint is exported merged into its base (``lora_run.py`` rebuilds it); ``--peft DIR``
+writes its adapters as a PEFT folder too.
 """
 
 from __future__ import annotations
@@ -18,33 +20,33 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from veomni.adapters.lora import merge_lora
+from veomni.adapters.peft_io import export_peft
 from veomni.checkpoint.hf_io import save_hf_pretrained
-from veomni.checkpoint.manager import COMPLETE_MARKER, list_checkpoints
+from veomni.checkpoint.lora_run import load_lora_checkpoint
+from veomni.checkpoint.manager import COMPLETE_MARKER, EMA_APP_KEY, list_checkpoints
 from veomni.config.load import load_config
-from veomni.contract import build_model
+from veomni.contract import build_model, get_model_spec
 from veomni.logging_setup import setup_logging
 
 logger = logging.getLogger(__name__)
 
 
-EMA_APP_KEY = "ema"
-"""A checkpoint's exponential moving average of the weights lives in its app state under this key,
-as ``{parameter FQN: tensor}`` (DCP keys ``app.ema.<fqn>``)."""
 
 
 def load_checkpoint_weights(checkpoint: Path, config_path: Path | None = None, prefer_ema: bool = False):
     """``(run config, model config, full state dict)`` of a checkpoint, on CPU. With ``prefer_ema``
-    the entries the checkpoint has an EMA of are the EMA's (the rest, e.g. buffers, the model's)."""
+    the entries the checkpoint has an EMA of are the EMA's (the rest, e.g. buffers, the model's). A
+    LoRA run's (``checkpoint/lora_run.py``) come merged: what the plain model loads."""
     if not (checkpoint / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE_MARKER})")
     config_path = config_path or checkpoint.parent.parent / "config.yaml"
     if not config_path.is_file():
         raise FileNotFoundError(f"run config not found at {config_path}; pass --config RUN/config.yaml")
     run_cfg = load_config(config_path)
-    if run_cfg.lora.rank > 0:
-        raise ValueError(f"{checkpoint} holds only the LoRA adapters of its run (lora.rank {run_cfg.lora.rank}): "
-                         f"export it with python -m veomni.adapters.export {checkpoint.parent.parent} --merged OUT "
-                         "(or --peft OUT for the adapters alone)")
+    if run_cfg.lora.rank > 0:  # the adapters folded into the base their run rebuilds
+        model_cfg, model = load_lora_checkpoint(checkpoint, run_cfg, ema_entries(checkpoint) if prefer_ema else set())
+        return run_cfg, model_cfg, merge_lora(model.state_dict(), model)
     with torch.device("meta"):
         model_cfg, model = build_model(run_cfg.model.arch, run_cfg.model.options)
     model.to_empty(device="cpu")
@@ -84,7 +86,21 @@ def load_run_weights(run_dir: Path, checkpoint: Path | None = None, prefer_ema: 
     return run_cfg, model_cfg, weights, checkpoint
 
 
+def export_adapters(checkpoint: Path, out_dir: Path, config_path: Path | None = None) -> Path:
+    """A LoRA run's adapters as a PEFT folder (``peft.PeftModel.from_pretrained`` loads it)."""
+    run_cfg = load_config(config_path or checkpoint.parent.parent / "config.yaml")
+    spec = get_model_spec(run_cfg.model.arch)
+    if run_cfg.lora.rank <= 0 or spec.hf_adapter is None:
+        raise ValueError(f"--peft needs a LoRA run of a family with a Hugging Face adapter; {checkpoint}'s run has "
+                         f"lora.rank {run_cfg.lora.rank} and model {run_cfg.model.arch!r}")
+    model_cfg, model = load_lora_checkpoint(checkpoint, run_cfg)
+    export_peft(model, spec.hf_adapter, model_cfg, run_cfg.lora, out_dir)
+    logger.info("exported the adapters of %s -> %s (PEFT)", checkpoint, out_dir)
+    return out_dir
+
+
 def export(checkpoint: Path, out_dir: Path, config_path: Path | None = None, with_tokenizer: bool = True) -> Path:
+    """The model as a Hugging Face / diffusers folder (a LoRA run's merged into its base)."""
     run_cfg, model_cfg, state_dict = load_checkpoint_weights(checkpoint, config_path)
     tokenizer = Path(run_cfg.data.tokenizer) if with_tokenizer and run_cfg.data.tokenizer else None
     save_hf_pretrained(run_cfg.model.arch, model_cfg, state_dict, out_dir, tokenizer_dir=tokenizer)
@@ -100,10 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--config", type=Path, default=None, help="run config (default: OUTPUT_DIR/config.yaml)")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer files")
+    parser.add_argument("--peft", type=Path, default=None,
+                        help="a LoRA run: also write its adapters as a PEFT folder here")
     args = parser.parse_args(argv)
     setup_logging()
     try:
         export(args.checkpoint, args.out_dir, args.config, not args.no_tokenizer)
+        if args.peft is not None:
+            export_adapters(args.checkpoint, args.peft, args.config)
     except (FileNotFoundError, ValueError) as exc:
         print(f"export error: {exc}", file=sys.stderr)
         return 2

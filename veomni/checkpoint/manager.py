@@ -63,6 +63,10 @@ from veomni.parallel.pipeline.stage_optimizers import StageOptimizers
 
 logger = logging.getLogger(__name__)
 
+EMA_APP_KEY = "ema"
+"""A checkpoint's exponential moving average of the weights lives in its app state under this key,
+as ``{parameter FQN: tensor}`` (DCP keys ``app.ema.<fqn>``)."""
+
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer entries keyed ``state.<param fqn>.<name>`` / ``param_groups.<param fqn>.<key>``:
 stage modules' entries never collide and unite into one dict."""

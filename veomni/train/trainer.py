@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from veomni.adapters.lora import is_adapter_name, trainable_counts
-from veomni.adapters.peft_io import frozen_base, init_adapters
+from veomni.adapters.peft_io import init_adapters
 from veomni.checkpoint.component_init import init_entries, load_components
+from veomni.checkpoint.lora_run import frozen_base
 from veomni.checkpoint.manager import CheckpointManager
 from veomni.config.load import config_to_dict, dump_config
 from veomni.config.schema import RunConfig

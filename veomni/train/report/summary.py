@@ -104,7 +104,7 @@ class RunSummary:
     parameters: tuple[int, int] | None = None
     """(trainable, all) parameters of the model; None: not known on this rank."""
     lora: bool = False
-    """A LoRA run: its checkpoints hold the adapters, exported by ``veomni.adapters.export``."""
+    """A LoRA run: its checkpoints hold the adapters (exported merged, and as a PEFT folder)."""
     mfu_peak: str = ""
     """What MFU is measured against and where that figure came from (a spec table, a cached CPU measurement)."""
 
@@ -156,15 +156,12 @@ def next_commands(launch: Sequence[str], step: int, checkpoint: str | None, resu
     else:
         what = f"train {longer} steps (from scratch: this run saved no checkpoint)"
     commands = [(what, shlex.join(["bash", shown(REPO / "scripts" / "train.sh"), recipe, *args]))]
-    if export and checkpoint is not None and lora:
-        target = f"exported/{Path(output_dir).name}"
-        commands.append(("export the adapters (PEFT) and the merged model (Hugging Face)",
-                         shlex.join(["python", "-m", "veomni.adapters.export", shown(output_dir), "--peft",
-                                     f"{target}-peft", "--merged", f"{target}-merged"])))
-    elif export and checkpoint is not None:
+    if export and checkpoint is not None:
         script, target = shown(REPO / "scripts" / "export_hf.sh"), f"exported/{Path(output_dir).name}"
-        commands.append(("export the checkpoint to a Hugging Face folder",
-                         shlex.join(["bash", script, shown(checkpoint), target])))
+        peft = ["--peft", f"{target}-peft"] if lora else []
+        commands.append(("export the checkpoint to a Hugging Face folder" + (" (merged) and its adapters (PEFT)"
+                                                                            if lora else ""),
+                         shlex.join(["bash", script, shown(checkpoint), target, *peft])))
     return tuple(commands)
 
 
