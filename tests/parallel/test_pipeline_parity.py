@@ -44,19 +44,24 @@ def split(samples: list, pieces: int) -> list[list]:
     return [samples[i * size:(i + 1) * size] for i in range(pieces)]
 
 
-def build(options: dict, arch: str = "llm"):
+def build(options: dict, arch: str = "llm", prepare=None):
     torch.manual_seed(0)  # as tests.parity_utils.tiny_model: the constructor draws from the RNG too
-    return build_model(arch, {**TINY_LLM, **options})[1]
+    model = build_model(arch, {**TINY_LLM, **options})[1]
+    if prepare is not None:
+        prepare(model)
+    return model
 
 
 def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbatches: int,
-                       options: dict = OPTIONS, lr: float = 0.5, arch: str = "llm") -> dict:
+                       options: dict = OPTIONS, lr: float = 0.5, arch: str = "llm", prepare=None) -> dict:
     """The pipelined twin of ``parity_utils.run_steps``: this rank's data share (by dp rank) cut
-    into ``microbatches`` micro-batches, SGD, records of this rank's stages only."""
+    into ``microbatches`` micro-batches, SGD, records of this rank's stages only. ``prepare``
+    edits every build of the model (before the cut; weights it sets must not depend on
+    ``init_weights``, which runs after it, as in the trainer's ``adapted_model`` builder)."""
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     task = LanguageModelingTask()
-    pipe = build_pipeline(lambda: build(options, arch), lambda m: m.init_weights(),
+    pipe = build_pipeline(lambda: build(options, arch, prepare), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, microbatches, meshes.pp,
                           torch.device("cpu"), task, hooks=PIPELINE_HOOKS)
     optimizer = build_optimizer(pipe.parts, TrainConfig(optimizer="sgd", lr=lr, weight_decay=0.0))

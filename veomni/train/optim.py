@@ -51,7 +51,9 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: TrainConfig, rules:
         optimizers = [build_optimizer(part, cfg, rules) for part in model]
         return optimizers[0] if len(optimizers) == 1 else StageOptimizers(optimizers)
     base = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    groups = param_groups(model, base, rules)
+    # A pipeline stage of a LoRA run may hold nothing that trains (adapters on later layers
+    # only): it still gets its optimizer, empty, as checkpoints keep one per stage.
+    groups = param_groups(model, base, rules) or [{**base, "params": [], "group": "default"}]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr)
     # foreach=True: one fused kernel launch per group; works with DTensor (FSDP2) params.

@@ -20,7 +20,9 @@ class StageOptimizers(torch.optim.Optimizer):
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.optimizers: list[torch.optim.Optimizer] = []  # (no groups while the base class adds its own)
-        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        # one group dict, not a list of parameters: a rank whose stages hold nothing that trains
+        # (a LoRA run adapting only other layers) has none, which a bare list may not be
+        super().__init__([{"params": [p for o in optimizers for g in o.param_groups for p in g["params"]]}], {})
         self.optimizers = optimizers
 
     @property

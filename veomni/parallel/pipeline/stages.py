@@ -160,6 +160,18 @@ StageOutputHook = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 """``hook(stage_module, output) -> output`` after each training forward of a stage."""
 
 
+def _differentiable_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """A training forward's hidden state that does not require grad (nothing before it trains:
+    a LoRA run's frozen embedding and unadapted first blocks) made a leaf that does. The next
+    stage's received input then requires grad too, which the zero-bubble schedules' split
+    backward needs: it finds a stage's weight gradients on the paths from its inputs, and from a
+    stage whose inputs need no gradient (other than the first) it computes none."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.is_floating_point() \
+            and not output.requires_grad:
+        return output.detach().requires_grad_()
+    return None
+
+
 class _Stage(PipelineStage):
     """A ``PipelineStage`` whose training forwards pass their output through ``on_output``.
 
@@ -200,6 +212,9 @@ class Pipeline:
         self._by_index = dict(zip(stage_indices, parts))
         self.stages = [_Stage(part, index, n_stages, device, group=pp_group)
                        for part, index in zip(parts, stage_indices)]
+        for stage in self.stages:
+            if not stage.is_last:
+                stage.submod.register_forward_hook(_differentiable_output)
         self.has_last_stage = any(s.is_last for s in self.stages)
         self.has_first_stage = 0 in stage_indices
         self.tied = TiedCopies(tied, parts, stage_indices, self._owner, pp_group) if tied else None

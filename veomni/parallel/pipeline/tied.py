@@ -8,7 +8,9 @@ copies start equal. After each step's backward ``TiedCopies.sync`` sums the copi
 over the pipeline ranks holding them (one small process group per data-parallel position, made
 once; the V schedules hold both copies on one rank and sum locally), so every copy carries the
 one-process gradient and the optimizer keeps them equal. Under FSDP the copies are DTensors
-sharded alike over their stage's mesh: their local shards are summed.
+sharded alike over their stage's mesh: their local shards are summed. A frozen tie (a LoRA
+run's base embedding and head) has no gradient to sum: ``sync`` leaves it without one, rather
+than giving a parameter that does not train a zero gradient.
 
 Grad-norm clipping counts the tied gradient once (``uncounted``: the copies after the first
 are left out of the norm, still clipped). Checkpoints hold each stage's own name; a checkpoint
@@ -97,7 +99,7 @@ class TiedCopies:
             mine = sorted((stage, name) for stage, name in copies.items() if stage in by_stage)
             local = [_parameter(by_stage[stage], name) for stage, name in mine]
             self.uncounted += [p for (stage, _), p in zip(mine, local) if stage != min(copies)]
-            if local:
+            if local and local[0].requires_grad:  # a frozen tie (a LoRA base's embedding) gets no gradient
                 self._groups.append((local, group))
 
     @torch.no_grad()
