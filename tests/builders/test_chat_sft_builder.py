@@ -5,20 +5,17 @@ ChatML tokens and template, and a cached second call."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.chat_utils import REPO
+from tests.chat_utils import chat_builder
 from veomni.data.chat.text_dataset import read_conversations
 from veomni.data.text.packed import load_tokenizer
 
-BUILDER = REPO / "data" / "build_chat_sft.py"
 
-
-def _build(root, train=300, held_out=60) -> str:
-    command = [sys.executable, str(BUILDER), "--train-out", str(root / "train"), "--eval-out", str(root / "eval"),
-               "--train-samples", str(train), "--eval-samples", str(held_out)]
-    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=120).stdout
+def _build(root, capsys, train=300, held_out=60) -> str:
+    """The builder's command line, run in this process (what ``data.prepare`` runs); its report."""
+    chat_builder().main(["--train-out", str(root / "train"), "--eval-out", str(root / "eval"),
+                         "--train-samples", str(train), "--eval-samples", str(held_out)])
+    return capsys.readouterr().out
 
 
 def _check_answer(messages: list[dict]) -> None:
@@ -31,11 +28,11 @@ def _check_answer(messages: list[dict]) -> None:
         assert assistant["content"] == " ".join(want)
 
 
-def test_builder_writes_correct_disjoint_splits_baselines_and_a_chat_tokenizer(tmp_path):
-    report = _build(tmp_path / "a")
-    _build(tmp_path / "b")
-    assert "echo baseline" in report and "majority-answer baseline" in report
-    assert "cached" in _build(tmp_path / "a")
+def test_builder_writes_correct_disjoint_splits_baselines_and_a_chat_tokenizer(tmp_path, capsys):
+    report = _build(tmp_path / "a", capsys)
+    _build(tmp_path / "b", capsys)
+    assert "echo baseline" in report and "ChatML chat template" in report
+    assert "cached" in _build(tmp_path / "a", capsys)
     splits = {}
     for split, count in (("train", 300), ("eval", 60)):
         a = list(read_conversations(str(tmp_path / "a" / split)))
