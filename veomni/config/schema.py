@@ -34,7 +34,7 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     kind: str = ""
-    """Registered dataset kind to read (``packed_text``, ``chat_media``, or a plugin's); empty
+    """Registered dataset kind to read (``packed_text``, ``chat_text``, ``chat_media``, or a plugin's); empty
     takes the one the model family's spec names."""
     train_path: str = ""
     """Folder of webdataset ``.tar`` shards, a ``.jsonl`` file, or a folder of ``.jsonl`` files."""

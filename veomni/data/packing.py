@@ -82,3 +82,17 @@ def pack_samples(samples: Sequence[Sequence[int]]) -> dict:
         "max_seqlen": max(lengths),
         "num_samples": len(samples),
     }
+
+
+def pack_with_targets(samples: Sequence[Sequence[int]], targets: Sequence[Sequence[bool]]) -> dict:
+    """``pack_samples``, with a label kept only where the token it predicts is a loss target
+    (``targets[s][i]``: token ``i`` of sample ``s`` is one): a chat's labels on its answers only.
+    A sample's last label stays -100, so no sample predicts the next one's first token."""
+    if [len(t) for t in targets] != [len(s) for s in samples]:
+        raise ValueError("pack_with_targets needs one target flag per token of every sample")
+    batch = pack_samples(samples)
+    is_target = torch.tensor([t for sample in targets for t in sample], dtype=torch.bool)
+    next_is_target = torch.zeros_like(is_target)
+    next_is_target[:-1] = is_target[1:]
+    batch["labels"] = torch.where(next_is_target, batch["labels"], IGNORE_INDEX)
+    return batch

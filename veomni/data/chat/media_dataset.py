@@ -34,10 +34,9 @@ from veomni.contract.media import MediaItem, MediaModelConfig, collate_items
 from veomni.data.chat.template import ChatEncoder, EncodedChat, add_placeholder_tokens
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
-from veomni.data.packing import pack_samples
+from veomni.data.packing import pack_with_targets
 from veomni.data.sources import InvalidSampleError, ReadStats, count_bad
 from veomni.data.text.packed import PackedTextDataset, check_sample_length, check_text_data
-from veomni.tasks.base import IGNORE_INDEX
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
@@ -114,13 +113,9 @@ class SampleProcessor:
 
 
 def pack_chat_samples(samples: list[ChatSample]) -> dict:
-    """One packed row: ``pack_samples`` of the ids, labels kept only where the next token is a
-    target, and each modality's collated encoder inputs with its placeholder positions."""
-    batch = pack_samples([s.chat.ids for s in samples])
-    is_target = torch.tensor([t for s in samples for t in s.chat.targets], dtype=torch.bool)
-    next_is_target = torch.zeros_like(is_target)
-    next_is_target[:-1] = is_target[1:]  # a sample's last label is already -100 (pack_samples)
-    batch["labels"] = torch.where(next_is_target, batch["labels"], IGNORE_INDEX)
+    """One packed row: ``pack_with_targets`` of the ids (labels only where the next token is a
+    target), and each modality's collated encoder inputs with its placeholder positions."""
+    batch = pack_with_targets([s.chat.ids for s in samples], [s.chat.targets for s in samples])
     media: dict[str, dict] = {}
     offsets = batch["cu_seqlens"][:-1].tolist()
     for name in samples[0].media:
