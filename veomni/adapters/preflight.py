@@ -63,10 +63,9 @@ def check_lora(model: nn.Module, cfg: RunConfig) -> tuple[list[str], list[str]]:
     unloaded = [n for n, p in params.items() if not p.requires_grad
                 and not any(e == "" or n == e or n.startswith(e + ".") for e in entries)]
     parts = [c for c in component_paths(model) if any(n == c or n.startswith(c + ".") for n in unloaded)]
-    warnings = []
-    if unloaded:
-        warnings.append(f"lora: the frozen base of {_listed(parts or unloaded)} is loaded by no checkpoint.init_from_hf "
-                        f"/ checkpoint.init entry: it is the seeded random init (train.seed={cfg.train.seed}), rebuilt "
-                        "from the seed on every start and resume. To adapt a pretrained model, set "
-                        "checkpoint.init_from_hf (or checkpoint.init per part)")
-    return problems, warnings
+    if not unloaded:
+        return problems, []
+    return problems, [f"lora: the frozen base of {_listed(parts or unloaded)} is loaded by no checkpoint.init_from_hf "
+                      f"/ checkpoint.init entry: it is the seeded random init (train.seed={cfg.train.seed}), rebuilt "
+                      "from the seed on every start and resume. To adapt a pretrained model, set "
+                      "checkpoint.init_from_hf (or checkpoint.init per part)"]
