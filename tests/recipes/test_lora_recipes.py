@@ -23,7 +23,8 @@ RECIPES = {  # recipe -> (builder kind, the checkpoint overrides pointing at the
 
 
 def _builder():
-    spec = importlib.util.spec_from_file_location("build_random_pretrained", REPO / "data" / "build_random_pretrained.py")
+    path = REPO / "data" / "build_random_pretrained.py"
+    spec = importlib.util.spec_from_file_location("build_random_pretrained", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
