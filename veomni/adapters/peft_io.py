@@ -79,7 +79,8 @@ def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, 
             found[names[marker - 1]].append(key)
     # A constant marker survives a reshape or a row permutation (the DiT's patch_embedding and
     # proj_out): a linear weight must also come out element for element as it went in.
-    order = {k: torch.arange(v.numel(), dtype=torch.float64).reshape(v.shape) for k, v in state.items()}
+    order = {k: (torch.arange(v.numel(), dtype=torch.float64).reshape(v.shape) if k in names else torch.zeros(v.shape))
+             for k, v in state.items()}
     ordered = adapter.state_dict_to_hf(order, model_cfg)
     out = {}
     for name, keys in found.items():
