@@ -205,6 +205,18 @@ def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
     return check_init(model, entries) + frozen_problems(model, entries)
 
 
+def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
+    """The ``lora`` section on the meta model (adapted in place: run it after the checks of the
+    plain model): patterns that match nothing, contradictions with the model's own freezing; a
+    frozen base nothing loads is said, not refused (``veomni/adapters/preflight.py``)."""
+    from veomni.adapters.preflight import check_lora
+
+    problems, warnings = check_lora(model, cfg)
+    for warning in warnings:
+        print(f"[launch] warning: {warning}", file=sys.stderr)
+    return problems
+
+
 def _fail(problems: list[str]) -> int:
     """Report problems the recipe must fix (also in a dry run: that plan could not run) and return
     the exit status that says so."""
@@ -238,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg, model, problems = _validate_model(cfg)
     if model is not None:
         problems += _check_pretrained(cfg, model)
+        problems += _check_lora(cfg, model)
     problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start
         return _fail(problems)

@@ -110,9 +110,12 @@ def _matches(path: str, pattern: str) -> bool:
 
 def lora_targets(model: nn.Module, cfg: LoraConfig) -> tuple[list[tuple[str, nn.Linear]], list[tuple[str, nn.Module]]]:
     """(linear layers, grouped-expert modules) ``cfg.targets`` selects; empty targets take every
-    linear layer and expert group inside the plan's blocks (PEFT's ``all-linear``: no head, no
-    embedding). ValueError naming an entry that matches nothing."""
-    plan = flatten_plan(model.parallel_plan())
+    linear layer and expert group inside the blocks of the model's own plan (PEFT's ``all-linear``:
+    no head, no embedding), not its encoders' sub-plans: a VLM adapts its LLM by default and its
+    encoders only when a pattern names them (``encoders.image.**``). ValueError naming an entry
+    that matches nothing."""
+    own = model.parallel_plan()
+    plan = flatten_plan(own)
     experts = {path: m for path, m in match_modules(model, plan.experts) if isinstance(m, ExpertGroup)}
     if cfg.targets:
         chosen = {}
@@ -125,7 +128,7 @@ def lora_targets(model: nn.Module, cfg: LoraConfig) -> tuple[list[tuple[str, nn.
                                  f"{type(model).__name__}; linear layers are named like {', '.join(linears)}")
             chosen.update(hits)
     else:
-        chosen = {path: m for _, block in match_modules(model, plan.blocks) for path, m in _inside(model, block)
+        chosen = {path: m for _, block in match_modules(model, own.blocks) for path, m in _inside(model, block)
                   if isinstance(m, nn.Linear) or path in experts}
     linears = [(p, m) for p, m in chosen.items() if p not in experts and not isinstance(m, LoRALinear)]
     return linears, [(p, m) for p, m in chosen.items() if p in experts]

@@ -66,8 +66,15 @@ def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, 
         marker = int(tensor.flatten()[0]) if tensor.numel() else 0
         if marker and bool((tensor == marker).all()):
             found[names[marker - 1]].append(key)
+    # A constant marker survives a reshape or a row permutation (the DiT's patch_embedding and
+    # proj_out): a linear weight must also come out element for element as it went in.
+    order = {k: (torch.arange(v.numel(), dtype=torch.float64).reshape(v.shape) if k in names else torch.zeros(v.shape))
+             for k, v in state.items()}
+    ordered = adapter.state_dict_to_hf(order, model_cfg)
     out = {}
     for name, keys in found.items():
+        if name.endswith(".weight") and len(keys) == 1 and not torch.equal(ordered[keys[0]].double(), order[name]):
+            keys = []
         if not keys:
             raise ValueError(f"{name}: the {type(adapter).__name__} export changes this weight's values (fused or "
                              "transposed), so no PEFT adapter can target it; leave it out of lora.targets")
@@ -85,7 +92,10 @@ def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, 
 
 def export_peft(model: nn.Module, adapter: HFAdapter, model_cfg: Any, lora: LoraConfig, out: Path,
                 base_model: str = "", task_type: str | None = "CAUSAL_LM") -> Path:
-    """Write ``model``'s adapters (a plain CPU model holding the trained values) as a PEFT folder."""
+    """Write ``model``'s adapters (a plain CPU model holding the trained values) as a PEFT folder.
+    ``model`` may be a sub-module with a family of its own, with that family's adapter and config:
+    a VLM's ``model.llm`` with the LLM's (``load_peft`` likewise). A DiT's folder loads onto
+    diffusers' model with ``task_type=None``."""
     paths = hf_paths(model, adapter, model_cfg)
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters = [], []
