@@ -208,8 +208,8 @@ def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
 def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
     """The ``lora`` section on the meta model (adapted in place: run it after the checks of the
     plain model): patterns that match nothing, contradictions with the model's own freezing; a
-    frozen base nothing loads is said, not refused (``veomni/adapters/preflight.py``)."""
-    from veomni.adapters.preflight import check_lora
+    frozen base nothing loads is said, not refused (``veomni/checkpoint/lora_checks.py``)."""
+    from veomni.checkpoint.lora_checks import check_lora
 
     problems, warnings = check_lora(model, cfg)
     for warning in warnings:

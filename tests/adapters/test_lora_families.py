@@ -14,7 +14,7 @@ import torch
 
 from veomni import launch
 from veomni.adapters.lora import add_lora, lora_targets
-from veomni.adapters.preflight import check_lora
+from veomni.checkpoint.lora_checks import check_lora
 from veomni.config.load import load_config
 from veomni.config.schema import LoraConfig
 from veomni.contract import build_model, load_plugins
