@@ -89,6 +89,22 @@ def test_the_launcher_refuses_lora_patterns_before_any_worker(recipe, overrides,
     assert re.search(needle, output), output
 
 
+def test_the_launcher_refuses_a_peft_folder_that_cannot_start_the_adapters(capsys, tmp_path):
+    status, output = _launch(VLM, "--lora.rank", "4", "--lora.init_from_peft", str(tmp_path / "none"),
+                             "--train.output_dir", str(tmp_path), capsys=capsys)
+    assert status == 2 and "has no Hugging Face adapter to map a PEFT folder" in output, output
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 16}')
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    status, output = _launch("quickstart/tiny_llm.yaml", "--lora.rank", "4", "--lora.init_from_peft", str(folder),
+                             "--train.output_dir", str(tmp_path), capsys=capsys)
+    assert status == 2 and "has r=8, lora_alpha=16; the recipe has lora.rank=4" in output, output
+    status, output = _launch("quickstart/tiny_llm.yaml", "--lora.rank", "4", "--lora.init_from_peft",
+                             str(tmp_path / "missing"), "--train.output_dir", str(tmp_path), capsys=capsys)
+    assert status == 2 and "adapter_config.json is missing" in output, output
+
+
 def test_a_lora_run_on_the_seeded_init_is_warned_not_refused(capsys, tmp_path):
     status, output = _launch(DIT, "--lora.rank", "4", "--train.output_dir", str(tmp_path), capsys=capsys)
     assert status == 0, output

@@ -104,3 +104,13 @@ def test_a_folder_of_another_rank_is_refused_by_name(tmp_path):
     other, _, _ = _ours(hf, LoraConfig(rank=2, alpha=8.0))
     with pytest.raises(ValueError, match="lora.rank=2"):
         load_peft(other, tmp_path / "a", adapter, cfg, LoraConfig(rank=2, alpha=8.0))
+
+
+def test_a_corrupt_adapter_file_is_refused_by_name(tmp_path):
+    hf = _hf_model(False)
+    lora = LoraConfig(rank=4, alpha=8.0)
+    ours, adapter, cfg = _ours(hf, lora)
+    folder = export_peft(ours, adapter, cfg, lora, tmp_path / "a")
+    (folder / "adapter_model.safetensors").write_bytes(b"\x00" * 7)
+    with pytest.raises(ValueError, match="adapter_model.safetensors is not a readable safetensors file"):
+        load_peft(ours, folder, adapter, cfg, lora)

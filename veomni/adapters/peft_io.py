@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -124,16 +125,29 @@ def export_peft(model: nn.Module, adapter: HFAdapter, model_cfg: Any, lora: Lora
     return out
 
 
-def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(adapter config, tensors) of a PEFT folder; FileNotFoundError / ValueError naming what is wrong."""
+def read_peft_config(folder: str | Path) -> dict[str, Any]:
+    """A PEFT folder's adapter config, its weights file checked present; FileNotFoundError /
+    ValueError naming what is wrong."""
     folder = Path(folder)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder} is not a PEFT adapter folder: {name} is missing")
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{folder / CONFIG_FILE} is not valid JSON ({exc})") from None
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
-    return config, load_file(str(folder / WEIGHTS_FILE))
+    return config
+
+
+def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter config, tensors) of a PEFT folder; FileNotFoundError / ValueError naming what is wrong."""
+    config = read_peft_config(folder)
+    try:
+        return config, load_file(str(Path(folder) / WEIGHTS_FILE))
+    except SafetensorError as exc:
+        raise ValueError(f"{Path(folder) / WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
 
 
 @torch.no_grad()

@@ -7,6 +7,8 @@ which names the key. Two more questions only the adapted model answers:
 - ``lora.targets`` / ``lora.train`` reaching into a part the model config freezes itself (an omni
   model's ``model.freeze``) contradicts it: LoRA already freezes every base weight, so the recipe
   must say which it means.
+- ``lora.init_from_peft`` names a PEFT folder of the recipe's rank and alpha, for a family that
+  can map its names.
 - A frozen base that no ``checkpoint.init_from_hf`` / ``checkpoint.init`` entry loads is legitimate
   (tests, recipes, a seeded study): it is the seeded random init, rebuilt from ``train.seed`` on
   every start and resume. The launcher's ``frozen_problems`` refuses that only for what the model
@@ -18,8 +20,10 @@ from __future__ import annotations
 from torch import nn
 
 from veomni.adapters.lora import add_lora, is_adapter_name
+from veomni.adapters.peft_io import read_peft_config
 from veomni.checkpoint.component_init import component_paths, init_entries
 from veomni.config.schema import RunConfig
+from veomni.contract import get_model_spec
 
 _SHOWN = 4
 
@@ -33,6 +37,25 @@ def _base_weight(adapter: str) -> str:
     path, _, leaf = adapter.rpartition(".")
     base = "weight" if leaf in ("lora_A", "lora_B") else leaf.rsplit("_lora_", 1)[0]
     return f"{path}.{base}" if path else base
+
+
+def _peft_problems(cfg: RunConfig) -> list[str]:
+    """``lora.init_from_peft``: a readable LoRA folder of the recipe's rank and alpha, for a family
+    whose Hugging Face adapter names its modules."""
+    folder = cfg.lora.init_from_peft
+    if not folder:
+        return []
+    if get_model_spec(cfg.model.arch).hf_adapter is None:
+        return [f"lora.init_from_peft: model {cfg.model.arch!r} has no Hugging Face adapter to map a PEFT folder's "
+                "module names onto; start its adapters from the init (drop lora.init_from_peft)"]
+    try:
+        config = read_peft_config(folder)
+    except (FileNotFoundError, ValueError) as exc:
+        return [f"lora.init_from_peft: {exc}"]
+    if (config.get("r"), float(config.get("lora_alpha", 0))) != (cfg.lora.rank, float(cfg.lora.alpha)):
+        return [f"lora.init_from_peft: {folder} has r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
+                f"the recipe has lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha}: make them equal"]
+    return []
 
 
 def check_lora(model: nn.Module, cfg: RunConfig) -> tuple[list[str], list[str]]:
@@ -56,6 +79,7 @@ def check_lora(model: nn.Module, cfg: RunConfig) -> tuple[list[str], list[str]]:
     if trained:
         problems.append(f"lora.train trains {_listed(trained)}, which the model config freezes (model.freeze): "
                         "drop one of the two")
+    problems += _peft_problems(cfg)
     try:
         entries = list(init_entries(cfg.checkpoint))
     except ValueError:  # reported by the launcher's checkpoint checks
