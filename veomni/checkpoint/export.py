@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -94,7 +95,8 @@ def export_adapters(checkpoint: Path, out_dir: Path, config_path: Path | None = 
         raise ValueError(f"--peft needs a LoRA run of a family with a Hugging Face adapter; {checkpoint}'s run has "
                          f"lora.rank {run_cfg.lora.rank} and model {run_cfg.model.arch!r}")
     model_cfg, model = load_lora_checkpoint(checkpoint, run_cfg)
-    export_peft(model, spec.hf_adapter, model_cfg, run_cfg.lora, out_dir)
+    diffusers = isinstance(spec.hf_adapter.config_to_hf(model_cfg), Mapping)  # a diffusers config.json
+    export_peft(model, spec.hf_adapter, model_cfg, run_cfg.lora, out_dir, task_type=None if diffusers else "CAUSAL_LM")
     logger.info("exported the adapters of %s -> %s (PEFT)", checkpoint, out_dir)
     return out_dir
 
