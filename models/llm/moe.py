@@ -42,7 +42,7 @@ class GroupedExperts(nn.Module):
     leading expert dim is the one expert parallelism shards. ``local_weight`` is an injection
     point: expert parallelism sets it to return this rank's slice of a sharded weight; it is
     applied inside ``forward`` so that it sees the weights as FSDP gathered them. ``expert_delta``
-    is another (``veomni.contract.hooks.ExpertGroup``): LoRA adds its per-expert low-rank update
+    is another (``veomni.contract.hooks.AdaptableExperts``): LoRA adds its per-expert low-rank update
     to each projection through it.
     """
 

@@ -8,7 +8,7 @@ see the adapted model as any other. It
 - swaps each targeted ``nn.Linear`` for a ``LoRALinear`` holding the same ``weight`` / ``bias``
   (their names do not change, so pretrained folders, exports and FLOP counts still apply) plus
   ``lora_A`` [r, in] and ``lora_B`` [out, r];
-- gives each targeted grouped-expert module (``veomni.contract.hooks.ExpertGroup``) one adapter per
+- gives each targeted grouped-expert module (``veomni.contract.hooks.AdaptableExperts``) one adapter per
   expert, ``<weight>_lora_A`` [E, r, in] and ``<weight>_lora_B`` [E, out, r], registered on the
   module itself: they lead with the expert dim, so expert parallelism shards them with the experts,
   and they run through the module's ``expert_delta`` injection point as two grouped GEMMs of rank r
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from veomni.config.schema import LoraConfig
-from veomni.contract.hooks import ExpertGroup
+from veomni.contract.hooks import AdaptableExperts, ExpertGroup
 from veomni.contract.plan import flatten_plan, match_modules, module_path_matches
 from veomni.ops.grouped_gemm import grouped_mm
 
@@ -117,6 +117,7 @@ def lora_targets(model: nn.Module, cfg: LoraConfig) -> tuple[list[tuple[str, nn.
     own = model.parallel_plan()
     plan = flatten_plan(own)
     experts = {path: m for path, m in match_modules(model, plan.experts) if isinstance(m, ExpertGroup)}
+    fixed = [path for path, m in experts.items() if not isinstance(m, AdaptableExperts)]
     if cfg.targets:
         chosen = {}
         for pattern in cfg.targets:
@@ -130,8 +131,13 @@ def lora_targets(model: nn.Module, cfg: LoraConfig) -> tuple[list[tuple[str, nn.
     else:
         chosen = {path: m for _, block in match_modules(model, own.blocks) for path, m in _inside(model, block)
                   if isinstance(m, nn.Linear) or path in experts}
+    refused = [p for p in chosen if p in fixed]
+    if cfg.targets and refused:
+        raise ValueError(f"lora.targets selects the expert group {refused[0]} of {type(model).__name__}, which has no "
+                         "`expert_delta` injection point (veomni.contract.hooks.AdaptableExperts) to add its "
+                         "adapters through: declare one, or leave the experts out of lora.targets")
     linears = [(p, m) for p, m in chosen.items() if p not in experts and not isinstance(m, LoRALinear)]
-    return linears, [(p, m) for p, m in chosen.items() if p in experts]
+    return linears, [(p, m) for p, m in chosen.items() if p in experts and p not in fixed]
 
 
 def _inside(model: nn.Module, block: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -201,7 +207,7 @@ def merge_lora(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, to
             a, b = state[f"{prefix}lora_A"].float(), state[f"{prefix}lora_B"].float()
             base = state[f"{prefix}weight"]
             merged[f"{prefix}weight"] = (base.float() + module.scaling * (b @ a)).to(base.dtype)
-        elif isinstance(module, ExpertGroup) and isinstance(module.expert_delta, ExpertLoRA):
+        elif isinstance(module, AdaptableExperts) and isinstance(module.expert_delta, ExpertLoRA):
             for name in module.expert_delta.names:
                 a, b = state[f"{prefix}{name}_lora_A"].float(), state[f"{prefix}{name}_lora_B"].float()
                 base = state[f"{prefix}{name}"]

@@ -28,7 +28,7 @@ from torch import nn
 from veomni.adapters.lora import ExpertLoRA, LoRALinear, init_lora, is_adapter_name, scaling_of
 from veomni.config.schema import LoraConfig
 from veomni.contract import HFAdapter
-from veomni.contract.hooks import ExpertGroup
+from veomni.contract.hooks import AdaptableExperts
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def adapted_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, .
     for path, module in model.named_modules():
         if isinstance(module, LoRALinear):
             found.append((path, module, ("weight",)))
-        elif isinstance(module, ExpertGroup) and isinstance(module.expert_delta, ExpertLoRA):
+        elif isinstance(module, AdaptableExperts) and isinstance(module.expert_delta, ExpertLoRA):
             found.append((path, module, module.expert_delta.names))
     return found
 

@@ -177,14 +177,19 @@ class ExpertGroup(Protocol):
     """Injection point applied to each weight inside ``forward`` (default: identity); expert
     parallelism sets it to take this rank's slice of the weight FSDP gathered."""
 
-    expert_delta: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None
-    """Injection point for a low-rank update (LoRA, ``veomni/adapters/lora.py``): called as
-    ``expert_delta(weight name, rows sorted by expert, rows per local expert)`` for each grouped
-    projection, its result added to the projection's output; None (the default) adds nothing."""
-
     def expert_count(self) -> int:
         """Experts in the group, whole (the leading dim of its parameters before any sharding)."""
         ...
+
+
+@runtime_checkable
+class AdaptableExperts(ExpertGroup, Protocol):
+    """An ``ExpertGroup`` that takes LoRA: one adapter per expert (``veomni/adapters/lora.py``)."""
+
+    expert_delta: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None
+    """Injection point for a low-rank update: called as ``expert_delta(weight name, rows sorted by
+    expert, rows per local expert)`` for each grouped projection, its result added to the
+    projection's output; None (the default) adds nothing."""
 
 
 @runtime_checkable
