@@ -110,3 +110,20 @@ def test_a_message_passing_module_must_declare_its_aggregation() -> None:
         apply_graph_parallel(Toy(layer, "message_passing"), ParallelPlan(message_passing=("layers.*",)), None)
     layer.aggregate = NeighbourAggregation()
     assert plan_hook_problems(Toy(layer, "message_passing")) == []
+
+
+def test_lora_adapts_experts_only_through_their_declared_delta_hook() -> None:
+    from veomni.adapters.lora import add_lora
+    from veomni.config.schema import LoraConfig
+
+    with pytest.raises(ValueError, match="Toy has no linear layer or adaptable expert group to adapt in its blocks"):
+        add_lora(Toy(Layer(Experts(count=True)), "experts"), LoraConfig(rank=2))  # its only experts lack the hook
+    with pytest.raises(ValueError, match=r"expert group layers\.0\.experts of Toy, which has no `expert_delta` "
+                                         r"injection point \(veomni\.contract\.hooks\.AdaptableExperts\)"):
+        add_lora(Toy(Layer(Experts(count=True)), "experts"), LoraConfig(rank=2, targets=["experts"]))
+    adaptable = Experts(count=True)
+    adaptable.expert_delta = None
+    model = Toy(Layer(adaptable), "experts")
+    add_lora(model, LoraConfig(rank=2, targets=["experts"]))
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [
+        "layers.0.experts.gate_up_proj_lora_A", "layers.0.experts.gate_up_proj_lora_B"]

@@ -158,6 +158,10 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         return model
     scaling = scaling_of(cfg)
     linears, experts = lora_targets(model, cfg)
+    if not linears and not experts:
+        where = "among lora.targets" if cfg.targets else "in its blocks"
+        raise ValueError(f"lora: {type(model).__name__} has no linear layer or adaptable expert group to adapt "
+                         f"{where}; name modules in lora.targets")
     for path, linear in linears:
         model.set_submodule(path, LoRALinear(linear, cfg.rank, scaling, cfg.dropout))
     for _, module in experts:
