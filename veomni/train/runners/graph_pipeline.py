@@ -48,9 +48,16 @@ class GraphPipelineRunner(RunnerBase):
                                      self.meshes.pp.get_group(), self.guard, metrics["loss"]))
         return metrics
 
-    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
-        loss_sum, units, extra = _totals(self.pipeline.evaluate(list(batches)))
-        return self.eval_result(loss_sum, units, extra, None)
+    def evaluate(self, batches: Iterable[EvalBatch]) -> dict[str, float]:
+        """A graph's eval batches are its ranks' partitions, one each: every rank has one, so none is
+        a repeat (a repeat would be refused: its loss could not be told apart)."""
+        items = list(batches)
+        if not all(item.counted for item in items):
+            raise ValueError("graph eval: a rank's partition ran out before the others'; set train.eval_batches "
+                             "to the partitions' batch count")
+        loss_sum, units, extra = _totals(self.pipeline.evaluate([item.batch for item in items]))
+        samples = sum(item.samples for item in items) if self.dims.pp == 1 or self.pipeline.is_last else 0
+        return self.eval_result(loss_sum, units, extra, None, samples=samples)
 
 
 def _totals(results: list[LossOutput]) -> tuple[float, int, dict[str, list[float]]]:
