@@ -8,6 +8,7 @@ all-reduce of the shape (max) and one of the padded sums, on the batches' device
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
