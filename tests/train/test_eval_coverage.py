@@ -38,7 +38,8 @@ def _held_out_samples(tmp: Path) -> int:
 def _shares(tmp: Path, dp_size: int) -> list[int]:
     cfg = tiny_run_config(tmp)
     tokenizer = load_run_tokenizer(cfg.data, "packed_text")
-    return [len(list(build_dataloader(cfg.data, "eval", tokenizer, r, dp_size, cfg.train.seed))) for r in range(dp_size)]
+    return [len(list(build_dataloader(cfg.data, "eval", tokenizer, rank, dp_size, cfg.train.seed)))
+            for rank in range(dp_size)]
 
 
 def test_the_whole_held_out_set_scores_the_same_at_any_process_count(tmp_path):

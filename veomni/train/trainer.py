@@ -270,7 +270,8 @@ class Trainer(RunEnd):
                 yield EvalBatch(last.batch, samples=0, counted=False)
                 continue
             generator = task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval")
-            last = EvalBatch(self._local(batch, generator, training=False), samples=count_samples(batch, self.task.contract))
+            last = EvalBatch(self._local(batch, generator, training=False),
+                             samples=count_samples(batch, self.task.contract))
             yield last
 
     def _named(self, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from veomni.config.schema import RunConfig
 from veomni.contract import ModelSpec
 from veomni.parallel.graph.layer_pipeline import GraphPipeline
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.tasks.base import LossOutput, Task
+from veomni.tasks.base import EvalBatch, LossOutput, Task
 from veomni.train.distributed import all_reduce_values
 from veomni.train.runners.step_runner import RunnerBase
 from veomni.train.step import add_task_metrics, clip_and_step, count_global_loss_units, step_flops, task_metric_means
