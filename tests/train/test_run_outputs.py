@@ -1,6 +1,7 @@
 """What a run shows and leaves behind: an eval line per eval, ``loss.png``, a stage's summary, the
 CPU peak MFU is measured against, and the final checkpoint saved before the final eval."""
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -60,6 +61,8 @@ def test_a_stage_summary_says_so_states_eval_coverage_and_suggests_nothing(tmp_p
     text = format_summary(summary)
     words = " ".join(text.split())  # the summary wraps long lines
     assert "1,024 tokens of the held-out set: up to 8 micro-batches (train.eval_batches) on each of 2" in words
+    whole = " ".join(format_summary(dataclasses.replace(summary, eval_batches=0, eval_samples=37)).split())
+    assert "37 samples (1,024 tokens): the whole held-out set (train.eval_batches 0), the same at any process" in whole
     assert "stage 0 of 2 (the VAE): summary, 6 steps" in text and "train on" not in text
     assert "SIGTERM at step 6 of 10" in text
 

@@ -23,7 +23,7 @@ def check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (0 <= cfg.train.min_lr_ratio <= 1, ("train", "min_lr_ratio"), "must be in [0, 1]"),
         (cfg.train.warmup_steps >= 0, ("train", "warmup_steps"), "must be >= 0"),
         (cfg.train.max_grad_norm >= 0, ("train", "max_grad_norm"), "must be >= 0 (0 disables clipping)"),
-        (cfg.train.eval_batches >= 1, ("train", "eval_batches"), "must be >= 1"),
+        (cfg.train.eval_batches >= 0, ("train", "eval_batches"), "must be >= 0 (0: the whole held-out set)"),
         (cfg.train.max_restarts >= 0, ("train", "max_restarts"), "must be >= 0 (0: a dead worker ends the run)"),
         (cfg.train.collective_timeout_s > 0, ("train", "collective_timeout_s"), "must be > 0 seconds"),
         (cfg.train.straggler_factor == 0 or cfg.train.straggler_factor > 1, ("train", "straggler_factor"),

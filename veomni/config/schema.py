@@ -200,6 +200,10 @@ class TrainConfig:
     eval_interval: int = 0
     """Steps between evaluations on ``data.eval_path``; 0 evaluates only at the end."""
     eval_batches: int = 8
+    """Micro-batches of the held-out set each data-parallel rank scores per eval (how much is scored
+    then depends on the process count); 0 scores the whole held-out set, the same samples at any
+    process count (a rank whose share ends first runs uncounted repeats to keep the collectives in
+    step). The summary states how many samples an eval covered."""
     sample_prompt: str | None = None
     """If set, print a continuation of this prompt after training."""
     sample_tokens: int = 48

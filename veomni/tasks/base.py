@@ -154,6 +154,25 @@ class Task(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class EvalBatch:
+    """One eval micro-batch of a rank as the runners score it. ``counted=False``: a repeat that keeps
+    a rank whose share of the held-out set ended in step with the others (its loss, metrics and
+    baseline statistics are left out); ``samples``: the held-out samples it holds."""
+
+    batch: dict[str, Any]
+    samples: int = 0
+    counted: bool = True
+
+
+def count_samples(batch: Mapping[str, Any], contract: BatchContract) -> int:
+    """Samples in a loader batch (before any slicing): its packed samples (``cu_seqlens``), else
+    one per row element (a node, an image)."""
+    if "cu_seqlens" in batch:
+        return int(batch["cu_seqlens"].numel()) - 1
+    return contract.row_length(batch)
+
+
 def task_generator(seed: int, step: int, micro_batch: int, dp_rank: int, stream: str = "train") -> torch.Generator:
     """The CPU generator a task draws from for one micro-batch: a hash of all five inputs, so
     streams never overlap by accident (``stream="eval"`` keeps eval draws apart from training)."""

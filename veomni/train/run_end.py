@@ -92,9 +92,10 @@ class RunEnd:
             next_commands=commands,
             sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
             eval_covered=self.last_eval.get(f"eval_loss_{self.unit}s"), eval_batches=self.cfg.train.eval_batches,
+            eval_samples=self.last_eval.get("eval_samples"),
             eval_ranks=self.dims.dp_size,
             eval_metrics={k.removeprefix("eval_"): v for k, v in self.last_eval.items()
-                          if k not in ("eval_loss", "eval_baseline", f"eval_loss_{self.unit}s")},
+                          if k not in ("eval_loss", "eval_baseline", f"eval_loss_{self.unit}s", "eval_samples")},
             stopped=stopped, stage=os.environ.get(STAGE_ENV, ""), mfu_peak=self.peak_source,
             parameters=self.param_counts, lora=self.cfg.lora.rank > 0,
         )

@@ -12,6 +12,7 @@ the parameter rules. The trainer itself assumes no field names and no tokenizer.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import threading
@@ -37,7 +38,7 @@ from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.row_split import shard_batch
-from veomni.tasks.base import Baseline, Task, batch_to_device, task_generator
+from veomni.tasks.base import Baseline, EvalBatch, Task, batch_to_device, count_samples, task_generator
 from veomni.train.distributed import all_gather_values, all_reduce_values, init_distributed
 from veomni.train.ema import WeightEMA
 from veomni.train.fault.injection import FaultInjector
@@ -242,17 +243,36 @@ class Trainer(RunEnd):
         self.last_eval = result
         return result
 
-    def _eval_batches(self, loader) -> Iterator[dict[str, Any]]:
+    def _eval_batches(self, loader) -> Iterator[EvalBatch]:
+        """This rank's eval micro-batches. Ranks run out at different times and all must run the same
+        number of forwards (FSDP's all-gathers would hang): with ``train.eval_batches`` N every rank
+        stops when the first runs out or at N; with 0 (the whole held-out set) a rank that ran out
+        repeats its last batch, uncounted, until every rank has scored its whole share."""
         it = iter(loader)
         loss_group = self.meshes.loss.get_group()
-        for index in range(self.cfg.train.eval_batches):
-            batch = next(it, None)
-            # Ranks may run out at different times; all must run the same number of
-            # forwards or FSDP's all-gathers would hang.
-            if all_reduce_values([batch is not None], op=dist.ReduceOp.MIN, group=loss_group)[0] == 0:
+        limit, whole = self.cfg.train.eval_batches, self.cfg.train.eval_batches == 0
+        last: EvalBatch | None = None
+        for index in itertools.count():
+            if not whole and index >= limit:
                 return
-            yield self._local(batch, task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval"),
-                              training=False)
+            batch = next(it, None)
+            has, can = batch is not None, batch is not None or last is not None
+            # one all-reduce (a max; the max of -x is -min x): any rank has a batch, every rank has
+            # one, every rank can feed one
+            anyone, everyone, all_can = (abs(v) for v in all_reduce_values(
+                [has, -has, -can], op=dist.ReduceOp.MAX, group=loss_group))
+            if not (anyone if whole else everyone) or not all_can:
+                if whole and anyone and not all_can:
+                    logger.warning("eval: a rank's share of the held-out set is empty, so the eval stops at the "
+                                   "shortest share; use fewer processes or a larger held-out set")
+                return
+            if batch is None:
+                yield EvalBatch(last.batch, samples=0, counted=False)
+                continue
+            generator = task_generator(self.cfg.train.seed, 0, index, self.meshes.dp_rank, "eval")
+            last = EvalBatch(self._local(batch, generator, training=False),
+                             samples=count_samples(batch, self.task.contract))
+            yield last
 
     def _named(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The runner's generic counts renamed after the task's unit (``tokens``, ``loss_tokens``)."""

@@ -8,13 +8,12 @@ all-reduce of the shape (max) and one of the padded sums, on the batches' device
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from veomni.tasks.base import Baseline, Task
+from veomni.tasks.base import Baseline, EvalBatch, Task
 
 
 def pad_to(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -49,10 +48,11 @@ class BaselineCollector:
         self.task = task
         self.stats: torch.Tensor | None = None
 
-    def observe(self, batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        for batch in batches:
-            self.stats = add_padded(self.stats, self.task.baseline_stats(batch))
-            yield batch
+    def observe(self, batches: Iterable[EvalBatch]) -> Iterator[EvalBatch]:
+        for item in batches:
+            if item.counted:
+                self.stats = add_padded(self.stats, self.task.baseline_stats(item.batch))
+            yield item
 
     def result(self, group: dist.ProcessGroup | None) -> Baseline | None:
         """The baseline over every rank of ``group`` (the ranks that split the eval data). Every

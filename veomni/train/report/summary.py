@@ -93,6 +93,8 @@ class RunSummary:
     """The last eval's other task metrics, without the ``eval_`` prefix (``accuracy``...)."""
     eval_covered: int | None = None
     """The loss units the last eval scored (``eval_loss_<unit>s``); None: not known."""
+    eval_samples: int | None = None
+    """The held-out samples the last eval scored (``eval_samples``); None: not known."""
     eval_batches: int = 0
     """``train.eval_batches``: micro-batches per data-parallel rank."""
     eval_ranks: int = 1
@@ -205,12 +207,17 @@ def _eval_lines(s: RunSummary) -> list[str]:
 
 
 def _coverage_lines(s: RunSummary) -> list[str]:
-    """How much of the held-out set the eval scored: it depends on the data-parallel size."""
+    """How much of the held-out set the eval scored, and whether that depends on the process count."""
     if s.eval_covered is None:
         return []
-    return _wrapped("eval covered", f"{s.eval_covered:,} {s.unit}s of the held-out set: up to {s.eval_batches} "
-                                    f"micro-batches (train.eval_batches) on each of {s.eval_ranks} data-parallel "
-                                    "rank(s), ending early when a rank's share runs out")
+    scored = (f"{s.eval_samples:,} samples ({s.eval_covered:,} {s.unit}s)" if s.eval_samples is not None
+              else f"{s.eval_covered:,} {s.unit}s")
+    if s.eval_batches == 0:
+        return _wrapped("eval covered", f"{scored}: the whole held-out set (train.eval_batches 0), the same at any "
+                                        "process count")
+    return _wrapped("eval covered", f"{scored} of the held-out set: up to {s.eval_batches} micro-batches "
+                                    f"(train.eval_batches) on each of {s.eval_ranks} data-parallel rank(s), ending "
+                                    "early when a rank's share runs out (train.eval_batches 0 scores all of it)")
 
 
 def _training_lines(s: RunSummary) -> list[str]:

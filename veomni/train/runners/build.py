@@ -30,7 +30,7 @@ from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline.rows import empty_row
 from veomni.parallel.pipeline.stages import Pipeline, build_pipeline, build_stage_parts
 from veomni.parallel.pipeline.tied import aliases, tied_names
-from veomni.tasks.base import Task
+from veomni.tasks.base import EvalBatch, Task
 from veomni.train.runners.graph_pipeline import GraphPipelineRunner
 from veomni.train.runners.pipeline_step import pipeline_forward_backward, pipeline_rows
 from veomni.train.runners.step_runner import RunnerBase, StepRunner
@@ -50,15 +50,18 @@ class PlainRunner(RunnerBase):
                                      guard=self.guard, loss=metrics["loss"]))
         return metrics
 
-    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
-        loss_sum, units = 0.0, 0
+    def evaluate(self, batches: Iterable[EvalBatch]) -> dict[str, float]:
+        loss_sum, units, samples = 0.0, 0, 0
         extra: dict[str, list[float]] = {}
-        for batch in batches:
-            out = self.task(self.model, batch)
-            loss_sum += float(out.loss_sum)
-            units += out.loss_units
-            add_task_metrics(extra, out.metrics)
-        return self.eval_result(loss_sum, units, extra, self.meshes.loss.get_group())
+        for item in batches:
+            out = self.task(self.model, item.batch)
+            if item.counted:
+                loss_sum += float(out.loss_sum)
+                units += out.loss_units
+                samples += item.samples
+                add_task_metrics(extra, out.metrics)
+        return self.eval_result(loss_sum, units, extra, self.meshes.loss.get_group(), samples=samples,
+                                samples_divisor=self.dims.row_ranks)
 
 
 class PipelineRunner(RunnerBase):
@@ -84,16 +87,19 @@ class PipelineRunner(RunnerBase):
                                      self.pipeline.uncounted))
         return metrics
 
-    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[EvalBatch]) -> dict[str, float]:
         """Eval batches in groups of one step's micro-batches; a short last group is filled with
-        rows without loss units (the schedule always runs its full micro-batch count). The loss
+        rows without loss units (the schedule always runs its full micro-batch count), and so is an
+        uncounted batch (a repeat that keeps a rank whose share ended in step). The loss
         sums and the task's metrics (``output_metrics``) live on the last stages, so they are
         reduced over the world, and the units (counted on the whole rows by every stage and every
         cp x sp rank) once per pipeline and row."""
         size, loss_sum, units = self.cfg.train.grad_accum, 0.0, 0
         extra: dict[str, list[float]] = {}
-        batches = list(batches)
         contract = self.task.contract
+        items = list(batches)
+        samples = sum(item.samples for item in items if item.counted)
+        batches = [item.batch if item.counted else empty_row(item.batch, contract) for item in items]
         for start in range(0, len(batches), size):
             group = batches[start:start + size]
             units += sum(self.task.count_loss_units(b) for b in group)
@@ -109,7 +115,9 @@ class PipelineRunner(RunnerBase):
         dist.all_gather_object(names, sorted(extra))
         for name in set().union(*names):
             extra.setdefault(name, [0.0, 0])
-        return self.eval_result(loss_sum, units, extra, None, units_divisor=self.dims.pp * self.dims.row_ranks)
+        counted_by = self.dims.pp * self.dims.row_ranks  # every stage and cp x sp rank counts a whole row
+        return self.eval_result(loss_sum, units, extra, None, units_divisor=counted_by, samples=samples,
+                                samples_divisor=counted_by)
 
 
 def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task, meshes: ParallelMeshes,

@@ -19,7 +19,7 @@ from veomni.config.schema import RunConfig
 from veomni.contract import ModelSpec
 from veomni.parallel.graph.layer_pipeline import GraphPipeline
 from veomni.parallel.mesh import ParallelMeshes
-from veomni.tasks.base import LossOutput, Task
+from veomni.tasks.base import EvalBatch, LossOutput, Task
 from veomni.train.distributed import all_reduce_values
 from veomni.train.runners.step_runner import RunnerBase
 from veomni.train.step import add_task_metrics, clip_and_step, count_global_loss_units, step_flops, task_metric_means
@@ -48,9 +48,16 @@ class GraphPipelineRunner(RunnerBase):
                                      self.meshes.pp.get_group(), self.guard, metrics["loss"]))
         return metrics
 
-    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
-        loss_sum, units, extra = _totals(self.pipeline.evaluate(list(batches)))
-        return self.eval_result(loss_sum, units, extra, None)
+    def evaluate(self, batches: Iterable[EvalBatch]) -> dict[str, float]:
+        """A graph's eval batches are its ranks' partitions, one each: every rank has one, so none is
+        a repeat (a repeat would be refused: its loss could not be told apart)."""
+        items = list(batches)
+        if not all(item.counted for item in items):
+            raise ValueError("graph eval: a rank's partition ran out before the others'; set train.eval_batches "
+                             "to the partitions' batch count")
+        loss_sum, units, extra = _totals(self.pipeline.evaluate([item.batch for item in items]))
+        samples = sum(item.samples for item in items) if self.dims.pp == 1 or self.pipeline.is_last else 0
+        return self.eval_result(loss_sum, units, extra, None, samples=samples)
 
 
 def _totals(results: list[LossOutput]) -> tuple[float, int, dict[str, list[float]]]:

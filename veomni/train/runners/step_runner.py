@@ -13,7 +13,7 @@ from torch import nn
 from veomni.config.schema import RunConfig
 from veomni.contract import ModelSpec
 from veomni.parallel.mesh import ParallelDims, ParallelMeshes
-from veomni.tasks.base import Task
+from veomni.tasks.base import EvalBatch, Task
 from veomni.train.distributed import all_reduce_values
 from veomni.train.fault.guard import StepGuard
 from veomni.train.optim import build_optimizer, build_scheduler
@@ -41,9 +41,9 @@ class StepRunner(Protocol):
         ``skipped``: why, when the guard rejected the step)."""
         ...
 
-    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
-        """``eval_loss`` and ``eval_<name>`` per task metric over the batches of every rank
-        ({} when no rank had a loss unit)."""
+    def evaluate(self, batches: Iterable[EvalBatch]) -> dict[str, float]:
+        """``eval_loss``, ``eval_<name>`` per task metric and ``eval_samples`` over the counted
+        batches of every rank ({} when no rank had a loss unit); uncounted ones only run."""
         ...
 
 
@@ -60,15 +60,20 @@ class RunnerBase:
         self.tied: dict[str, list[str]] = {}
 
     def eval_result(self, loss_sum: float, units: float, extra: dict[str, list[float]],
-                    group: dist.ProcessGroup | None, units_divisor: int = 1) -> dict[str, float]:
+                    group: dist.ProcessGroup | None, units_divisor: int = 1, samples: int = 0,
+                    samples_divisor: int = 1) -> dict[str, float]:
+        """The global eval metrics. ``*_divisor``: how many ranks of ``group`` counted each unit /
+        sample (a row's samples are counted on every rank that holds a piece of it)."""
         names = sorted(extra)
-        total_loss, total_units, *totals = all_reduce_values(
-            [loss_sum, units, *(v for name in names for v in extra[name])], group=group)
+        total_loss, total_units, total_samples, *totals = all_reduce_values(
+            [loss_sum, units, samples, *(v for name in names for v in extra[name])], group=group)
         total_units /= units_divisor
         if not total_units:
             return {}
-        # how much of the held-out set the loss covers, in the task's loss units: the summary states it
-        result = {"eval_loss": total_loss / total_units, f"eval_loss_{self.task.contract.unit}s": round(total_units)}
+        # how much of the held-out set the loss covers, in samples and in the task's loss units: the
+        # summary states it
+        result = {"eval_loss": total_loss / total_units, f"eval_loss_{self.task.contract.unit}s": round(total_units),
+                  "eval_samples": round(total_samples / samples_divisor)}
         result.update({f"eval_{k}": v for k, v in task_metric_means(names, totals).items()})
         return result
 
