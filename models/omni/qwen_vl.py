@@ -13,6 +13,7 @@ token ids, ``tokens_per_second`` of video time positions, which architecture it 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ class QwenVLConfig(OmniConfig):
     """2 in the published Qwen2.5-VL checkpoints (transformers' default is 4)."""
 
     def validate(self) -> None:
+        """The omni checks, then the Qwen-VL ones; ``llm`` and ``encoders.image`` are then written out
+        in full (every option of their configs), so that a recipe stating only some options compares
+        option by option with a folder's config (``checkpoint.init_from_hf``)."""
         super().validate()
         if self.variant not in VARIANTS:
             raise ValueError(f"model.variant must be one of {VARIANTS}, got {self.variant!r}")
@@ -67,6 +71,8 @@ class QwenVLConfig(OmniConfig):
         if len(set(ids)) != 4 or not all(0 <= i < self.llm_config.vocab_size for i in ids):
             raise ValueError(f"model.image_token_id, video_token_id, vision_start_token_id and vision_end_token_id "
                              f"must be distinct ids below vocab_size {self.llm_config.vocab_size}, got {ids}")
+        self.llm = dataclasses.asdict(self.llm_config)
+        self.encoders = {"image": dataclasses.asdict(vision)}
 
     def position_ids(
         self,

@@ -34,7 +34,9 @@ from models.vit import hf_adapter as vit_adapter
 from .qwen_vl import QwenVLConfig
 
 hf_model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-free_fields = ("freeze",)
+# Options inside the blocks are named by dotted path (component_init compares them one by one).
+free_fields = ("freeze", *(f"llm.{name}" for name in llm_adapter.free_fields),
+               *(f"encoders.image.{name}" for name in vit_adapter.free_fields))
 
 _UNSUPPORTED = (
     "is not supported: its vision tower adds learned position embeddings and DeepStack mergers whose "

@@ -18,7 +18,7 @@ from models.omni.mrope_positions import token_types
 from tests.parity_utils import assert_parity
 from veomni.checkpoint.component_init import check_init, read_folder
 from veomni.checkpoint.hf_io import load_hf_pretrained, save_hf_pretrained
-from veomni.contract import get_model_spec
+from veomni.contract import build_config, get_model_spec
 
 IMAGE, VIDEO, START, END = 190, 191, 192, 193
 TEXT = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -158,3 +158,27 @@ def test_qwen3_vl_folder_is_refused_with_the_reason(tmp_path) -> None:
     transformers.Qwen3VLConfig().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="Qwen3-VL .* is not supported: .*DeepStack"):
         read_folder(tmp_path)
+
+
+def test_a_recipe_fits_the_folder_option_by_option(tmp_path) -> None:
+    """A recipe states only some options of ``llm`` and ``encoders.image`` (the rest default) and
+    sets free ones apart from the folder: it fits; a differing option is named by its dotted path."""
+    _hf_model("qwen2_5_vl", tied=False).save_pretrained(tmp_path)
+    llm = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+               head_dim=None, rope_theta=10000.0, rms_norm_eps=1e-5, tie_embeddings=False, qkv_bias=True,
+               qk_norm=False, family="qwen2", mrope_section=[2, 3, 3], max_position_embeddings=4096)
+    image = dict(patch_size=2, hidden_size=32, num_layers=3, num_heads=2, intermediate_size=48, hidden_act="silu",
+                 merge_mode="concat", out_hidden_size=64, temporal_patch_size=2, norm="rmsnorm", mlp="gated",
+                 window_size=8, full_attention_layers=[1], max_pixels=56 * 56)
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+               tokens_per_second=4)
+    spec = get_model_spec("qwen2_5_vl")
+
+    def problems(**llm_changes):
+        cfg = build_config("qwen2_5_vl", {"llm": {**llm, **llm_changes}, "encoders": {"image": image}, **ids})
+        with torch.device("meta"):
+            return check_init(spec.instantiate(cfg), {"": str(tmp_path)})
+
+    assert problems() == []
+    [problem] = problems(rms_norm_eps=1e-6)
+    assert "llm.rms_norm_eps: recipe 1e-06, folder 1e-05" in problem
