@@ -4,7 +4,9 @@ Attention runs within each packed sample (an image, a video frame, an audio clip
 the ``attn_fn`` injection point; the caller supplies the rotary ``cos/sin`` (2D for images,
 1D for audio), so the block itself is position-agnostic. Parameter names (``norm1``,
 ``attn.qkv``, ``attn.proj``, ``norm2``, ``mlp.fc1``, ``mlp.fc2``) follow HF's Qwen2-VL vision
-blocks so weights map one to one.
+blocks so weights map one to one. Qwen2.5-VL's blocks are the same block with two options:
+RMSNorm for LayerNorm and a gated MLP (``mlp.gate_proj``, ``mlp.up_proj``, ``mlp.down_proj``, its
+names too), so one block class serves both towers.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from torch import nn
 
 from veomni.contract.hooks import AttentionSpec
 from veomni.ops.attention import RowShare, SeqInfo, bidirectional_varlen_attention
+from veomni.ops.norm import RMSNorm
 from veomni.ops.rope import apply_rope
 
-HIDDEN_ACTS = ("gelu", "quick_gelu")
+HIDDEN_ACTS = ("gelu", "quick_gelu", "silu")
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-_ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": _quick_gelu}
+_ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": _quick_gelu, "silu": F.silu}
 
 
 class EncoderAttention(nn.Module):
@@ -62,26 +65,56 @@ class EncoderMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class GatedEncoderMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with biases (Qwen2.5-VL's vision MLP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {hidden_act!r}")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size)
+        self.act = _ACTIVATIONS[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def encoder_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
+    """``"layernorm"`` (with bias) or ``"rmsnorm"`` (HF numerics, ``veomni.ops.norm``)."""
+    if kind == "layernorm":
+        return nn.LayerNorm(hidden_size, eps=eps)
+    if kind == "rmsnorm":
+        return RMSNorm(hidden_size, eps)
+    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")
+
+
 class EncoderBlock(nn.Module):
-    """Pre-norm (LayerNorm) residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP; ``norm`` LayerNorm or RMSNorm, ``mlp`` plain
+    (fc1, act, fc2) or gated."""
 
     def __init__(
-        self, hidden_size: int, num_heads: int, intermediate_size: int, hidden_act: str, norm_eps: float
+        self, hidden_size: int, num_heads: int, intermediate_size: int, hidden_act: str, norm_eps: float,
+        norm: str = "layernorm", mlp: str = "plain",
     ) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, eps=norm_eps)
+        if mlp not in ("plain", "gated"):
+            raise ValueError(f"mlp must be 'plain' or 'gated', got {mlp!r}")
+        self.norm1 = encoder_norm(norm, hidden_size, norm_eps)
         self.attn = EncoderAttention(hidden_size, num_heads)
-        self.norm2 = nn.LayerNorm(hidden_size, eps=norm_eps)
-        self.mlp = EncoderMLP(hidden_size, intermediate_size, hidden_act)
+        self.norm2 = encoder_norm(norm, hidden_size, norm_eps)
+        mlp_cls = GatedEncoderMLP if mlp == "gated" else EncoderMLP
+        self.mlp = mlp_cls(hidden_size, intermediate_size, hidden_act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, seq)
         return x + self.mlp(self.norm2(x))
 
     @staticmethod
-    def matmul_params(hidden_size: int, intermediate_size: int) -> int:
+    def matmul_params(hidden_size: int, intermediate_size: int, mlp: str = "plain") -> int:
         """Weights one token multiplies through in a block (biases and norms excluded)."""
-        return 4 * hidden_size**2 + 2 * hidden_size * intermediate_size
+        return 4 * hidden_size**2 + (3 if mlp == "gated" else 2) * hidden_size * intermediate_size
 
 
 def held_rows(share: RowShare | None, total: int, rows_per_feature: int) -> slice:
@@ -105,5 +138,5 @@ def init_encoder_weights(model: nn.Module, std: float, generator: torch.Generato
             nn.init.normal_(module.weight, 0.0, std, generator=generator)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
             module.reset_parameters()

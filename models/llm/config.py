@@ -35,6 +35,9 @@ class LLMConfig:
     qkv_bias: bool = False
     qk_norm: bool = True
     max_position_embeddings: int = 40960
+    mrope_section: tuple[int, ...] | None = None
+    """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL): sizes of the blocks of frequency slots that turn with
+    the t, h, w positions in turn (summing to head_dim // 2); position_ids are then [T, 3]. None: 1-D."""
     init_std: float = 0.02
     family: str = "qwen3"
     # ----- mixture of experts (num_experts = 0: every layer has the dense MLP) -----
@@ -61,6 +64,10 @@ class LLMConfig:
     capacity_factor: float = 0.0
     """Per-expert capacity ``ceil(cf * tokens * k / E)``; assignments beyond it are dropped.
     0 (default): no token is ever dropped."""
+
+    def __post_init__(self) -> None:
+        if self.mrope_section is not None:
+            self.mrope_section = tuple(self.mrope_section)  # a YAML list compares as a tuple
 
     @property
     def dim_per_head(self) -> int:
@@ -97,6 +104,12 @@ class LLMConfig:
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("rope_theta, rms_norm_eps and init_std must be > 0")
         check_rope_scaling(self.rope_scaling)
+        if self.mrope_section is not None and (
+            len(self.mrope_section) != 3 or sum(self.mrope_section) != self.dim_per_head // 2
+            or min(self.mrope_section) < 0
+        ):
+            raise ValueError(f"mrope_section must be three sizes (t, h, w) >= 0 summing to head_dim // 2 = "
+                             f"{self.dim_per_head // 2}, got {self.mrope_section!r}")
         self._validate_family()
         if self.num_experts:
             self._validate_moe()

@@ -174,6 +174,9 @@ def config_to_hf(cfg: LLMConfig) -> Any:
     import transformers
 
     cfg.validate()
+    if cfg.mrope_section is not None:
+        raise ValueError(f"mrope_section={cfg.mrope_section} (multimodal RoPE) cannot be expressed by a text-only "
+                         f"{cfg.family} model: export the whole vision-language model (models/omni, qwen2_5_vl)")
     config_name, model_name = _HF_CLASSES[f"{cfg.family}_moe" if cfg.is_moe else cfg.family]
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     kwargs: dict[str, Any] = {

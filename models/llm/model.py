@@ -17,7 +17,7 @@ from veomni.contract.hooks import AttentionSpec
 from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import SeqInfo, varlen_attention
 from veomni.ops.norm import RMSNorm
-from veomni.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from veomni.ops.rope import apply_rope, mrope_cos_sin, rope_cos_sin, rope_inv_freq
 
 from .config import LLMConfig
 from .moe import GroupedExperts, MoE, MoEHost, Router
@@ -148,15 +148,28 @@ class DecoderLM(MoEHost, nn.Module):
         valid_tokens: int | None = None,
     ) -> torch.Tensor:
         """The decoder on input embeddings [T, hidden] (an omni model splices encoder features
-        into the token embeddings first) -> logits [T, vocab]."""
+        into the token embeddings first) -> logits [T, vocab].
+
+        ``position_ids`` [T]; with ``mrope_section`` (M-RoPE) [T, 3] (t, h, w) per token, row-major so
+        that sequence parallelism slices them with the row; [T] is text alone (t = h = w)."""
         seq = SeqInfo(cu_seqlens, int(max_seqlen))
-        inv_freq = rope_inv_freq(
-            self.config.dim_per_head, self.config.rope_theta, self.config.rope_scaling, device=x.device
-        )
-        cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype)
+        cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, seq, valid_tokens)
         return self.lm_head(self.norm(x))
+
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` [T, head_dim] of the row's positions: 1-D RoPE, or M-RoPE with ``mrope_section``."""
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, device=position_ids.device)
+        if cfg.mrope_section is None:
+            if position_ids.ndim != 1:
+                raise ValueError(f"position_ids must be [T] (this LLM has 1-D RoPE; set mrope_section for "
+                                 f"(t, h, w) positions), got {tuple(position_ids.shape)}")
+            return rope_cos_sin(position_ids, inv_freq, dtype)
+        if position_ids.ndim == 1:
+            position_ids = position_ids[:, None].expand(-1, 3)
+        return mrope_cos_sin(position_ids, inv_freq, cfg.mrope_section, dtype)
 
     def parallel_plan(self) -> ParallelPlan:
         """Blocks are ``layers.0``, ``layers.1``, ... (``*`` matches one path segment)."""

@@ -90,6 +90,10 @@ class OmniModel(MoEHost, MediaHost, nn.Module):
         Rows from ``valid_tokens`` on are padding (a pipeline's fixed-size rows): MoE layers do not
         route them.
         """
+        if self.llm.config.mrope_section is not None and position_ids.ndim == 1 and media:
+            raise ValueError("this model's LLM uses multimodal RoPE (llm.mrope_section): a row with media needs "
+                             "position_ids [T, 3] (t, h, w) per token, e.g. QwenVLConfig.position_ids; [T] would "
+                             "give its image tokens text positions")
         x = self.llm.embed_tokens(input_ids)
         for name, encoder in self.encoders.items():
             item = (media or {}).get(name)

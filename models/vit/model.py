@@ -8,6 +8,13 @@ group of neighbouring patches is pooled into one token and a 2-layer MLP maps it
 width. Plain single-device PyTorch; the engine parallelises it through ``parallel_plan()``, and
 may run one large input over several ranks, each on a share of its rows (whole merge groups;
 ``forward(..., share=)``, see ``veomni.contract.media.ShardableEncoder``).
+
+With ``window_size`` set (Qwen2.5-VL) the patches are reordered window by window after the patch
+embedding (``processing.window_order``), so that each window is one contiguous attention segment;
+layers in ``full_attention_layers`` attend within whole frames instead (a frame's windows stay
+inside it, so frame segments are unchanged by the reorder), and the merged tokens are put back in
+input order at the end. This is transformers' order of operations, so imported weights compute
+the same features.
 """
 
 from __future__ import annotations
@@ -18,24 +25,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.encoder import EncoderBlock, held_rows, init_encoder_weights
+from models.common.encoder import EncoderBlock, encoder_norm, held_rows, init_encoder_weights
 from veomni.contract.media import ShardableEncoder
 from veomni.contract.plan import ParallelPlan
 from veomni.ops.attention import RowShare, SeqInfo
 from veomni.ops.rope import rope_2d_cos_sin
 
 from .config import ViTConfig
-from .processing import patch_positions
+from .processing import patch_positions, window_order
 
 
 class MergeAdapter(nn.Module):
-    """LayerNorm, pool each ``m * m`` group of consecutive patches (mean or concat), 2-layer MLP."""
+    """Norm (LayerNorm or RMSNorm, as the blocks), pool each ``m * m`` group of consecutive
+    patches (mean or concat), 2-layer MLP."""
 
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
         self.group = cfg.merge_size**2
         self.mode = cfg.merge_mode
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.norm = encoder_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps)
         self.fc1 = nn.Linear(cfg.merged_dim, cfg.adapter_width)
         self.fc2 = nn.Linear(cfg.adapter_width, cfg.out_hidden_size)
 
@@ -54,30 +62,42 @@ class NativeResolutionViT(ShardableEncoder, nn.Module):
         self.config = cfg
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=False)
         self.blocks = nn.ModuleList(
-            EncoderBlock(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.hidden_act, cfg.norm_eps)
+            EncoderBlock(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.hidden_act, cfg.norm_eps,
+                         cfg.norm, cfg.mlp)
             for _ in range(cfg.num_layers)
         )
         self.merger = MergeAdapter(cfg)
 
     def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor, share: RowShare | None = None) -> torch.Tensor:
         """Attention segments are single frames: an image, or one frame of a video (its frames
-        are tied together later, by the LLM, through the time index; see docs/vit.md).
+        are tied together later, by the LLM, through the time index; see docs/vit.md); with
+        ``window_size``, windows of a frame except in ``full_attention_layers`` (module docstring).
 
         ``share``: run only patch rows ``share.start:share.stop`` (whole merge groups; the other
         rows are held by the other ranks of a sequence-parallel run) and return their merged
         tokens. Positions and frame boundaries are those of the whole input, sliced."""
         cfg = self.config
         grid_thw = self._checked_grid(patches, grid_thw)
+        if share is not None and cfg.window_size:
+            raise ValueError("a row share (one input split over sequence-parallel ranks) is not supported with "
+                             "window_size > 0: windows reorder the patches across the whole input")
         rows = held_rows(share, patches.shape[0], self.rows_per_feature)
         x = self.patch_embed(patches[rows].to(self.patch_embed.weight.dtype))
         positions = patch_positions(grid_thw, cfg.merge_size)[rows].to(x.device)
         cos, sin = rope_2d_cos_sin(positions[:, 1:], cfg.head_dim, cfg.rope_theta, x.dtype)
         frame_sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
-        cu_seqlens = F.pad(frame_sizes.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
-        seq = SeqInfo(cu_seqlens, int(frame_sizes.max()), share)
-        for block in self.blocks:
-            x = block(x, cos, sin, seq)
-        return self.merger(x)
+        frames = SeqInfo(_cumulative(frame_sizes, x.device), int(frame_sizes.max()), share)
+        if not cfg.window_size:
+            for block in self.blocks:
+                x = block(x, cos, sin, frames)
+            return self.merger(x)
+        order, window_sizes = window_order(grid_thw, cfg.merge_size, cfg.window_tokens)
+        order = order.to(x.device)
+        x, cos, sin = (_grouped(t, order, self.rows_per_feature) for t in (x, cos, sin))
+        windows = SeqInfo(_cumulative(window_sizes, x.device), int(window_sizes.max()))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in cfg.full_attention_layers else windows)
+        return self.merger(x)[order.argsort()]
 
     @property
     def rows_per_feature(self) -> int:
@@ -139,16 +159,31 @@ class NativeResolutionViT(ShardableEncoder, nn.Module):
 
         ``6 * weights * tokens`` for the patch embedding and blocks (per patch) and the adapter
         (per merged token), plus attention scores and weighted values over every pair within
-        a frame (bidirectional: ``n^2`` pairs), ``12 * layers * hidden * sum(n^2)``.
+        a frame (bidirectional: ``n^2`` pairs), ``12 * layers * hidden * sum(n^2)``; a windowed
+        layer counts the pairs within its windows instead.
         """
         cfg = self.config
         grid = torch.as_tensor(grid_thw, dtype=torch.long)
         patches = int(grid.prod(dim=-1).sum())
         frame_sizes = (grid[:, 1] * grid[:, 2]).repeat_interleave(grid[:, 0])
-        pairs = int((frame_sizes * frame_sizes).sum())
-        block = EncoderBlock.matmul_params(cfg.hidden_size, cfg.intermediate_size)
+        pairs = int((frame_sizes * frame_sizes).sum()) * cfg.num_layers
+        if cfg.window_size:
+            window_sizes = window_order(grid, cfg.merge_size, cfg.window_tokens)[1]
+            windowed = cfg.num_layers - len(set(cfg.full_attention_layers))
+            pairs += (int((window_sizes * window_sizes).sum()) - pairs // cfg.num_layers) * windowed
+        block = EncoderBlock.matmul_params(cfg.hidden_size, cfg.intermediate_size, cfg.mlp)
         per_patch = cfg.patch_dim * cfg.hidden_size + cfg.num_layers * block
         adapter = cfg.merged_dim * cfg.adapter_width + cfg.adapter_width * cfg.out_hidden_size
         merged = patches // cfg.merge_size**2
-        attention = 12 * cfg.num_layers * cfg.hidden_size * pairs
+        attention = 12 * cfg.hidden_size * pairs
         return float(6 * (per_patch * patches + adapter * merged) + attention)
+
+
+def _cumulative(sizes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` (int32 [n+1]) of segments of these sizes."""
+    return F.pad(sizes.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+
+
+def _grouped(x: torch.Tensor, order: torch.Tensor, group: int) -> torch.Tensor:
+    """Rows of ``x`` reordered by whole groups of ``group`` consecutive rows (merge groups)."""
+    return x.view(-1, group, x.shape[-1])[order].flatten(0, 1)

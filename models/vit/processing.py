@@ -146,3 +146,28 @@ def patch_positions(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
         frame = torch.arange(t, device=grid_thw.device).repeat_interleave(gh * gw)
         positions.append(torch.cat([frame[:, None], hw.repeat(t, 1)], dim=-1))
     return torch.cat(positions)
+
+
+def window_order(grid_thw: torch.Tensor, merge_size: int, window_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2.5-VL's attention windows over a packed batch: ``(order, window_sizes)``.
+
+    ``order`` [N / m^2] lists the merge groups (merged tokens) window by window: each frame's
+    ``gh/m x gw/m`` grid of merged tokens is cut into ``window_tokens``-square windows from the top
+    left (the last row and column of windows may be smaller), read in raster order of windows and
+    of tokens inside each; frames and images follow each other. ``x.view(-1, m*m, d)[order]``
+    puts the patches window-major; ``order.argsort()`` undoes it. ``window_sizes`` [n_windows]
+    counts patches per window (the attention segments). Same windows and order as transformers'
+    ``get_vision_window_index``.
+    """
+    orders, sizes, offset = [], [], 0
+    for t, gh, gw in grid_thw.tolist():
+        rows, cols = gh // merge_size, gw // merge_size
+        index = torch.arange(t * rows * cols).view(t, rows, cols)
+        for frame in index:
+            for top in range(0, rows, window_tokens):
+                for left in range(0, cols, window_tokens):
+                    window = frame[top:top + window_tokens, left:left + window_tokens].flatten()
+                    orders.append(window + offset)
+                    sizes.append(window.numel() * merge_size**2)
+        offset += t * rows * cols
+    return torch.cat(orders), torch.tensor(sizes, dtype=torch.long)

@@ -86,3 +86,45 @@ def test_matches_qwen2_vl_vision_tower(hidden_act) -> None:
     exported.load_state_dict(hf_adapter.state_dict_to_hf(ours.state_dict(), cfg), strict=True)
     with torch.no_grad():
         assert_parity(exported.eval()(hf_pixels, grid_thw=grid).pooler_output, want, "exported pooler output")
+
+
+# Windows of 2x2 merged tokens (patch 4, merge 2, window 16 px): the 6x10 and 10x6 grids leave
+# partial windows at their right and bottom edges, the video has two temporal patches.
+WINDOW_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 10, 6), (1, 2, 2)]
+
+
+def test_matches_qwen2_5_vl_windowed_vision_tower() -> None:
+    """RMSNorm, gated SiLU MLP, window attention with full attention on layer 1, the window
+    reordering and its inverse, and 2-frame temporal patches fed as HF's ``pixel_values``."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    torch.manual_seed(0)
+    hf_config = Qwen2_5_VLVisionConfig(depth=3, hidden_size=32, intermediate_size=40, num_heads=4,
+                                       out_hidden_size=24, patch_size=4, spatial_merge_size=2,
+                                       temporal_patch_size=TEMPORAL, window_size=16, fullatt_block_indexes=[1])
+    reference = Qwen2_5_VisionTransformerPretrainedModel(hf_config).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.2)
+    cfg = hf_adapter.config_from_hf(hf_config, per_frame=False)
+    assert (cfg.norm, cfg.mlp, cfg.window_size, cfg.full_attention_layers, cfg.temporal_patch_size) == (
+        "rmsnorm", "gated", 16, (1,), TEMPORAL)
+    ours = NativeResolutionViT(cfg).eval()
+    ours.load_state_dict(hf_adapter.state_dict_from_hf(reference.state_dict(), cfg), strict=True)
+
+    rows = sum(t * h * w for t, h, w in WINDOW_GRIDS)
+    pixels = torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(1))
+    grid = torch.tensor(WINDOW_GRIDS)
+    with torch.no_grad():
+        want = reference(pixels, grid_thw=grid).pooler_output
+        got = ours(pixels, grid)
+    assert_parity(got, want, "windowed tower")
+
+    exported = Qwen2_5_VisionTransformerPretrainedModel(hf_adapter.config_to_hf(cfg)).eval()
+    exported.load_state_dict(hf_adapter.state_dict_to_hf(ours.state_dict(), cfg), strict=True)
+    with torch.no_grad():
+        assert_parity(exported(pixels, grid_thw=grid).pooler_output, want, "exported windowed tower")
+    # FLOPs count the windowed layers' pairs within windows: fewer than three full-frame layers.
+    full = dataclasses.replace(cfg, window_size=0, full_attention_layers=())
+    assert ours.training_flops(grid) < NativeResolutionViT(full).training_flops(grid)

@@ -121,23 +121,54 @@ def config_problems(path: str, module: nn.Module, folder: PretrainedFolder) -> l
         return [f"{where} holds a {type(theirs).__name__} model, but {_label(path)} is built from a "
                 f"{type(ours).__name__}: point it at a folder of that kind, or the key at the matching "
                 "sub-module"]
-    compared = [f.name for f in dataclasses.fields(theirs) if f.name not in folder.adapter.free_fields]
-    spelled = [name for name in compared if getattr(ours, name) != getattr(theirs, name)]
+    free = folder.adapter.free_fields
+    compared = [(name, mine, folders) for f in dataclasses.fields(theirs)
+                for name, mine, folders in _options(getattr(ours, f.name), getattr(theirs, f.name), f.name)
+                if not any(name == field or name.startswith(field + ".") for field in free)]
     derived = {id(config): _derived(folder.adapter, config) for config in (ours, theirs)}
 
     def same_derived(name: str) -> bool:
         """Both sides derive the same value, and each states it or leaves it unset (None): a value
         the round trip loses (``capacity_factor``, which Hugging Face cannot state) still differs."""
-        values = [(getattr(config, name), getattr(derived[id(config)], name)) for config in (ours, theirs)]
-        return values[0][1] == values[1][1] and all(given is None or given == value for given, value in values)
+        values = [(_at(config, name), _at(derived[id(config)], name)) for config in (ours, theirs)]
+        return _same(values[0][1], values[1][1]) and all(given is None or _same(given, value)
+                                                         for given, value in values)
 
-    differences = [f"{name}: recipe {getattr(ours, name)!r}, folder {getattr(theirs, name)!r}"
-                   for name in spelled if not same_derived(name)]
+    differences = [f"{name}: recipe {mine!r}, folder {folders!r}"
+                   for name, mine, folders in compared if not _same(mine, folders) and not same_derived(name)]
     if not differences:
         return []
     return [f"{where} does not fit the recipe's {_label(path)} ({type(ours).__name__}): "
             f"{'; '.join(differences)}. Set the recipe's model config to the folder's {CONFIG_FILE}, or "
             "point at a folder that matches"]
+
+
+def _options(ours: Any, theirs: Any, name: str):
+    """``(dotted name, ours, theirs)`` of one config field, descending into blocks of options both
+    sides hold as mappings (an omni model's ``llm`` and ``encoders``), so that a difference is named
+    ``llm.hidden_size`` and an adapter's ``free_fields`` may name an option inside a block."""
+    if isinstance(ours, Mapping) and isinstance(theirs, Mapping):
+        for key in dict.fromkeys([*ours, *theirs]):
+            yield from _options(ours.get(key), theirs.get(key), f"{name}.{key}")
+    else:
+        yield name, ours, theirs
+
+
+def _at(config: Any, name: str) -> Any:
+    """The option at dotted ``name`` of ``config`` (None where a block lacks it)."""
+    field, *keys = name.split(".")
+    value = getattr(config, field)
+    for key in keys:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, a list comparing equal to the tuple of its items (a YAML list against a default tuple)."""
+    def canonical(value: Any) -> Any:
+        return tuple(canonical(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+    return canonical(a) == canonical(b)
 
 
 def _derived(adapter: Any, config: Any) -> Any:

@@ -40,7 +40,8 @@ class HFAdapter(Protocol):
     """Fields of our config a recipe may set independently of a pretrained folder, because they do
     not change what the loaded weights compute (initialisation scale, context length, input
     budgets, training-only options). ``checkpoint.init`` requires every other field to equal the
-    folder's."""
+    folder's. A field holding a block of options (an omni model's ``llm``) is compared option by
+    option, and an option inside it is named by its dotted path (``llm.init_std``)."""
 
     def config_from_hf(self, hf_config: Any) -> Any: ...
 

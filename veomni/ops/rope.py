@@ -1,5 +1,6 @@
-"""Rotary position embeddings: rotate-half (HF Llama/Qwen, 1-D and Qwen2-VL's 2-D), and Wan's
-3-D interleaved RoPE over (frame, height, width) patch positions for video diffusion.
+"""Rotary position embeddings: rotate-half (HF Llama/Qwen, 1-D, Qwen2-VL's 2-D vision RoPE and its
+multimodal M-RoPE), and Wan's 3-D interleaved RoPE over (frame, height, width) patch positions for
+video diffusion.
 
 Frequencies are recomputed from ``(head_dim, theta, scaling)`` on every call instead of being
 kept in a buffer: it costs ``head_dim / 2`` elements, and a model built on the meta device and
@@ -57,6 +58,27 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` of shape [*position_ids.shape, head_dim], computed in fp32, cast to ``dtype``."""
     freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_cos_sin(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, ...] | list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): ``cos, sin`` [T, head_dim] from (t, h, w) positions [T, 3].
+
+    The ``head_dim // 2`` frequency slots are cut into consecutive blocks of ``section`` sizes
+    (``mrope_section``, summing to ``head_dim // 2``); block ``j`` turns with axis ``j % 3``'s
+    position, then the halves are duplicated for rotate-half as in ``rope_cos_sin`` (transformers'
+    ``Qwen2VLRotaryEmbedding``). A text token has t = h = w, so it rotates as plain 1-D RoPE.
+    """
+    if position_ids.ndim != 2 or position_ids.shape[1] != 3:
+        raise ValueError(f"M-RoPE takes position_ids [T, 3] (t, h, w), got {tuple(position_ids.shape)}")
+    if sum(section) != inv_freq.shape[0]:
+        raise ValueError(f"mrope_section {list(section)} must sum to head_dim // 2 = {inv_freq.shape[0]}")
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)  # [T, 3, head_dim // 2]
+    blocks = freqs.split(list(section), dim=-1)
+    freqs = torch.cat([block[:, j % 3] for j, block in enumerate(blocks)], dim=-1)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

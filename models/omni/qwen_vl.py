@@ -1,0 +1,91 @@
+"""Qwen2-VL and Qwen2.5-VL as an omni composition: the family ``qwen2_5_vl``.
+
+A whole Qwen-VL model is the omni model with one encoder, ``encoders.image``, the ViT with the Qwen
+tower's options (``models/vit``: 2-frame temporal patches; Qwen2.5-VL's RMSNorm, gated MLP and
+windows), and an LLM with multimodal RoPE (``mrope_section``). Images and videos go through the
+same tower: a video is an item whose ``grid_thw`` has t > 1 temporal patches, packed with the
+images in row order under ``media["image"]``, so ``OmniModel`` runs it unchanged. What the family
+adds to ``OmniConfig`` is what a Hugging Face folder states beyond its two halves (the placeholder
+token ids, ``tokens_per_second`` of video time positions, which architecture it is), and the
+(t, h, w) positions of a packed row (``position_ids``, from ``mrope_positions``), which the batch's
+``position_ids`` must carry as [T, 3]. ``qwen_vl_adapter.py`` maps whole folders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .config import OmniConfig
+from .mrope_positions import mrope_position_ids, token_types
+
+VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass
+class QwenVLConfig(OmniConfig):
+    """``OmniConfig`` (``llm``, ``encoders: {image: ...}``, ``freeze``) plus the folder-level fields.
+
+    variant: the Hugging Face architecture it is and exports to: "qwen2_vl" (LayerNorm tower, no
+      windows; video time positions are temporal patch indices) or "qwen2_5_vl".
+    tokens_per_second: Qwen2.5-VL's video time scale: a temporal patch spanning ``s`` seconds moves
+      the time position by ``tokens_per_second * s``. None for Qwen2-VL.
+    """
+
+    variant: str = "qwen2_5_vl"
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tokens_per_second: int | None = 2
+    """2 in the published Qwen2.5-VL checkpoints (transformers' default is 4)."""
+
+    def validate(self) -> None:
+        """The omni checks, then the Qwen-VL ones; ``llm`` and ``encoders.image`` are then written out
+        in full (every option of their configs), so that a recipe stating only some options compares
+        option by option with a folder's config (``checkpoint.init_from_hf``)."""
+        super().validate()
+        if self.variant not in VARIANTS:
+            raise ValueError(f"model.variant must be one of {VARIANTS}, got {self.variant!r}")
+        if set(self.encoders) != {"image"}:
+            raise ValueError(f"model.encoders of a Qwen-VL model is one tower for images and videos, "
+                             f"'image'; got {sorted(self.encoders)}")
+        if self.llm_config.mrope_section is None:
+            raise ValueError("model.llm.mrope_section is required: Qwen-VL's LLM uses multimodal RoPE "
+                             "(e.g. [16, 24, 24] for head_dim 128)")
+        vision = self.encoder_configs["image"]
+        if vision.merge_mode != "concat":
+            raise ValueError(f"model.encoders.image.merge_mode must be 'concat' (Qwen-VL's merger), "
+                             f"got {vision.merge_mode!r}")
+        qwen2_5 = (vision.norm, vision.mlp) == ("rmsnorm", "gated")
+        if qwen2_5 != (self.variant == "qwen2_5_vl"):
+            raise ValueError(f"model.variant {self.variant!r} does not fit model.encoders.image (norm="
+                             f"{vision.norm!r}, mlp={vision.mlp!r}): Qwen2.5-VL's tower is rmsnorm + gated, "
+                             "Qwen2-VL's layernorm + plain")
+        if (self.tokens_per_second is None) == qwen2_5:
+            raise ValueError(f"model.tokens_per_second must be set for qwen2_5_vl and None for qwen2_vl, got "
+                             f"{self.tokens_per_second!r} for {self.variant!r}")
+        ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id)
+        if len(set(ids)) != 4 or not all(0 <= i < self.llm_config.vocab_size for i in ids):
+            raise ValueError(f"model.image_token_id, video_token_id, vision_start_token_id and vision_end_token_id "
+                             f"must be distinct ids below vocab_size {self.llm_config.vocab_size}, got {ids}")
+        self.llm = dataclasses.asdict(self.llm_config)
+        self.encoders = {"image": dataclasses.asdict(vision)}
+
+    def position_ids(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The M-RoPE positions [T, 3] of a packed row (``mrope_positions.mrope_position_ids``)."""
+        if self.llm_config is None:
+            self.validate()
+        types = token_types(input_ids, self.image_token_id, self.video_token_id)
+        per_second = self.tokens_per_second if self.variant == "qwen2_5_vl" else None
+        return mrope_position_ids(types, cu_seqlens, self.encoder_configs["image"].merge_size, image_grid_thw,
+                                  video_grid_thw, second_per_grid_ts, per_second)
