@@ -94,6 +94,11 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: DiTConfig) -> dic
     return sd
 
 
+def loaded_name(name: str) -> str:
+    """A folder's names are the loaded model's (``HFAdapter.loaded_name``)."""
+    return name
+
+
 def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: DiTConfig) -> dict[str, torch.Tensor]:
     out = {_rename(name, _RENAMES): tensor for name, tensor in sd.items()}
     out["patch_embedding.weight"] = out["patch_embedding.weight"].reshape(

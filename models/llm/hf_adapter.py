@@ -220,6 +220,11 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: LLMConfig) -> dic
     return sd
 
 
+def loaded_name(name: str) -> str:
+    """A folder's names are the loaded model's (``HFAdapter.loaded_name``)."""
+    return name
+
+
 def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: LLMConfig) -> dict[str, torch.Tensor]:
     """The HF state dict of ours; no ``lm_head.weight`` when embeddings are tied; experts written
     per expert. A router selection bias has no HF counterpart, so it must be zero."""

@@ -148,6 +148,16 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: QwenVLConfig) -> 
     return {**sd, **{f"encoders.image.{k}": v for k, v in tower.items()}}
 
 
+def loaded_name(name: str) -> str:
+    """A folder's name as transformers 5 holds it in memory (what PEFT targets): ``model.*`` of the
+    LLM under ``model.language_model.*``, ``visual.*`` under ``model.visual.*``; ``lm_head`` as is."""
+    if name.startswith("visual."):
+        return f"model.{name}"
+    if name.startswith("model.") and not name.startswith((*_TEXT_IN_MEMORY, "model.visual.")):
+        return f"model.language_model.{name.removeprefix('model.')}"
+    return name
+
+
 def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: QwenVLConfig) -> dict[str, torch.Tensor]:
     """The folder's state dict of ours, in the names ``save_pretrained`` writes."""
     if cfg.llm_config is None:

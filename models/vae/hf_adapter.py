@@ -40,6 +40,10 @@ class VAEAdapter:
     def state_dict_from_hf(self, hf_sd: Mapping[str, Any], cfg: VAEConfig) -> dict[str, Any]:
         return {PREFIX + name: tensor for name, tensor in hf_sd.items()}
 
+    def loaded_name(self, name: str) -> str:
+        """A folder's names are the loaded model's (``HFAdapter.loaded_name``)."""
+        return name
+
     def state_dict_to_hf(self, sd: Mapping[str, Any], cfg: VAEConfig) -> dict[str, Any]:
         foreign = [name for name in sd if not name.startswith(PREFIX)]
         if foreign:

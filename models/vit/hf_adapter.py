@@ -162,6 +162,11 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: ViTConfig) -> dic
     return sd
 
 
+def loaded_name(name: str) -> str:
+    """A folder's names are the loaded model's (``HFAdapter.loaded_name``)."""
+    return name
+
+
 def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
     """The tower's state dict of ours: a per-frame patch embedding spread evenly over the temporal
     kernel (so that a still image, repeated over it, gives our features), else reshaped."""

@@ -54,7 +54,8 @@ def _join(path: str, leaf: str) -> str:
 def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, str]:
     """Our adapted weight (``layers.0.attn.q_proj.weight``) -> the Hugging Face name PEFT targets:
     the module path of a linear layer (``model.layers.0.self_attn.q_proj``) or the parameter path of
-    a grouped expert weight (``model.layers.0.mlp.experts.gate_up_proj``)."""
+    a grouped expert weight (``model.layers.0.mlp.experts.gate_up_proj``), as the loaded model holds
+    it (``HFAdapter.loaded_name``)."""
     state = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
     names = [_join(path, w) for path, _, weights in adapted_modules(model) for w in weights]
     # Each adapted weight becomes a tensor of its own marker value: the exported entries holding
@@ -80,14 +81,14 @@ def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, 
             raise ValueError(f"{name}: the {type(adapter).__name__} export changes this weight's values (fused or "
                              "transposed), so no PEFT adapter can target it; leave it out of lora.targets")
         if name.endswith(".weight"):  # a linear layer: its module, renamed
-            out[name] = keys[0].removesuffix(".weight")
+            out[name] = adapter.loaded_name(keys[0].removesuffix(".weight"))
             continue
         # a grouped expert weight, kept grouped or split per expert: transformers holds it grouped on
         # the experts' common module
         common = os.path.commonprefix([k.split(".") for k in keys]) if len(keys) > 1 else keys[0].split(".")[:-1]
         if common and common[-1].isdigit():
             common = common[:-1]
-        out[name] = ".".join([*common, name.rpartition(".")[2]])
+        out[name] = adapter.loaded_name(".".join([*common, name.rpartition(".")[2]]))
     return out
 
 

@@ -51,6 +51,12 @@ class HFAdapter(Protocol):
 
     def state_dict_to_hf(self, sd: Mapping[str, Any], cfg: Any) -> dict[str, Any]: ...
 
+    def loaded_name(self, name: str) -> str:
+        """The path a folder's weight or module ``name`` has once the library has loaded it (what
+        PEFT targets): ``name`` itself, unless the library renames on load (transformers 5 holds
+        Qwen2.5-VL's ``model.layers.*`` as ``model.language_model.layers.*``)."""
+        ...
+
 
 def _no_rules(config: Any) -> Sequence[ParamRule]:
     return ()
