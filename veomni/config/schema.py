@@ -254,6 +254,9 @@ class CheckpointConfig:
     save_final: bool = True
     init_from_hf: str | None = None
     """Hugging Face folder to initialise the whole model from when not resuming."""
+    prepare: str | None = None
+    """Builder of ``init_from_hf`` when that folder is missing: the launcher runs ``python SCRIPT --out
+    FOLDER`` before its checks (e.g. ``data/build_qwen_vl_random.py``); a dry run only says it would."""
     init: dict[str, str] = field(default_factory=dict)
     """Sub-module path -> local pretrained folder loaded into it when not resuming, after the seeded
     init (``llm: /ckpt/Qwen3-0.6B``, ``encoders.image: /ckpt/qwen2vl-vision``): a Hugging Face /
