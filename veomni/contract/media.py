@@ -72,6 +72,11 @@ class ShardableEncoder:
         threshold is compared with and what shares split)."""
         raise NotImplementedError
 
+    def share_refusal(self) -> str | None:
+        """Why this encoder, as configured, cannot run a share of one input (None: it can); the
+        launcher refuses ``parallel.encoder_sp`` with it before any worker starts."""
+        return None
+
 
 SamplePositions = Callable[[torch.Tensor, Mapping[str, list[MediaItem]]], torch.Tensor]
 """(one sample's token ids [n], its media items per modality, in order) -> its position ids."""
