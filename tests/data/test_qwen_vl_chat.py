@@ -2,10 +2,12 @@
 of an odd size gives transformers' ``Qwen2_5_VLProcessor`` pixel values, ``image_grid_thw`` and token
 ids (``<|vision_start|>``, one ``<|image_pad|>`` per merged token, ``<|vision_end|>``), built offline
 from the PIL image processor and the bundled tokenizer; the packed row carries the M-RoPE positions
-[T, 3] of each sample; a tokenizer giving the layout's tokens other ids than the config's is refused."""
+[T, 3] of each sample, and gives transformers' logits; a tokenizer giving the layout's tokens other ids
+than the config's is refused."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import numpy as np
@@ -15,10 +17,13 @@ from PIL import Image
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from models.omni.mrope_positions import token_types
 from models.vit.processing import qwen_smart_resize
+from tests.launch.test_launch import REPO
 from tests.omni_utils import TINY_QWEN_VL_CHAT, TOKENIZER, chat_record, tiny_qwen_vl_chat, write_shard
+from veomni.checkpoint.hf_io import load_hf_pretrained
 from veomni.config.schema import DataConfig
-from veomni.contract import build_config
+from veomni.contract import build_config, get_model_spec
 from veomni.data.chat.media_dataset import SampleProcessor, check_chat_media_data
 from veomni.data.text.packed import load_tokenizer
 
@@ -119,3 +124,46 @@ def test_launch_check_names_a_wrong_id(tmp_path):
     assert check_chat_media_data(cfg, build_config("qwen2_5_vl", TINY_QWEN_VL_CHAT)) == []
     problems = check_chat_media_data(cfg, config)
     assert any("<|image_pad|> id 8195" in p for p in problems), problems
+
+
+def _builder():
+    spec = importlib.util.spec_from_file_location("build_qwen_vl_random", REPO / "data" / "build_qwen_vl_random.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_loader_rows_give_transformers_logits(tmp_path):
+    """End to end: the tiny recipe's folder shape (``data/build_qwen_vl_random.py``) with every weight
+    randomised, imported; our loader's packed row of three chat samples (odd-sized images, text only)
+    gives, per sample, the logits transformers' model gives on its image processor's pixel values
+    and grid, computing its own M-RoPE positions."""
+    reference = _builder().make_model(seed=0)
+    with torch.no_grad():  # transformers' init leaves norms at 1 and biases at 0: randomise everything
+        for param in reference.parameters():
+            param.normal_(0.0, 0.05)
+    reference.save_pretrained(tmp_path / "hf")
+    _, config, state = load_hf_pretrained(tmp_path / "hf")
+    model = get_model_spec("qwen2_5_vl").instantiate(config).eval()
+    model.load_state_dict(state, strict=True)
+
+    process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
+    sizes = [(61, 97), None, (130, 45)]
+    records = [chat_record(f"s{i}", "Where is it?", "left", None if size is None else _png(*size, i))
+               for i, size in enumerate(sizes)]
+    batch = process.pack([process(r) for r in records])
+    with torch.no_grad():
+        ours = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"],
+                     media=batch["media"]).split(batch["cu_seqlens"].diff().tolist())
+
+    vision = config.encoder_configs["image"]
+    images = Qwen2VLImageProcessorPil(min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)
+    for i, (size, got) in enumerate(zip(sizes, ours)):
+        ids = batch["input_ids"][batch["cu_seqlens"][i]:batch["cu_seqlens"][i + 1]]
+        kwargs = {"mm_token_type_ids": token_types(ids, config.image_token_id, config.video_token_id)[None]}
+        if size is not None:
+            pixels = images(images=[Image.open(io.BytesIO(_png(*size, i)))], return_tensors="pt")
+            kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+        with torch.no_grad():
+            want = reference(input_ids=ids[None], **kwargs).logits[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
