@@ -63,3 +63,11 @@ def test_tiny_recipe_plans_from_its_random_folder(tmp_path):
     out = _dry_run("tiny.yaml", 2, "--checkpoint.init_from_hf", str(folder), gpus=False)
     assert "the run builds" not in out  # the folder exists: the launcher compared its config with the recipe
     _check_counts(out, 3_645_024, exact=True)  # the folder's parameters, every one of them
+
+
+def test_prepare_without_its_folder_is_refused():
+    result = subprocess.run(
+        [sys.executable, "-m", "veomni.launch", str(RECIPES / "tiny.yaml"), "--dry-run", "--world-size", "2",
+         "--checkpoint.init_from_hf", "null"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "checkpoint.prepare builds checkpoint.init_from_hf, which is not set" in result.stderr
