@@ -3,7 +3,7 @@ recipe (``recipes/qwen2.5-vl/tiny.yaml``), so that recipe starts the way a real 
 whole Hugging Face folder (``checkpoint.init_from_hf``), with no download.
 
 ``Qwen2_5_VLForConditionalGeneration`` is built by transformers from a small config (``TEXT``,
-``VISION``: a 4-layer windowed tower of width 96 into a 4-layer Qwen2 of width 128 with M-RoPE) and
+``VISION``: a 4-layer windowed tower of width 96 into a 4-layer Qwen2 of width 128 with M-RoPE, rope_theta 10) and
 its own random initialisation, and written with ``save_pretrained``. Its vocabulary is the bundled
 tokenizer's (``data/tokenizers/stdlib-bpe-8k``, 8,192 tokens) plus Qwen's four vision tokens at the
 ids the chat loader adds them (``<|vision_start|>`` 8192, ``<|vision_end|>`` 8193, ``<|image_pad|>``
@@ -31,12 +31,16 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from veomni.data.builders import MANIFEST, staging_folder  # noqa: E402
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rope_theta 10
 TOKEN_IDS = dict(vision_start_token_id=8192, vision_end_token_id=8193, image_token_id=8194, video_token_id=8195)
 TEXT = dict(vocab_size=8200, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
             bos_token_id=None, eos_token_id=0, pad_token_id=1,  # the bundled tokenizer's
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+            rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [4, 6, 6]})
+# rope_theta 10, not 10000: M-RoPE gives the w (column) block the last, slowest frequency slots; at
+# head_dim 32 and theta 10000 they turn by at most 0.003 rad per position, so the LLM cannot tell
+# image columns apart (held-out "left or right?" stays at its majority baseline); at theta 10 the
+# slowest turns 0.12 rad (docs/qwen_vl.md)
 VISION = dict(depth=4, hidden_size=96, intermediate_size=256, num_heads=4, out_hidden_size=128, patch_size=14,
               spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1, 3],
               tokens_per_second=2, hidden_act="silu")

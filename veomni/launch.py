@@ -206,14 +206,15 @@ def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
 
 
 def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
-    """Run ``checkpoint.prepare`` when the ``init_from_hf`` folder it builds is missing: ``(problems,
-    whether the folder is left for the real run to build)`` (a dry run builds nothing)."""
+    """Run ``checkpoint.prepare`` when the ``init_from_hf`` folder it builds is missing or holds a
+    builder's ``manifest.json`` (the builder keeps a current folder, rebuilds an older version's):
+    ``(problems, whether the folder is left for the real run to build)``; a dry run builds nothing."""
     script, folder = cfg.checkpoint.prepare, cfg.checkpoint.init_from_hf
     if not script:
         return [], False
     if not folder:
         return ["checkpoint.prepare builds checkpoint.init_from_hf, which is not set"], False
-    if Path(folder).exists():
+    if Path(folder).exists() and (dry_run or not (Path(folder) / MANIFEST).is_file()):
         return [], False
     if not Path(script).is_file():
         return [f"checkpoint.prepare: script not found: {script}"], False
