@@ -10,11 +10,11 @@ import torch.distributed as dist
 
 from harness.media_bytes import png_bytes
 from models.omni.modality_registry import get_modality
-from tests.omni_utils import TOKENIZER, chat_record, tiny_omni
+from tests.omni_utils import TOKENIZER, chat_record, tiny_omni, tiny_qwen_vl_chat
 from tests.parity_utils import full_grads, full_params
 from veomni.config.schema import ParallelConfig
 from veomni.contract import get_model_spec
-from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
+from veomni.data.chat.media_dataset import SampleProcessor
 from veomni.data.text.packed import load_tokenizer
 from veomni.parallel.apply import parallelize
 from veomni.parallel.media.encoder_work import watch_encoder_work
@@ -32,8 +32,9 @@ def text(i: int) -> dict:
 
 
 def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list[list[dict]],
-                    overrides: dict | None = None) -> dict:
-    """Train the tiny omni model (``overrides`` of ``TINY_OMNI``) with SGD, one micro-batch per step:
+                    overrides: dict | None = None, arch: str = "omni") -> dict:
+    """Train the tiny omni model (``overrides`` of ``TINY_OMNI``; ``arch="qwen2_5_vl"``: of
+    ``TINY_QWEN_VL_CHAT``, rows with M-RoPE positions) with SGD, one micro-batch per step:
     data-parallel rank d of D packs samples d, d + D, ... of each step's records, and under
     sequence parallelism keeps its slice of that row. Records per step the global loss, the
     task's loss terms, the full gradients, the image encoder FLOPs of the items this rank's row
@@ -42,8 +43,8 @@ def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list
     parameters."""
     meshes = build_mesh(ParallelDims.resolve(parallel, world), "cpu")
     dims = meshes.dims
-    config, model = tiny_omni(**(overrides or {}))
-    task = get_model_spec("omni").task(config)
+    config, model = (tiny_omni if arch == "omni" else tiny_qwen_vl_chat)(**(overrides or {}))
+    task = get_model_spec(arch).task(config)
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
     model = parallelize(model, parallel, meshes, "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -52,7 +53,7 @@ def run_media_steps(rank: int, world: int, parallel: ParallelConfig, steps: list
         encoder, modality = model.encoders["image"], get_modality("image")
     record = {"loss": [], "metrics": [], "grads": [], "owned": [], "encoded": [], "shared": []}
     for samples in steps:
-        batch = pack_chat_samples([process(r) for r in samples[meshes.dp_rank::dims.dp_size]])
+        batch = process.pack([process(r) for r in samples[meshes.dp_rank::dims.dp_size]])
         if dims.row_ranks > 1:
             batch = shard_batch(batch, meshes.row_split, task.contract)
         if "image" in model.encoders:

@@ -77,3 +77,25 @@ def build_vqa(out: Path, train: int, held_out: int) -> str:
     command = [sys.executable, str(REPO / "data" / "build_vqa.py"), "--train-out", str(out / "train"),
                "--eval-out", str(out / "eval"), "--train-samples", str(train), "--eval-samples", str(held_out)]
     return subprocess.run(command, capture_output=True, text=True, check=True, timeout=120).stdout
+
+
+TINY_QWEN_VL_CHAT = dict(
+    llm=dict(vocab_size=8200, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=8, family="qwen2", qkv_bias=True, qk_norm=False, tie_embeddings=False,
+             mrope_section=[1, 1, 2], max_position_embeddings=256),
+    encoders={"image": dict(patch_size=14, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48,
+                            hidden_act="silu", merge_mode="concat", out_hidden_size=32, temporal_patch_size=2,
+                            norm="rmsnorm", mlp="gated", window_size=56, full_attention_layers=[1],
+                            min_pixels=28 * 28, max_pixels=84 * 84)},
+    # the bundled tokenizer's 8192 tokens, then the layout's four in id order (QwenVLConfig.media_layout)
+    vision_start_token_id=8192, vision_end_token_id=8193, image_token_id=8194, video_token_id=8195,
+    tokens_per_second=2,
+)
+"""A tiny ``qwen2_5_vl`` model that reads the chat shards with the bundled tokenizer (tests of its data)."""
+
+
+def tiny_qwen_vl_chat(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config, model = build_model("qwen2_5_vl", {**TINY_QWEN_VL_CHAT, **overrides})
+    model.init_weights()
+    return config, model

@@ -217,6 +217,30 @@ def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
     return problems
 
 
+def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
+    """Run ``checkpoint.prepare`` when the ``init_from_hf`` folder it builds is missing or holds a
+    builder's ``manifest.json`` (the builder keeps a current folder, rebuilds an older version's):
+    ``(problems, whether the folder is left for the real run to build)``; a dry run builds nothing."""
+    script, folder = cfg.checkpoint.prepare, cfg.checkpoint.init_from_hf
+    if not script:
+        return [], False
+    if not folder:
+        return ["checkpoint.prepare builds checkpoint.init_from_hf, which is not set"], False
+    if Path(folder).exists() and (dry_run or not (Path(folder) / MANIFEST).is_file()):
+        return [], False
+    if not Path(script).is_file():
+        return [f"checkpoint.prepare: script not found: {script}"], False
+    if dry_run:
+        print(f"[launch] dry run: the run builds checkpoint.init_from_hf ({folder}) first with {Path(script).name}; "
+              "planned from the recipe", file=sys.stderr)
+        return [], True
+    cmd = [sys.executable, script, "--out", folder]
+    print(f"[launch] preparing the initial weights: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    if subprocess.run(cmd).returncode != 0:
+        return [f"checkpoint.prepare: {script} failed (its output is above)"], False
+    return [], False
+
+
 def _fail(problems: list[str]) -> int:
     """Report problems the recipe must fix (also in a dry run: that plan could not run) and return
     the exit status that says so."""
@@ -248,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     model_cfg, model, problems = _validate_model(cfg)
-    if model is not None:
-        problems += _check_pretrained(cfg, model)
+    if model is not None:  # a recipe with other problems builds nothing
+        init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)
+        problems += init_problems
+        if not built_later:
+            problems += _check_pretrained(cfg, model)
         problems += _check_lora(cfg, model)
     problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start

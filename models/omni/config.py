@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.llm.config import LLMConfig
+from veomni.contract.media import MediaLayout
 
 from .modality_registry import Modality, get_modality, registered_modalities
 
@@ -58,6 +59,10 @@ class OmniConfig:
         """Modality name -> its registry entry, in recipe order (what the engine's chat-with-media
         dataset reads: ``veomni.contract.media.MediaModelConfig``)."""
         return {name: get_modality(name) for name in self.encoders}
+
+    def media_layout(self) -> MediaLayout:
+        """Each item is its marker token once per feature; positions are 1-D (``MediaLayout``)."""
+        return MediaLayout(pad={name: kind.placeholder for name, kind in self.media_kinds().items()})
 
     @property
     def vocab_size(self) -> int:

@@ -20,15 +20,16 @@ from models.vit.processing import image_to_patches, smart_resize
 from .modality_registry import MediaItem, Modality, register_modality
 
 
-def process_image(raw: bytes, cfg: ViTConfig) -> MediaItem:
-    """Encoded image bytes -> patches at native resolution (within the config's pixel budget).
+def process_image(raw: bytes, cfg: ViTConfig, resize=smart_resize) -> MediaItem:
+    """Encoded image bytes -> patches at native resolution (within the config's pixel budget, by the
+    sizing rule ``resize``), repeated over the tower's temporal patch (Qwen-VL: 2 frames).
 
     PIL errors on a corrupt file propagate: the data pipeline skips and counts the sample.
     """
     with Image.open(io.BytesIO(raw)) as image:
         image.load()
         patches, grid = image_to_patches(image, cfg.patch_size, cfg.merge_size, cfg.min_pixels, cfg.max_pixels,
-                                         cfg.image_mean, cfg.image_std)
+                                         cfg.image_mean, cfg.image_std, cfg.temporal_patch_size, resize)
     return MediaItem(inputs={"patches": patches, "grid_thw": torch.tensor([grid], dtype=torch.long)},
                      num_tokens=patches.shape[0] // cfg.merge_size**2, cost=patches.shape[0])
 

@@ -14,14 +14,24 @@ token ids, ``tokens_per_second`` of video time positions, which architecture it 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from models.vit.processing import qwen_smart_resize
+from veomni.contract.media import MediaItem, MediaLayout
+
 from .config import OmniConfig
+from .modalities import process_image
+from .modality_registry import Modality, get_modality
 from .mrope_positions import mrope_position_ids, token_types
 
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+          "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+"""Qwen's chat template's tokens, by the config field holding each one's id."""
 
 
 @dataclass
@@ -73,6 +83,27 @@ class QwenVLConfig(OmniConfig):
                              f"must be distinct ids below vocab_size {self.llm_config.vocab_size}, got {ids}")
         self.llm = dataclasses.asdict(self.llm_config)
         self.encoders = {"image": dataclasses.asdict(vision)}
+
+    def media_kinds(self) -> dict[str, Modality]:
+        """The image modality with Qwen's processor rules: ``qwen_smart_resize`` (transformers' sizing,
+        factor patch x merge) and the still image repeated over the 2-frame temporal patch."""
+        processor = functools.partial(process_image, resize=qwen_smart_resize)
+        return {"image": dataclasses.replace(get_modality("image"), processor=processor)}
+
+    def media_layout(self) -> MediaLayout:
+        """Qwen's chat template's layout: an ``<image>`` marker becomes ``<|vision_start|>``, one
+        ``<|image_pad|>`` per merged token, ``<|vision_end|>``; the four tokens must have the config's
+        ids in the tokenizer; positions are M-RoPE's (t, h, w) per sample (``sample_position_ids``)."""
+        return MediaLayout(pad={"image": TOKENS["image_token_id"]}, start=TOKENS["vision_start_token_id"],
+                           end=TOKENS["vision_end_token_id"],
+                           token_ids={token: getattr(self, name) for name, token in TOKENS.items()},
+                           position_ids=self.sample_position_ids)
+
+    def sample_position_ids(self, input_ids: torch.Tensor, media: Mapping[str, list[MediaItem]]) -> torch.Tensor:
+        """[n, 3] positions of one sample from its ids and its image items, in order."""
+        items = media.get("image", [])
+        grids = torch.cat([item.inputs["grid_thw"] for item in items]) if items else None
+        return self.position_ids(input_ids, torch.tensor([0, len(input_ids)]), grids)
 
     def position_ids(
         self,

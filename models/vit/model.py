@@ -108,6 +108,14 @@ class NativeResolutionViT(ShardableEncoder, nn.Module):
         """Patch rows: ``sum(t * h * w)`` over ``grid_thw``."""
         return int(torch.as_tensor(inputs["grid_thw"], dtype=torch.long).prod(dim=-1).sum())
 
+    def share_refusal(self) -> str | None:
+        """A windowed tower (Qwen2.5-VL) cannot run a share: its windows reorder the patches across the
+        whole input, so a contiguous share of input rows is not a set of whole windows."""
+        if self.config.window_size:
+            return (f"has attention windows (window_size={self.config.window_size}), which reorder the patches "
+                    "across the whole input: a share of its rows cannot run alone")
+        return None
+
     def _checked_grid(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``grid_thw`` as int64 [n, 3]; ValueError naming what does not fit the patches."""
         cfg = self.config

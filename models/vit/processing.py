@@ -56,6 +56,24 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL / Qwen2.5-VL's own rule (transformers' ``qwen2_vl`` ``smart_resize``, step for step, so
+    the same image gets the same grid): sides rounded to multiples of ``factor``; above
+    ``max_pixels`` scaled down and floored, below ``min_pixels`` scaled up and ceiled. Unlike
+    ``smart_resize`` it keeps no hard limit when a side floors to ``factor``."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio of a {height}x{width} image exceeds {MAX_ASPECT_RATIO}; crop or pad it first")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def _normalised(
     image: Image.Image, size_hw: tuple[int, int], mean: Sequence[float], std: Sequence[float]
 ) -> torch.Tensor:
@@ -69,18 +87,22 @@ def _normalised(
     return pixels.permute(2, 0, 1)
 
 
-def patchify(frames: torch.Tensor, patch_size: int, merge_size: int) -> torch.Tensor:
-    """[t, C, H, W] -> [t * gh * gw, C * p * p] in merge-group-major order (module docstring)."""
+def patchify(frames: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int = 1) -> torch.Tensor:
+    """[t, C, H, W] -> [t/T * gh * gw, C * T * p * p] in merge-group-major order (module docstring);
+    a patch spans ``T = temporal_patch_size`` consecutive frames, its values in (C, T, p, p) order
+    (Qwen-VL's ``pixel_values``); ``t`` must be a multiple of ``T``."""
     t, channels, height, width = frames.shape
-    p, m = patch_size, merge_size
+    p, m, tp = patch_size, merge_size, temporal_patch_size
     if height % (p * m) or width % (p * m):
         raise ValueError(
             f"frame size {height}x{width} is not a multiple of patch_size * merge_size = {p * m}"
         )
+    if t % tp:
+        raise ValueError(f"{t} frames do not fill temporal patches of {tp} frames")
     gh, gw = height // p, width // p
-    x = frames.reshape(t, channels, gh // m, m, p, gw // m, m, p)
-    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # t, gh/m, gw/m, m(row), m(col), C, p(row), p(col)
-    return x.reshape(t * gh * gw, channels * p * p)
+    x = frames.reshape(t // tp, tp, channels, gh // m, m, p, gw // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # t/T, gh/m, gw/m, m(row), m(col), C, T, p(row), p(col)
+    return x.reshape(t // tp * gh * gw, channels * tp * p * p)
 
 
 def image_to_patches(
@@ -91,9 +113,19 @@ def image_to_patches(
     max_pixels: int,
     mean: Sequence[float] = CLIP_MEAN,
     std: Sequence[float] = CLIP_STD,
+    temporal_patch_size: int = 1,
+    resize=smart_resize,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One image -> (patches float32 [gh * gw, 3 * p * p], grid_thw ``(1, gh, gw)`` in patches)."""
-    return video_to_patches([image], patch_size, merge_size, min_pixels, max_pixels, mean, std)
+    """One image -> (patches float32 [gh * gw, 3 * T * p * p], grid_thw ``(1, gh, gw)`` in patches).
+
+    With temporal patches of ``T`` frames the image is repeated over them (as Qwen-VL's processor
+    does: a still image is one temporal patch). ``resize``: the sizing rule (``smart_resize``, or
+    ``qwen_smart_resize`` for a Qwen-VL model)."""
+    width, height = image.size
+    size_hw = resize(height, width, patch_size * merge_size, min_pixels, max_pixels)
+    frame = _normalised(image, size_hw, mean, std)[None]
+    patches = patchify(frame.expand(temporal_patch_size, -1, -1, -1), patch_size, merge_size, temporal_patch_size)
+    return patches, (1, size_hw[0] // patch_size, size_hw[1] // patch_size)
 
 
 def video_to_patches(

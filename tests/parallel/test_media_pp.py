@@ -21,7 +21,7 @@ from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record
 from tests.parity_utils import assert_records_close, full_grads, full_params
 from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model, get_model_spec
-from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
+from veomni.data.chat.media_dataset import SampleProcessor
 from veomni.data.text.packed import load_tokenizer
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.media.colocate import check_media_routing
@@ -72,31 +72,32 @@ def audio_steps() -> list[list[dict]]:
     return [[clip(0, 0.5), text(1), clip(2, 0.2), text(3)], [clip(4, 1.0), clip(5, 0.1), text(6), text(7)]]
 
 
-def build(options: dict):
+def build(options: dict, arch: str = "omni"):
     torch.manual_seed(0)
-    return build_model("omni", options)[1]
+    return build_model(arch, options)[1]
 
 
-def batches(options: dict, steps: list[list[dict]], dp_rank: int, dp: int) -> list[list[dict]]:
-    """Per step, this data-parallel rank's micro-batches."""
+def batches(options: dict, steps: list[list[dict]], dp_rank: int, dp: int, arch: str = "omni") -> list[list[dict]]:
+    """Per step, this data-parallel rank's micro-batches (packed by the family's layout: a
+    ``qwen2_5_vl`` row carries M-RoPE positions [T, 3])."""
     with torch.device("meta"):
-        config, _ = build_model("omni", options)
+        config, _ = build_model(arch, options)
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
     out = []
     for samples in steps:
         mine = [process(r) for r in samples[dp_rank::dp]]
         half = -(-len(mine) // MICROBATCHES)
-        out.append([pack_chat_samples(mine[i * half:(i + 1) * half]) for i in range(MICROBATCHES)])
+        out.append([process.pack(mine[i * half:(i + 1) * half]) for i in range(MICROBATCHES)])
     return out
 
 
-def _reference(rank: int, world: int, options: dict, steps: list[list[dict]]) -> dict:
-    model = build(options)
+def _reference(rank: int, world: int, options: dict, steps: list[list[dict]], arch: str = "omni") -> dict:
+    model = build(options, arch)
     model.init_weights()
-    task = get_model_spec("omni").task(model.config)
+    task = get_model_spec(arch).task(model.config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     record = {"loss": [], "metrics": [], "grads": []}
-    for micro_batches in batches(options, steps, 0, 1):
+    for micro_batches in batches(options, steps, 0, 1, arch):
         metrics = forward_backward(model, task, micro_batches, None, 1)
         record["loss"].append(metrics["loss"])
         record["metrics"].append({})
@@ -107,7 +108,7 @@ def _reference(rank: int, world: int, options: dict, steps: list[list[dict]]) ->
 
 
 def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, steps: list[list[dict]],
-               stage_aware: bool = False) -> dict:
+               stage_aware: bool = False, arch: str = "omni") -> dict:
     """Also records per step the image encoder FLOPs of the images this rank's dp group holds
     (``owned``, counted on its first stage), of the real images this rank encoded whole
     (``encoded``) and the patch rows it held in sequence-parallel runs of long images
@@ -118,15 +119,15 @@ def _pipelined(rank: int, world: int, parallel: ParallelConfig, options: dict, s
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     with torch.device("meta"):
-        meta = build(options)
-    task = get_model_spec("omni").task(meta.config)
-    pipe = build_pipeline(lambda: build(options), lambda m: m.init_weights(),
+        meta = build(options, arch)
+    task = get_model_spec(arch).task(meta.config)
+    pipe = build_pipeline(lambda: build(options, arch), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, MICROBATCHES, meshes.pp,
                           torch.device("cpu"), task, meshes, hooks=PIPELINE_HOOKS)
     if pipe.encoders is not None and not stage_aware:
         pipe.encoders.stage_work = None
     optimizer = build_optimizer(pipe.modules, TrainConfig(optimizer="sgd", lr=0.1, weight_decay=0.0))
-    every = [batches(options, steps, r, dims.dp_size) for r in range(dims.dp_size)]
+    every = [batches(options, steps, r, dims.dp_size, arch) for r in range(dims.dp_size)]
     row = max(task.contract.row_length(mb) for rank_steps in every for step in rank_steps for mb in step)
     colocated = pipe.encoders is not None and "image" in pipe.encoders.names
     encoder = pipe.encoders.part.media_encoder("image") if colocated else None

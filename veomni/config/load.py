@@ -47,6 +47,7 @@ PATH_KEYS = {
     ("data", "text_encoder"),
     ("train", "output_dir"),
     ("checkpoint", "init_from_hf"),
+    ("checkpoint", "prepare"),
     ("lora", "init_from_peft"),
     ("checkpoint", "init"),
 }

@@ -258,6 +258,10 @@ class CheckpointConfig:
     save_final: bool = True
     init_from_hf: str | None = None
     """Hugging Face folder to initialise the whole model from when not resuming."""
+    prepare: str | None = None
+    """Builder of ``init_from_hf``: the launcher runs ``python SCRIPT --out FOLDER`` before its checks when
+    the folder is missing or holds a builder's ``manifest.json`` (which the builder keeps when current),
+    e.g. ``data/build_qwen_vl_random.py``; a dry run builds nothing and says so for a missing folder."""
     init: dict[str, str] = field(default_factory=dict)
     """Sub-module path -> local pretrained folder loaded into it when not resuming, after the seeded
     init (``llm: /ckpt/Qwen3-0.6B``, ``encoders.image: /ckpt/qwen2vl-vision``): a Hugging Face /

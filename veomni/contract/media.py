@@ -17,7 +17,7 @@ too never import the family.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -72,6 +72,46 @@ class ShardableEncoder:
         threshold is compared with and what shares split)."""
         raise NotImplementedError
 
+    def share_refusal(self) -> str | None:
+        """Why this encoder, as configured, cannot run a share of one input (None: it can); the
+        launcher refuses ``parallel.encoder_sp`` with it before any worker starts."""
+        return None
+
+
+SamplePositions = Callable[[torch.Tensor, Mapping[str, list[MediaItem]]], torch.Tensor]
+"""(one sample's token ids [n], its media items per modality, in order) -> its position ids."""
+
+
+@dataclass(frozen=True)
+class MediaLayout:
+    """How a family writes its media into the token row (``MediaModelConfig.media_layout``).
+
+    The default (``MediaLayout(pad={name: marker})``): each item becomes one placeholder token per
+    feature row, the marker itself, and positions are 1-D, restarting per sample. A family whose
+    model was trained with its own layout (Qwen-VL: ``<|vision_start|>``, ``<|image_pad|>`` per
+    feature, ``<|vision_end|>``; (t, h, w) positions) states it here, so a sample costs, and the
+    model sees, the tokens it was trained on.
+    """
+
+    pad: Mapping[str, str]
+    """Modality name -> the token repeated once per feature row of an item."""
+    start: str | None = None
+    """Token written before every item (not a placeholder: the features go to the pad tokens)."""
+    end: str | None = None
+    """Token written after every item."""
+    token_ids: Mapping[str, int] = field(default_factory=dict)
+    """Tokens whose ids the model config fixes (Qwen-VL's ``image_token_id``...): added to the
+    tokenizer in id order, and a tokenizer that gives one of them another id is refused."""
+    position_ids: SamplePositions | None = None
+    """(one sample's token ids [n], its items per modality in order) -> its positions (e.g. [n, 3]);
+    None: 1-D positions restarting per sample."""
+
+    def tokens(self) -> list[str]:
+        """Every token the layout writes, in the order they are added to a tokenizer."""
+        fixed = sorted(self.token_ids, key=self.token_ids.get)
+        rest = [*self.pad.values(), self.start, self.end]
+        return fixed + [t for t in dict.fromkeys(rest) if t is not None and t not in self.token_ids]
+
 
 class MediaModelConfig(Protocol):
     """What the chat-with-media dataset reads from a model config."""
@@ -81,6 +121,10 @@ class MediaModelConfig(Protocol):
 
     def media_kinds(self) -> dict[str, MediaKind]:
         """Modality name -> its kind, in the order of their placeholder tokens in the tokenizer."""
+        ...
+
+    def media_layout(self) -> MediaLayout:
+        """The tokens and positions of media in the row (``MediaLayout``)."""
         ...
 
 

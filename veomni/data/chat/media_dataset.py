@@ -11,7 +11,9 @@ feature (``veomni.data.chat.template``), and samples are packed greedily under
 
 A batch is the text loader's dict (labels are -100 except on assistant tokens) plus
 ``media[name] = {"inputs": the encoder's collated inputs, "positions": placeholder positions}``
-for each modality present in the row.
+for each modality present in the row. The model config's ``media_layout()`` (``veomni.contract.media``)
+says which tokens stand for an item and, for a family with its own positions (Qwen-VL's (t, h, w)),
+how a sample's ``position_ids`` are computed; the processors are the family's (``media_kinds()``).
 
 Reading order, consumer split, epochs and exact resume are the text loader's
 (``PackedTextDataset``). A media item that does not decode is skipped with its sample and
@@ -30,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from veomni.config.schema import DataConfig
-from veomni.contract.media import MediaItem, MediaModelConfig, collate_items
-from veomni.data.chat.template import ChatEncoder, EncodedChat, add_placeholder_tokens
+from veomni.contract.media import MediaItem, MediaModelConfig, SamplePositions, collate_items
+from veomni.data.chat.template import ChatEncoder, EncodedChat, layout_token_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_with_targets
@@ -62,7 +64,8 @@ class SampleProcessor:
         self.encoder_configs = model_config.encoder_configs
         self.json_key = json_key
         self.modality_of_field = {f: name for name, m in self.modalities.items() for f in m.fields}
-        self.chat = ChatEncoder(tokenizer, {name: m.placeholder for name, m in self.modalities.items()})
+        self.layout = model_config.media_layout()
+        self.chat = ChatEncoder(tokenizer, {name: m.placeholder for name, m in self.modalities.items()}, self.layout)
         vocab = model_config.vocab_size
         if len(tokenizer) > vocab:
             raise ValueError(
@@ -111,11 +114,20 @@ class SampleProcessor:
         cost = len(chat.ids) + sum(item.cost for items in media.values() for item in items)
         return ChatSample(key, chat, media, cost)
 
+    def pack(self, samples: list[ChatSample]) -> dict:
+        """``pack_chat_samples`` with the model's own positions, if its layout has them."""
+        return pack_chat_samples(samples, self.layout.position_ids)
 
-def pack_chat_samples(samples: list[ChatSample]) -> dict:
+
+def pack_chat_samples(samples: list[ChatSample], position_ids: SamplePositions | None = None) -> dict:
     """One packed row: ``pack_with_targets`` of the ids (labels only where the next token is a
-    target), and each modality's collated encoder inputs with its placeholder positions."""
+    target), and each modality's collated encoder inputs with its placeholder positions.
+    ``position_ids`` (a ``MediaLayout``'s): each sample's positions from its ids and items, in place
+    of the 1-D ones."""
     batch = pack_with_targets([s.chat.ids for s in samples], [s.chat.targets for s in samples])
+    if position_ids is not None:
+        batch["position_ids"] = torch.cat([position_ids(torch.tensor(s.chat.ids, dtype=torch.long), s.media)
+                                           for s in samples])
     media: dict[str, dict] = {}
     offsets = batch["cu_seqlens"][:-1].tolist()
     for name in samples[0].media:
@@ -160,7 +172,7 @@ class MultimodalChatDataset(PackedTextDataset):
         return item.cost
 
     def _pack(self, items: list[ChatSample]) -> dict:
-        return pack_chat_samples(items)
+        return next(iter(self.process.values())).pack(items)
 
     def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> ChatSample | None:
         """The processed sample, or None (counted as bad) when a media item does not decode or
@@ -210,10 +222,11 @@ def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
-    markers = sorted(m.placeholder for m in model_config.media_kinds().values())
-    add_placeholder_tokens(tokenizer, markers)
-    if len(tokenizer) <= model_config.vocab_size:
-        return []
+    layout = model_config.media_layout()
+    markers = layout.tokens()
+    problems = layout_token_problems(tokenizer, layout)
+    if problems or len(tokenizer) <= model_config.vocab_size:
+        return problems
     return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "
             f"tokenizer ({cfg.tokenizer}) holds {len(tokenizer)} tokens with them; raise model.llm.vocab_size to at "
             f"least {len(tokenizer)}"]

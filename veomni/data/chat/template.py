@@ -9,8 +9,10 @@ Each message is ``"{Role}: "`` + content; user/system turns end with a newline, 
 with the tokenizer's eos. Only the assistant's content and its eos are targets. Every media
 marker (``<image>``) in the content is replaced by ``num_tokens`` copies of that modality's
 placeholder token, one per feature the encoder will produce, so the model can write the
-features over them in order. The markers are added to the tokenizer as special tokens, after
-its own vocabulary, in the order the model lists its modalities.
+features over them in order. The placeholder is the marker itself unless the model's
+``MediaLayout`` names another (Qwen-VL: ``<|vision_start|>`` + ``<|image_pad|>`` per feature +
+``<|vision_end|>``). The layout's tokens are added to the tokenizer as special tokens, after its
+own vocabulary (tokens the tokenizer has keep their ids), in the layout's order.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken
 
+from veomni.contract.media import MediaLayout
 from veomni.data.sources import InvalidSampleError
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
@@ -36,6 +39,14 @@ def add_placeholder_tokens(tokenizer: PreTrainedTokenizerBase, markers: Sequence
         [AddedToken(m, special=True, normalized=False) for m in markers], special_tokens=True
     )
     return {m: tokenizer.convert_tokens_to_ids(m) for m in markers}
+
+
+def layout_token_problems(tokenizer: PreTrainedTokenizerBase, layout: MediaLayout) -> list[str]:
+    """Add the layout's tokens; name each whose id differs from the one the model config fixes."""
+    got = add_placeholder_tokens(tokenizer, layout.tokens())
+    return [f"the tokenizer gives {token} id {got[token]}, the model config expects {want}: set the model's id "
+            f"to {got[token]} (or use a tokenizer that has it at {want})"
+            for token, want in layout.token_ids.items() if got[token] != want]
 
 
 @dataclass
@@ -55,11 +66,20 @@ class EncodedChat:
 class ChatEncoder:
     """Turns ``messages`` (+ the number of features of each media item) into an ``EncodedChat``."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, markers: Mapping[str, str]) -> None:
-        """``markers``: modality name -> its marker in the text (``{"image": "<image>"}``)."""
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, markers: Mapping[str, str],
+                 layout: MediaLayout | None = None) -> None:
+        """``markers``: modality name -> its marker in the text (``{"image": "<image>"}``); ``layout``:
+        the model's tokens for an item (default: the marker, once per feature). ValueError when the
+        tokenizer gives a token the model fixes another id."""
         self.tokenizer = tokenizer
         self.modality_of = {marker: name for name, marker in markers.items()}
-        self.token_of = add_placeholder_tokens(tokenizer, list(markers.values()))
+        self.layout = layout or MediaLayout(pad=dict(markers))
+        problems = layout_token_problems(tokenizer, self.layout)
+        if problems:
+            raise ValueError("; ".join(problems))
+        ids = add_placeholder_tokens(tokenizer, self.layout.tokens())
+        self.token_of = {marker: ids[self.layout.pad[name]] for name, marker in markers.items()}
+        self.around = tuple([ids[t]] if t else [] for t in (self.layout.start, self.layout.end))
         self.split = (
             re.compile("(" + "|".join(re.escape(m) for m in markers.values()) + ")") if markers else None
         )
@@ -109,8 +129,10 @@ class ChatEncoder:
                     )
                 count = items[used[name]]
                 used[name] += 1
+                out.extend(self.around[0], False)
                 out.placeholders[name].extend(range(len(out.ids), len(out.ids) + count))
                 out.extend([self.token_of[piece]] * count, False)
+                out.extend(self.around[1], False)
             out.extend(self._text("\n"), False)
         if add_generation_prompt:
             out.extend(self._text("Assistant: "), False)

@@ -146,6 +146,10 @@ def encoder_share_problems(name: str, encoder: nn.Module, ranks: int) -> list[st
     if not isinstance(encoder, ShardableEncoder):
         return [f"parallel.encoder_sp={ranks}: encoder {name} ({type(encoder).__name__}) cannot run on a share of "
                 "its rows (it does not derive from veomni.contract.media.ShardableEncoder); use parallel.encoder_sp: 1"]
+    refusal = encoder.share_refusal()
+    if refusal:
+        return [f"parallel.encoder_sp={ranks}: encoder {name} {refusal}; use parallel.encoder_sp: 1 (whole items, "
+                "which parallel.encoder_balance can still spread over the ranks)"]
     try:
         modules = _attention_modules(encoder)
     except TypeError as error:  # a module that does not declare its heads
