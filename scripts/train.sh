@@ -54,14 +54,16 @@ export VEOMNI_STOP_FILE="$STOP_FILE"
 # A requested stop (Ctrl-C, or SIGTERM to this script): torchrun runs in its own session, so the
 # signal reaches this script only, which passes it to the workers as SIGTERM. They finish the step,
 # checkpoint, print how to resume and the summary, and exit 0; torchrun and this script with them.
-# (torchrun signalled itself would kill the workers and print a SignalException traceback.)
+# A signal to torchrun itself (a scheduler signalling the whole job) reaches the workers through
+# its agent the same way; veomni.torchrun then ends with one line, no traceback, and status
+# 128 + the signal's number.
 REQUESTED_STOP=0
 stop_workers() {
     REQUESTED_STOP=1
     echo "[train.sh] stop requested: the workers finish their step, checkpoint and summarise" >&2
     for worker in $(ps -o pid= --ppid "$TORCHRUN"); do kill -TERM "$worker" 2>/dev/null || true; done
 }
-setsid torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+setsid python -m veomni.torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
     "${RDZV[@]}" -m veomni.train.run "$RECIPE" "$@" &
 TORCHRUN=$!
 trap stop_workers INT TERM

@@ -70,3 +70,29 @@ def test_sigterm_to_train_sh_checkpoints_summarises_and_exits_0(tmp_path):
         trained_error = (model(rows["x"]) - rows["y"]).pow(2).mean()
         untrained_error = (untrained(rows["x"]) - rows["y"]).pow(2).mean()
     assert not model.training and trained_error < untrained_error
+
+
+def test_sigterm_to_torchrun_itself_stops_the_workers_cleanly_without_a_traceback(tmp_path):
+    """A scheduler that signals the whole job signals torchrun too: its agent passes the signal to
+    the workers (checkpoint, resume line, summary) and ``veomni.torchrun`` ends with one line and
+    the conventional status 128 + 15, no SignalException traceback."""
+    shutil.copytree(EXAMPLE, tmp_path / "family", ignore=shutil.ignore_patterns("data", "outputs", "__pycache__"))
+    recipe, out = tmp_path / "family" / "recipe.yaml", tmp_path / "run"
+    command = ["bash", str(REPO / "scripts" / "train.sh"), str(recipe), *LONG_RUN, "--train.output_dir", str(out)]
+    env = {**os.environ, "NPROC_PER_NODE": "2"}
+    proc = subprocess.Popen(command, cwd=recipe.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 240
+    while len(_steps(out)) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    listed = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+    agents = [int(line.split()[0]) for line in listed if "veomni.torchrun" in line and str(recipe) in line]
+    assert len(agents) == 1, listed
+    os.kill(agents[0], signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-4000:]
+    stopped_at = _steps(out)[-1]
+    assert f"stopped by SIGTERM at step {stopped_at} of 100000; checkpoint saved; resume with: " in output
+    assert f"run summary: {stopped_at} steps" in output and "[torchrun] SIGTERM received" in output
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped_at:08d}"]
