@@ -20,8 +20,6 @@ it). The model's accuracy must beat both to show it learned the task.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import sys
 from collections import Counter
@@ -35,7 +33,7 @@ from veomni.data.chat.conversation import TemplateChat
 from veomni.data.chat.text_dataset import read_conversations
 from veomni.data.packing import pack_samples
 from veomni.data.text.packed import load_tokenizer
-from veomni.logging_setup import setup_logging
+from veomni.eval.command import run_eval_command
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_ANSWER_TOKENS = 32
@@ -118,28 +116,9 @@ def format_result(result: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="veomni.eval.chat_exact_match", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="the run's train.output_dir")
-    parser.add_argument("--checkpoint", type=Path, default=None, help="a step_* folder (default: the newest)")
-    parser.add_argument("--split", choices=("eval", "train"), default="eval")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N conversations")
-    parser.add_argument("--max-answer-tokens", type=int, default=DEFAULT_MAX_ANSWER_TOKENS,
-                        help="decode at most N tokens per answer (default %(default)s)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
-    args = parser.parse_args(argv)
-    if args.max_answer_tokens < 1:
-        parser.error(f"--max-answer-tokens must be at least 1, got {args.max_answer_tokens}")
-    setup_logging()
-    try:
-        result = evaluate(args.run_dir, args.checkpoint, args.split, args.limit, args.max_answer_tokens)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"eval error: {exc}", file=sys.stderr)
-        return 2
-    print(format_result(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_eval_command(argv, "veomni.eval.chat_exact_match", __doc__, "conversations", DEFAULT_MAX_ANSWER_TOKENS,
+                            "decode at most N tokens per answer (default %(default)s)", evaluate,
+                            format_result)
 
 
 if __name__ == "__main__":

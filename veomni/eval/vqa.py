@@ -17,8 +17,6 @@ baseline answers every question of a type with that type's most common answer in
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import sys
 from collections import Counter, defaultdict
@@ -34,7 +32,7 @@ from veomni.contract.media import SamplePositions
 from veomni.data.chat.media_dataset import ChatSample, SampleProcessor, pack_chat_samples
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 from veomni.data.text.packed import load_tokenizer
-from veomni.logging_setup import setup_logging
+from veomni.eval.command import run_eval_command
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_ANSWER_TOKENS = 8
@@ -165,30 +163,10 @@ def format_table(result: dict[str, dict[str, float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="veomni.eval.vqa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("run_dir", type=Path, help="the run's train.output_dir")
-    parser.add_argument("--checkpoint", type=Path, default=None, help="a step_* folder (default: the newest)")
-    parser.add_argument("--split", choices=("eval", "train"), default="eval")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
-    parser.add_argument("--max-answer-tokens", type=int, default=DEFAULT_MAX_ANSWER_TOKENS,
-                        help="decode at most N tokens per answer (default %(default)s); a reference "
-                             "answer longer than N tokens can never match")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
-    args = parser.parse_args(argv)
-    if args.max_answer_tokens < 1:
-        parser.error(f"--max-answer-tokens must be at least 1, got {args.max_answer_tokens}")
-    setup_logging()
-    try:
-        result = evaluate(args.run_dir, args.checkpoint, args.split, args.limit, args.max_answer_tokens)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"eval error: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_eval_command(argv, "veomni.eval.vqa", __doc__, "samples", DEFAULT_MAX_ANSWER_TOKENS,
+                            "decode at most N tokens per answer (default %(default)s); a reference "
+                            "answer longer than N tokens can never match", evaluate,
+                            format_table)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ def _steps(output_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
 
 
-def test_sigterm_to_train_sh_checkpoints_summarises_and_exits_0(tmp_path):
+def _long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path, dict[str, str]]:
+    """(the train.sh process, the recipe, the output folder, the environment) of the example
+    family's long run on 2 processes, returned once it has taken 3 steps."""
     shutil.copytree(EXAMPLE, tmp_path / "family", ignore=shutil.ignore_patterns("data", "outputs", "__pycache__"))
     recipe, out = tmp_path / "family" / "recipe.yaml", tmp_path / "run"
     command = ["bash", str(REPO / "scripts" / "train.sh"), str(recipe), *LONG_RUN, "--train.output_dir", str(out)]
@@ -44,6 +46,11 @@ def test_sigterm_to_train_sh_checkpoints_summarises_and_exits_0(tmp_path):
     deadline = time.monotonic() + 240
     while len(_steps(out)) < 3 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
+    return proc, recipe, out, env
+
+
+def test_sigterm_to_train_sh_checkpoints_summarises_and_exits_0(tmp_path):
+    proc, recipe, out, env = _long_run(tmp_path)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output[-4000:]
@@ -76,15 +83,7 @@ def test_sigterm_to_torchrun_itself_stops_the_workers_cleanly_without_a_tracebac
     """A scheduler that signals the whole job signals torchrun too: its agent passes the signal to
     the workers (checkpoint, resume line, summary) and ``veomni.torchrun`` ends with one line and
     the conventional status 128 + 15, no SignalException traceback."""
-    shutil.copytree(EXAMPLE, tmp_path / "family", ignore=shutil.ignore_patterns("data", "outputs", "__pycache__"))
-    recipe, out = tmp_path / "family" / "recipe.yaml", tmp_path / "run"
-    command = ["bash", str(REPO / "scripts" / "train.sh"), str(recipe), *LONG_RUN, "--train.output_dir", str(out)]
-    env = {**os.environ, "NPROC_PER_NODE": "2"}
-    proc = subprocess.Popen(command, cwd=recipe.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    deadline = time.monotonic() + 240
-    while len(_steps(out)) < 3 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
+    proc, recipe, out, _ = _long_run(tmp_path)
     listed = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
     agents = [int(line.split()[0]) for line in listed if "veomni.torchrun" in line and str(recipe) in line]
     assert len(agents) == 1, listed
