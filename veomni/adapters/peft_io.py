@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
+_SPAN = float(2**32)  # hf_paths: more elements than any one weight holds
 
 
 def adapted_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
@@ -58,24 +59,29 @@ def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, 
     it (``HFAdapter.loaded_name``)."""
     state = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
     names = [_join(path, w) for path, _, weights in adapted_modules(model) for w in weights]
-    # Each adapted weight becomes a tensor of its own marker value: the exported entries holding
-    # that value are the ones it turned into, whatever the export renames or splits.
-    probe = {k: (torch.full(v.shape, float(names.index(k) + 1)) if k in names else torch.zeros(v.shape))
-             for k, v in state.items()}
+    # Each adapted weight becomes marker * 2**32 + its element index (float64, exact): the exported
+    # entries whose values all lie in a marker's range are the ones it turned into, whatever the
+    # export renames or splits; the other weights are zero views that take no memory.
+    probe = {k: v.new_zeros((), dtype=torch.float64, device="cpu").expand(v.shape) for k, v in state.items()}
+    for marker, name in enumerate(names, start=1):
+        shape = state[name].shape
+        probe[name] = torch.arange(shape.numel(), dtype=torch.float64).add_(marker * _SPAN).reshape(shape)
     exported = adapter.state_dict_to_hf(probe, model_cfg)
     found: dict[str, list[str]] = {name: [] for name in names}
+    same: dict[str, bool] = {}
     for key, tensor in exported.items():
-        marker = int(tensor.flatten()[0]) if tensor.numel() else 0
-        if marker and bool((tensor == marker).all()):
-            found[names[marker - 1]].append(key)
-    # A constant marker survives a reshape or a row permutation (the DiT's patch_embedding and
-    # proj_out): a linear weight must also come out element for element as it went in.
-    order = {k: (torch.arange(v.numel(), dtype=torch.float64).reshape(v.shape) if k in names else torch.zeros(v.shape))
-             for k, v in state.items()}
-    ordered = adapter.state_dict_to_hf(order, model_cfg)
+        markers = torch.div(tensor.double(), _SPAN, rounding_mode="floor") if tensor.numel() else tensor
+        marker = int(markers.flatten()[0]) if tensor.numel() else 0
+        if marker and bool((markers == marker).all()):
+            name = names[marker - 1]
+            found[name].append(key)
+            # a linear weight must come out element for element as it went in (not transposed or
+            # permuted: the DiT's patch_embedding and proj_out are)
+            same[key] = tensor.shape == probe[name].shape and torch.equal(tensor.double(), probe[name])
+    del probe, exported
     out = {}
     for name, keys in found.items():
-        if name.endswith(".weight") and len(keys) == 1 and not torch.equal(ordered[keys[0]].double(), order[name]):
+        if name.endswith(".weight") and len(keys) == 1 and not same[keys[0]]:
             keys = []
         if not keys:
             raise ValueError(f"{name}: the {type(adapter).__name__} export changes this weight's values (fused or "
