@@ -20,6 +20,7 @@ from tests.parity_utils import (
 )
 from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model
+from veomni.ops.attention import SeqInfo
 from veomni.data.packing import pack_samples
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
@@ -231,3 +232,24 @@ def test_vwn_with_mtp_is_rejected():
 
     with pytest.raises(PipelineConfigError, match="outside the pipelined container"):
         check_pipeline_model(build({**VWN, "mtp": True}, "vwn"), ParallelConfig(pp=2), 2, PIPELINE_HOOKS)
+
+
+def _pool_before_the_head(model) -> None:
+    """A planted gap: the forward pools the blocks' output outside any stage piece."""
+
+    def forward_embeddings(x, position_ids, cu_seqlens, max_seqlen, valid_tokens=None):
+        seq = SeqInfo(cu_seqlens, int(max_seqlen))
+        cos, sin = model.rotary(position_ids, x.dtype)
+        for layer in model.layers:
+            x = layer(x, cos, sin, seq, valid_tokens)
+        return model.lm_head(model.norm(x.mean(0)))
+
+    model.forward_embeddings = forward_embeddings
+
+
+def test_work_between_stage_pieces_fails_the_first_step_with_the_reason():
+    with pytest.raises(AssertionError) as failed:
+        run_distributed(run_pipeline_steps, 2, ParallelConfig(pp=2), 2, OPTIONS, 0.5, "llm", _pool_before_the_head,
+                        timeout_s=60)
+    assert "work in forward between the stage pieces (pooling before the head, say)" in str(failed.value)
+    assert "docs/adding_a_model.md" in str(failed.value)

@@ -61,9 +61,8 @@ logger = logging.getLogger(__name__)
 
 
 class StageBlocks(nn.Module):
-    """The blocks one stage owns, registered under their original indices (``"5"`` for
-    ``layers.5``); iterating yields them in order, as the model's ``for layer in self.layers``
-    expects of the ``nn.ModuleList`` it replaces."""
+    """The blocks one stage owns, under their original indices (``"5"`` for ``layers.5``); iterating
+    yields them in order, as a model's ``for layer in self.layers`` expects of its ``nn.ModuleList``."""
 
     def __init__(self, blocks: dict[str, nn.Module]) -> None:
         super().__init__()
@@ -156,16 +155,21 @@ def check_pipeline_task(task: Task, cfg: ParallelConfig) -> None:
                                   "(its batch contract names no stage input); set parallel.pp=1")
 
 
+# Added to an error in a pipeline's first step: its likeliest cause, which no launch check sees (no batch).
+FIRST_STEP_NOTE = ("parallel.pp: this failed in the pipeline's first step. Every stage runs the model's forward with "
+                   "the pieces it does not own replaced by nn.Identity: work in forward between the stage pieces "
+                   "(pooling before the head, say) runs on every stage and changes what the next stage receives; "
+                   "move it into a piece (docs/adding_a_model.md, 'Pipeline parallelism').")
+
 StageOutputHook = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 """``hook(stage_module, output) -> output`` after each training forward of a stage."""
 
 
 def _differentiable_output(module: nn.Module, args: Any, output: Any) -> Any:
-    """A training forward's hidden state that does not require grad (nothing before it trains:
-    a LoRA run's frozen embedding and unadapted first blocks) made a leaf that does. The next
-    stage's received input then requires grad too, which the zero-bubble schedules' split
-    backward needs: it finds a stage's weight gradients on the paths from its inputs, and from a
-    stage whose inputs need no gradient (other than the first) it computes none."""
+    """A training forward's hidden state that does not require grad (nothing before it trains: a
+    LoRA run's frozen embedding and first blocks) made a leaf that does, so the next stage's input
+    requires grad: the zero-bubble schedules' split backward finds a stage's weight gradients on
+    the paths from its inputs, and computes none for a later stage whose inputs need none."""
     if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.is_floating_point() \
             and not output.requires_grad:
         return output.detach().requires_grad_()
@@ -173,11 +177,9 @@ def _differentiable_output(module: nn.Module, args: Any, output: Any) -> Any:
 
 
 class _Stage(PipelineStage):
-    """A ``PipelineStage`` whose training forwards pass their output through ``on_output``.
-
-    Hooked here, not with a module forward hook: the schedule also runs each stage once on
-    placeholder inputs to learn the shapes it sends, and that forward must not count.
-    """
+    """A ``PipelineStage`` whose training forwards pass their output through ``on_output``. Hooked
+    here, not with a module forward hook: the schedule also runs each stage once on placeholder
+    inputs to learn the shapes it sends, and that forward must not count."""
 
     on_output: StageOutputHook | None = None
 
@@ -204,6 +206,7 @@ class Pipeline:
         self.task, self.contract = task, task.contract
         self._scale = 1.0
         self._row_tokens: int | None = None
+        self._stepped = False
         n_stages = cfg.pp * virtual_stages(cfg)
         self.n_stages, self.pp_group, self.device = n_stages, pp_group, device
         self.pp_rank = dist.get_rank(pp_group)
@@ -262,6 +265,10 @@ class Pipeline:
         try:
             self.schedule._step_microbatches(args, kwargs, [row[self.contract.target] for row in rows], losses,
                                              return_outputs=False)
+        except Exception as exc:
+            if not self._stepped:
+                exc.add_note(FIRST_STEP_NOTE)
+            raise
         finally:
             for stage in self.stages:
                 stage.on_output = None
@@ -269,6 +276,7 @@ class Pipeline:
             self.encoders.backward()
         if self.tied is not None:  # every copy of a tied parameter gets the one-process gradient
             self.tied.sync()
+        self._stepped = True
         return sum(float(loss.detach()) for loss in losses) / scale if losses else 0.0
 
     @torch.no_grad()
