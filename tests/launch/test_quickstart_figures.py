@@ -35,9 +35,9 @@ def _readme_figures() -> dict[str, str]:
 
 
 def _eval_baseline(tmp_path: Path) -> float:
-    """The baseline the quick start's final eval reports, without training: the eval batches each of
-    the 2 ranks reads (stopping when one runs out, as ``Trainer._eval_batches``), their task statistics
-    summed."""
+    """The baseline the quick start's final eval reports, without training: every eval batch each of
+    the 2 ranks reads (``train.eval_batches: 0``, the whole held-out split, as ``Trainer._eval_batches``
+    scores it), their task statistics summed."""
     overrides = ["--train.output_dir", str(tmp_path / "out")]
     assert launch_main([str(RECIPE), "--launcher-world-size", str(QUICKSTART_PROCESSES), *overrides]) == 0  # data
     cfg = load_config(str(RECIPE), overrides)
@@ -46,14 +46,11 @@ def _eval_baseline(tmp_path: Path) -> float:
     model_config = build_config(cfg.model.arch, cfg.model.options)
     task, kind = spec.task(model_config), dataset_kind_name(cfg.data, spec.dataset)
     tokenizer = load_run_tokenizer(cfg.data, kind)
-    readers = [iter(build_dataloader(cfg.data, "eval", tokenizer, rank, QUICKSTART_PROCESSES, cfg.train.seed,
-                                     model_config, kind)) for rank in range(QUICKSTART_PROCESSES)]
+    assert cfg.train.eval_batches == 0, "the quick start scores its whole held-out split; update this test"
     stats = None
-    for _ in range(cfg.train.eval_batches):
-        batches = [next(reader, None) for reader in readers]
-        if any(batch is None for batch in batches):
-            break
-        for batch in batches:
+    for rank in range(QUICKSTART_PROCESSES):
+        for batch in build_dataloader(cfg.data, "eval", tokenizer, rank, QUICKSTART_PROCESSES, cfg.train.seed,
+                                      model_config, kind):
             stats = add_padded(stats, task.baseline_stats(task.prepare(batch)))
     return task.baseline_loss(stats).loss
 
@@ -72,4 +69,6 @@ def test_readme_baseline_is_the_recipes_eval_baseline(tmp_path):
         f"the quick start's eval baseline is {baseline:.3f} nats, README.md says {figures['baseline']}: measure the "
         "quick start again (bash scripts/train.sh recipes/quickstart/tiny_llm.yaml on an idle machine) and update "
         "the README's steps, wall time, final eval loss, baseline and perplexities together")
-    assert float(figures["loss"]) < baseline, "the README's quick start must end below its baseline"
+    # the first thing a user runs must show plainly that the model learned: a margin that no run-to-run
+    # or machine-to-machine difference (hundredths) could close
+    assert float(figures["loss"]) < baseline - 0.25, "the README's quick start must end well below its baseline"
