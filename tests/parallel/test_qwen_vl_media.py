@@ -1,9 +1,11 @@
 """The ``qwen2_5_vl`` family fed by the chat loader (Qwen's layout: vision start/end tokens, 2-frame
 temporal patches, M-RoPE positions [T, 3]) under the media parallelisms: pipeline parallelism at
-pp=2 (encoders colocated on both ranks, and inline in the first stage) and balanced encoder work
-(``parallel.encoder_balance``) and long-short sequence parallelism of the windowed tower
-(``parallel.encoder_sp``: shares cut in window order, features put back in input order) at 2 ranks
-train exactly like one process (fp32, SGD: losses, every gradient, every updated parameter)."""
+pp=2 (encoders colocated on both ranks, and inline in the first stage) and at pp=2 x dp=2 (alone,
+with the tower's own 2-way FSDP group, ``parallel.encoder_fsdp``, and with long images
+sequence-parallel), the tower replicated beside the LLM's FSDP (``encoder_fsdp=1``), balanced
+encoder work (``parallel.encoder_balance``) and long-short sequence parallelism of the windowed
+tower (``parallel.encoder_sp``: shares cut in window order, features put back in input order) at 2
+ranks train exactly like one process (fp32, SGD: losses, every gradient, every updated parameter)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,25 @@ def test_pp2_matches_one_process(reference, colocate):
     check(reference, records)
     if colocate:
         check_spread(records)
+
+
+@pytest.mark.parametrize("extra", [{}, {"encoder_fsdp": 2}, {"encoder_sp": 2, "encoder_sp_threshold": 16}],
+                         ids=["plain", "encoder-fsdp2", "encoder-sp2"])
+def test_pp2_x_dp2_matches_one_process(reference, extra):
+    """Data-parallel rank 1 has no image in steps 0 and 2; with encoder_sp every image over 16
+    patches (4x6 and 6x6 ones in step 0, 6x6 in step 1, 4x6 in step 2) runs over a block of 2 ranks."""
+    parallel = ParallelConfig(pp=2, pp_schedule="1F1B", **extra)
+    records = run_distributed(_pipelined, 4, parallel, TINY_QWEN_VL_CHAT, steps(), False, ARCH)
+    check(reference, records)
+    if "encoder_sp" in extra:
+        assert [sum(r["shared"][step] for r in records) for step in range(3)] == [60, 36, 24]
+    else:
+        check_spread(records)
+
+
+def test_replicated_encoder_matches_one_process(one_process):
+    for got in run_distributed(run_media_steps, 2, ParallelConfig(encoder_fsdp=1), steps(), None, ARCH):
+        assert_records_close(one_process, got)
 
 
 def test_balanced_encoders_match_one_process(one_process):
