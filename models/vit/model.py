@@ -9,12 +9,14 @@ width. Plain single-device PyTorch; the engine parallelises it through ``paralle
 may run one large input over several ranks, each on a share of its rows (whole merge groups;
 ``forward(..., share=)``, see ``veomni.contract.media.ShardableEncoder``).
 
-With ``window_size`` set (Qwen2.5-VL) the patches are reordered window by window after the patch
-embedding (``processing.window_order``), so that each window is one contiguous attention segment;
-layers in ``full_attention_layers`` attend within whole frames instead (a frame's windows stay
-inside it, so frame segments are unchanged by the reorder), and the merged tokens are put back in
-input order at the end. This is transformers' order of operations, so imported weights compute
-the same features.
+With ``window_size`` set (Qwen2.5-VL) the patch rows are taken window by window
+(``processing.window_order``), so that each window is one contiguous attention segment; layers in
+``full_attention_layers`` attend within whole frames instead (a frame's windows stay inside it, so
+frame segments are unchanged by the reorder), and the merged tokens are put back in input order at
+the end. Transformers reorders right after the patch embedding, which works row by row, so
+imported weights compute the same features. A share is cut from the window-ordered rows (a run of
+whole windows, the segments at its edges completed by the other ranks' rows during attention) and
+returns its tokens in window order (``share_order``); the engine restores input order.
 """
 
 from __future__ import annotations
@@ -73,31 +75,30 @@ class NativeResolutionViT(ShardableEncoder, nn.Module):
         are tied together later, by the LLM, through the time index; see docs/vit.md); with
         ``window_size``, windows of a frame except in ``full_attention_layers`` (module docstring).
 
-        ``share``: run only patch rows ``share.start:share.stop`` (whole merge groups; the other
-        rows are held by the other ranks of a sequence-parallel run) and return their merged
-        tokens. Positions and frame boundaries are those of the whole input, sliced."""
+        ``share``: run only patch rows ``share.start:share.stop`` of the sequence in share order
+        (``share_order``: input order, or window order with windows; whole merge groups; the other
+        rows are held by the other ranks of a sequence-parallel run) and return their merged tokens
+        in that order. Positions, frames and windows are those of the whole input."""
         cfg = self.config
         grid_thw = self._checked_grid(patches, grid_thw)
-        if share is not None and cfg.window_size:
-            raise ValueError("a row share (one input split over sequence-parallel ranks) is not supported with "
-                             "window_size > 0: windows reorder the patches across the whole input")
         rows = held_rows(share, patches.shape[0], self.rows_per_feature)
-        x = self.patch_embed(patches[rows].to(self.patch_embed.weight.dtype))
-        positions = patch_positions(grid_thw, cfg.merge_size)[rows].to(x.device)
+        windowed = window_order(grid_thw, cfg.merge_size, cfg.window_tokens) if cfg.window_size else None
+        held = rows if windowed is None else _patch_rows(windowed[0], self.rows_per_feature)[rows]
+        x = self.patch_embed(patches[held].to(self.patch_embed.weight.dtype))
+        positions = patch_positions(grid_thw, cfg.merge_size)[held].to(x.device)
         cos, sin = rope_2d_cos_sin(positions[:, 1:], cfg.head_dim, cfg.rope_theta, x.dtype)
         frame_sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
         frames = SeqInfo(_cumulative(frame_sizes, x.device), int(frame_sizes.max()), share)
-        if not cfg.window_size:
+        if windowed is None:
             for block in self.blocks:
                 x = block(x, cos, sin, frames)
             return self.merger(x)
-        order, window_sizes = window_order(grid_thw, cfg.merge_size, cfg.window_tokens)
-        order = order.to(x.device)
-        x, cos, sin = (_grouped(t, order, self.rows_per_feature) for t in (x, cos, sin))
-        windows = SeqInfo(_cumulative(window_sizes, x.device), int(window_sizes.max()))
+        order, window_sizes = windowed
+        windows = SeqInfo(_cumulative(window_sizes, x.device), int(window_sizes.max()), share)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if i in cfg.full_attention_layers else windows)
-        return self.merger(x)[order.argsort()]
+        features = self.merger(x)
+        return features if share is not None else features[order.to(x.device).argsort()]  # share: share_order
 
     @property
     def rows_per_feature(self) -> int:
@@ -108,13 +109,15 @@ class NativeResolutionViT(ShardableEncoder, nn.Module):
         """Patch rows: ``sum(t * h * w)`` over ``grid_thw``."""
         return int(torch.as_tensor(inputs["grid_thw"], dtype=torch.long).prod(dim=-1).sum())
 
-    def share_refusal(self) -> str | None:
-        """A windowed tower (Qwen2.5-VL) cannot run a share: its windows reorder the patches across the
-        whole input, so a contiguous share of input rows is not a set of whole windows."""
-        if self.config.window_size:
-            return (f"has attention windows (window_size={self.config.window_size}), which reorder the patches "
-                    "across the whole input: a share of its rows cannot run alone")
-        return None
+    def share_order(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """With windows, the merged tokens window by window (``processing.window_order``): a share
+        is then a run of whole merge groups in window order, and each window or frame is one
+        contiguous segment of the sequence every rank attends over. None without windows."""
+        cfg = self.config
+        if not cfg.window_size:
+            return None
+        return window_order(torch.as_tensor(inputs["grid_thw"], dtype=torch.long), cfg.merge_size,
+                            cfg.window_tokens)[0]
 
     def _checked_grid(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``grid_thw`` as int64 [n, 3]; ValueError naming what does not fit the patches."""
@@ -192,6 +195,6 @@ def _cumulative(sizes: torch.Tensor, device: torch.device) -> torch.Tensor:
     return F.pad(sizes.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
 
 
-def _grouped(x: torch.Tensor, order: torch.Tensor, group: int) -> torch.Tensor:
-    """Rows of ``x`` reordered by whole groups of ``group`` consecutive rows (merge groups)."""
-    return x.view(-1, group, x.shape[-1])[order].flatten(0, 1)
+def _patch_rows(order: torch.Tensor, group: int) -> torch.Tensor:
+    """The patch rows of merge groups ``order`` (each group's ``group`` consecutive rows), in that order."""
+    return (order[:, None] * group + torch.arange(group, device=order.device)).flatten()

@@ -2,7 +2,8 @@
 over a group of 2 or 4 gloo ranks, each on a share of its rows, gives the one-process features
 (chunks concatenated in rank order) and encoder weight gradients (summed over the group), in
 fp32: for a large image whose merge groups do not divide evenly (padding), a video, two packed
-images and a long audio clip, also under activation checkpointing and with two groups running
+images, a long audio clip and Qwen2.5-VL's windowed tower (shares cut in window order, features
+put back in input order), also under activation checkpointing and with two groups running
 different items at once. The split, the model-side share checks and the launcher check are
 tested on their own."""
 
@@ -24,6 +25,7 @@ from veomni.ops.attention import RowShare
 from veomni.parallel.activation_checkpoint import apply_activation_checkpointing
 from veomni.parallel.fsdp import apply_fsdp
 from veomni.parallel.media.encoder_sp import (
+    _into_input_order,
     apply_encoder_sp,
     check_encoder_sp,
     is_long_item,
@@ -35,6 +37,8 @@ from veomni.parallel.mesh import LayoutError, ParallelDims
 
 TINY_IMAGE = TINY_OMNI["encoders"]["image"]  # 2 heads: groups of 2 ranks
 IMAGE_4_HEADS = {**TINY_IMAGE, "num_heads": 4}  # head_dim 8, for groups of 4
+# Qwen2.5-VL's tower: windows of 2 x 2 merged tokens (56 px), full attention in layer 1
+WINDOWED = {**IMAGE_4_HEADS, "norm": "rmsnorm", "mlp": "gated", "window_size": 56, "full_attention_layers": [1]}
 TINY_AUDIO = dict(n_mels=16, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, out_hidden_size=32)
 PATCH_DIM = 3 * 14 * 14
 
@@ -60,6 +64,10 @@ CASES = {
     # 3 frames of 24 patches (18 groups): shares cut across frame boundaries
     "video": ("image", IMAGE_4_HEADS, _images((3, 4, 6))),
     "two_images": ("image", TINY_IMAGE, _images((1, 6, 4), (1, 4, 8))),
+    # a short image, a long one of 5 x 7 merged tokens (partial windows at the right and bottom) and a
+    # 2-frame video packed: 6 + 35 + 12 features, 27 + 26 at 2 ranks, 14 + 14 + 14 + 11 at 4; the
+    # share edges cut through rows of windows, so some features are made by another member
+    "windowed": ("image", WINDOWED, _images((1, 4, 6), (1, 10, 14), (2, 6, 4))),
     # 290 frames -> 73 tokens: 37 + 36 at 2 ranks, 19 + 19 + 19 + 16 at 4
     "long_audio": ("audio", TINY_AUDIO, _audio(290)),
 }
@@ -118,7 +126,7 @@ def _assert_matches_reference(results: list[dict], case: str) -> None:
 
 @pytest.mark.parametrize("case, ranks", [
     ("large_image", 2), ("large_image_4_heads", 4), ("video", 2), ("video", 4), ("two_images", 2),
-    ("long_audio", 2), ("long_audio", 4),
+    ("long_audio", 2), ("long_audio", 4), ("windowed", 2), ("windowed", 4),
 ])
 def test_sharded_encoder_matches_one_process(case, ranks):
     results = run_distributed(_sharded, ranks, [list(range(ranks))], [case])
@@ -136,10 +144,27 @@ def test_padding_is_exercised():
     assert item_shares(audio, CASES["long_audio"][2], 4).feature_rows() == [19, 19, 19, 16]
 
 
-def test_sharded_encoder_under_activation_checkpointing():
+@pytest.mark.parametrize("case", ["large_image", "windowed"])
+def test_sharded_encoder_under_activation_checkpointing(case):
     """Recomputation in the backward pass replays the share with the block's arguments."""
-    results = run_distributed(_sharded, 2, [[0, 1]], ["large_image"], True)
-    _assert_matches_reference(results, "large_image")
+    results = run_distributed(_sharded, 2, [[0, 1]], [case], True)
+    _assert_matches_reference(results, case)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_windowed_shares_are_cut_in_window_order(ranks):
+    """The windowed case's members make features that other members return (so the exchange back
+    into input order is exercised), and a share order that is not a permutation is refused."""
+    _, encoder = _encoder("windowed")
+    inputs = CASES["windowed"][2]
+    order = encoder.share_order(inputs)
+    shares = item_shares(encoder, inputs, ranks)
+    chunk = shares.chunk // shares.rows_per_feature
+    assert sorted(order.tolist()) == list(range(53)) and not torch.equal(order, torch.arange(53))
+    assert any((order[r * chunk:(r + 1) * chunk] // chunk != r).any() for r in range(ranks))
+    assert _encoder("large_image")[1].share_order(inputs) is None  # no windows: input order
+    with pytest.raises(ValueError, match="permutation of the 53 features"):
+        _into_input_order(None, torch.zeros(27, 32), order.clamp(max=40), shares)
 
 
 def test_sharded_encoder_under_fsdp():

@@ -1,8 +1,9 @@
 """The ``qwen2_5_vl`` family (windowed tower, 2-frame temporal patches, M-RoPE positions [T, 3]) trains
-like one process under FSDP at 2 ranks and under LLM sequence parallelism at sp=2 on real gloo
-ranks: losses, full gradients and parameters after SGD steps. The steps hold images of different
-sizes, a video, text-only samples, and (FSDP) a step in which one rank's row has no media; under
-sp=2 the (t, h, w) positions are sliced with the row like any sequence field."""
+like one process under FSDP at 2 ranks, under LLM sequence parallelism at sp=2 and with its videos
+run sequence-parallel in the tower over both ranks (``parallel.encoder_sp``) on real gloo ranks:
+losses, full gradients and parameters after SGD steps. The steps hold images of different sizes,
+videos, text-only samples, and (FSDP, encoder_sp) a step in which one rank's row has no media;
+under sp=2 the (t, h, w) positions are sliced with the row like any sequence field."""
 
 from __future__ import annotations
 
@@ -98,7 +99,11 @@ def _run(rank: int, world: int, parallel: ParallelConfig) -> dict:
     return record
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(sp=2)], ids=["fsdp2", "sp2"])
+# encoder_sp: items over 24 patches are long, the two videos (72 and 32 patches; windows of 2 x 2
+# merged tokens, partial in the 3 x 3 frames of the first): rank 0 holds the first, rank 1 the second
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(sp=2),
+                                      ParallelConfig(encoder_sp=2, encoder_sp_threshold=24)],
+                         ids=["fsdp2", "sp2", "encoder-sp2"])
 def test_qwen_vl_matches_single_process(parallel):
     reference = run_distributed(_run, 1, ParallelConfig())[0]
     results = run_distributed(_run, 2, parallel)

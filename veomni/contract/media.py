@@ -61,7 +61,10 @@ class ShardableEncoder:
 
     Subclasses take ``share: RowShare | None = None`` in ``forward`` (None: the whole input),
     put it in the ``SeqInfo`` their attention modules receive, and return the feature rows of
-    ``share.start:share.stop``, which must be multiples of ``rows_per_feature``."""
+    ``share.start:share.stop``, which must be multiples of ``rows_per_feature``. Rows are counted
+    in the encoder's *share order* (``share_order``): input order unless the encoder reorders its
+    sequence (Qwen2.5-VL's attention windows), where a contiguous share of input rows would not
+    be a set of whole attention segments."""
 
     rows_per_feature: int
     """Sequence rows behind one output feature row (the ViT: its merge group, ``merge_size**2``);
@@ -72,9 +75,13 @@ class ShardableEncoder:
         threshold is compared with and what shares split)."""
         raise NotImplementedError
 
-    def share_refusal(self) -> str | None:
-        """Why this encoder, as configured, cannot run a share of one input (None: it can); the
-        launcher refuses ``parallel.encoder_sp`` with it before any worker starts."""
+    def share_order(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The order in which the encoder runs the features of ``inputs`` when it runs a share:
+        LongTensor [features], the input index of each feature in that order (a permutation), or
+        None for input order. Shares cut this order (``rows_per_feature`` rows per feature) and a
+        share's features come back in it; the engine puts them back into input order, so a
+        sequence-parallel run still returns what ``forward(**inputs)`` returns. The same on every
+        rank for the same inputs (pure)."""
         return None
 
 

@@ -10,8 +10,9 @@ calls for such an item; the router decides which items are long and who runs the
 ``run_encoder_share(group, encoder, inputs)``, called by every member of ``group`` with the same
 inputs (the item's full encoder inputs, or several long items collated):
 
-1. ``split_rows`` cuts the sequence into ``k`` contiguous shares of equal size ``chunk`` (whole
-   features: the ViT's merge groups), the last ones short or empty: rank ``r`` holds rows
+1. ``split_rows`` cuts the sequence, in the encoder's share order (``ShardableEncoder.share_order``:
+   input order, or a ViT's windows one after the other), into ``k`` contiguous shares of equal size
+   ``chunk`` (whole features: the ViT's merge groups), the last ones short or empty: rank ``r`` holds rows
    ``[r * chunk, (r + 1) * chunk)`` clipped to the sequence. Its padding up to ``chunk`` rows
    therefore sits at global rows at or past the sequence's end, ``cu_seqlens[-1]``, exactly as the
    LLM's Ulysses pads a row: attention gives padding zero output, no real row attends to it,
@@ -24,6 +25,11 @@ inputs (the item's full encoder inputs, or several long items collated):
    the whole sequence for ``heads / k`` heads, attention with the global ``cu_seqlens``,
    all-to-all back; everything else in the encoder is per row.
 4. Each member returns the features of its own rows; in rank order they are the item's features.
+   An encoder with a share order of its own (Qwen2.5-VL's windows) makes its share's features in
+   that order, so one more all-to-all in the group (``_into_input_order``) puts them back: member
+   ``r`` then returns input features ``[r * chunk, (r + 1) * chunk)`` (in rows per feature), as
+   without a share order. Windows are read band by band (a row of windows across the frame, then
+   the next), so a share of windows mostly covers the same input rows and few features move.
 
 Gradients: every all-to-all is its own adjoint (``sequence._Exchange``), so after each member
 backpropagates a loss on its chunk, the members' weight gradients sum to the one-rank gradient
@@ -56,6 +62,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -146,10 +153,6 @@ def encoder_share_problems(name: str, encoder: nn.Module, ranks: int) -> list[st
     if not isinstance(encoder, ShardableEncoder):
         return [f"parallel.encoder_sp={ranks}: encoder {name} ({type(encoder).__name__}) cannot run on a share of "
                 "its rows (it does not derive from veomni.contract.media.ShardableEncoder); use parallel.encoder_sp: 1"]
-    refusal = encoder.share_refusal()
-    if refusal:
-        return [f"parallel.encoder_sp={ranks}: encoder {name} {refusal}; use parallel.encoder_sp: 1 (whole items, "
-                "which parallel.encoder_balance can still spread over the ranks)"]
     try:
         modules = _attention_modules(encoder)
     except TypeError as error:  # a module that does not declare its heads
@@ -221,7 +224,8 @@ def item_shares(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], ranks: i
 def run_encoder_share(group: dist.ProcessGroup, encoder: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """This rank's contiguous chunk of the features of ``inputs`` (every member of ``group``
     passes the same, whole inputs), differentiable; chunks in group-rank order concatenate to
-    ``encoder(**inputs)``. See the module docstring for what the group must guarantee."""
+    ``encoder(**inputs)``, whatever the encoder's share order. See the module docstring for what
+    the group must guarantee."""
     shares = item_shares(encoder, inputs, dist.get_world_size(group))
     rank = dist.get_rank(group)
     start, stop = shares.held(rank)
@@ -230,4 +234,26 @@ def run_encoder_share(group: dist.ProcessGroup, encoder: nn.Module, inputs: Mapp
     if features.shape[0] != expected:
         raise ValueError(f"{type(encoder).__name__} returned {features.shape[0]} feature rows for rows "
                          f"[{start}, {stop}), expected {expected}")
-    return features
+    order = encoder.share_order(inputs)
+    return features if order is None else _into_input_order(group, features, order, shares)
+
+
+def _into_input_order(group: dist.ProcessGroup, features: torch.Tensor, order: torch.Tensor,
+                      shares: RowShares) -> torch.Tensor:
+    """This member's chunk of features in share order (``order[j]``: the input index of share
+    feature ``j``) -> its chunk in input order, with the features exchanged within ``group``
+    (differentiable: the gradients travel back the same way)."""
+    total = shares.rows // shares.rows_per_feature
+    order = torch.as_tensor(order, dtype=torch.long).cpu()
+    if order.shape != (total,) or not torch.equal(order.sort().values, torch.arange(total)):
+        raise ValueError(f"share_order must be a permutation of the {total} features of the input, "
+                         f"got {tuple(order.shape)} indices")
+    world, rank, chunk = dist.get_world_size(group), dist.get_rank(group), shares.chunk // shares.rows_per_feature
+    made = order[rank * chunk:(rank + 1) * chunk]  # input index of each feature this member made
+    sent = made.sort().indices  # grouped by the member returning it (input index // chunk), ascending
+    source = order.argsort()[rank * chunk:(rank + 1) * chunk] // chunk  # who made each feature returned here
+    received = funcol.all_to_all_single_autograd(
+        features[sent.to(features.device)].contiguous(), torch.bincount(source, minlength=world).tolist(),
+        torch.bincount(made // chunk, minlength=world).tolist(), group)
+    arrival = source.sort(stable=True).indices  # by source, then input index: how they arrive
+    return received[arrival.argsort().to(features.device)]
