@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from models.vit.processing import qwen_smart_resize
-from veomni.contract.media import MediaForm, MediaItem, MediaLayout
+from veomni.contract.media import ChatMarkup, MediaForm, MediaItem, MediaLayout
 
 from .config import OmniConfig
 from .modalities import process_image
@@ -33,6 +33,8 @@ VARIANTS = ("qwen2_vl", "qwen2_5_vl")
 TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
           "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
 """Qwen's chat template's tokens, by the config field holding each one's id."""
+CHAT_TOKENS = {"im_start_token_id": "<|im_start|>", "im_end_token_id": "<|im_end|>"}
+"""The tokens of Qwen's chat markup (ChatML), by the config field holding each one's id."""
 
 
 @dataclass
@@ -48,6 +50,8 @@ class QwenVLConfig(OmniConfig):
       and ``video_max_frames``, an even count), each resized within ``video_min_pixels`` /
       ``video_max_pixels`` (the published defaults: 128 and 768 merged tokens' worth per frame).
       Data options, not the folder's: ``checkpoint.init_from_hf`` does not compare them.
+    im_start_token_id / im_end_token_id: the ids of Qwen's chat markup tokens (``chat_markup``),
+      checked against the tokenizer when a recipe picks ``data.chat_markup: model``.
     """
 
     variant: str = "qwen2_5_vl"
@@ -62,6 +66,8 @@ class QwenVLConfig(OmniConfig):
     video_max_frames: int = 768
     video_min_pixels: int = 128 * 28 * 28
     video_max_pixels: int = 768 * 28 * 28
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
 
     def validate(self) -> None:
         """The omni checks, then the Qwen-VL ones; ``llm`` and ``encoders.image`` are then written out
@@ -128,6 +134,14 @@ class QwenVLConfig(OmniConfig):
                            token_ids={token: getattr(self, name) for name, token in TOKENS.items()},
                            position_ids=self.sample_position_ids,
                            forms={"video": MediaForm("image", video, "<video>", (FIELD,))})
+
+    def chat_markup(self) -> ChatMarkup:
+        """Qwen's chat template (ChatML, as its ``chat_template.json`` writes string contents):
+        ``<|im_start|>{role}\n{content}<|im_end|>\n`` per turn, the default system turn "You are a
+        helpful assistant." when a conversation has none; an answer's targets end with ``<|im_end|>``."""
+        return ChatMarkup(header="<|im_start|>{role}\n", turn_end="<|im_end|>\n", answer_end="<|im_end|>",
+                          after_answer="\n", default_system="You are a helpful assistant.",
+                          token_ids={token: getattr(self, name) for name, token in CHAT_TOKENS.items()})
 
     def sample_position_ids(self, input_ids: torch.Tensor, media: Mapping[str, list[MediaItem]]) -> torch.Tensor:
         """[n, 3] positions of one sample from its ids and its image and video items, in order."""

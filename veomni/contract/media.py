@@ -154,6 +154,31 @@ class MediaLayout:
         return fixed + [t for t in dict.fromkeys(rest) if t is not None and t not in self.token_ids]
 
 
+@dataclass(frozen=True)
+class ChatMarkup:
+    """How the chat loader writes turns around their contents (``MediaModelConfig.chat_markup``; the
+    recipe picks it with ``data.chat_markup``). A turn is ``header`` (``{role}`` / ``{Role}``: the role,
+    lower case / capitalised) + its content + ``turn_end``, except an assistant turn, which ends with
+    ``answer_end`` (a loss target with the content) + ``after_answer``. The engine's plain template
+    is ``ChatMarkup("{Role}: ", "\n")``; a family whose model was trained on its own (Qwen-VL's
+    ``<|im_start|>user\n...<|im_end|>\n``) declares it, so fine-tuning sees the format it answers in.
+    """
+
+    header: str
+    turn_end: str
+    answer_end: str | None = None
+    """None: the tokenizer's eos token."""
+    after_answer: str = ""
+    default_system: str | None = None
+    """A system turn written first when a conversation has none (Qwen's template does that)."""
+    token_ids: Mapping[str, int] = field(default_factory=dict)
+    """Special tokens of the markup and the ids the model config fixes: added to the tokenizer
+    after the ``MediaLayout``'s, in id order, and a tokenizer giving one another id is refused."""
+
+    def tokens(self) -> list[str]:
+        return sorted(self.token_ids, key=self.token_ids.get)
+
+
 class MediaModelConfig(Protocol):
     """What the chat-with-media dataset reads from a model config."""
 
@@ -166,6 +191,10 @@ class MediaModelConfig(Protocol):
 
     def media_layout(self) -> MediaLayout:
         """The tokens and positions of media in the row (``MediaLayout``)."""
+        ...
+
+    def chat_markup(self) -> ChatMarkup | None:
+        """The family's own chat markup (``data.chat_markup: model``); None: it has none."""
         ...
 
 

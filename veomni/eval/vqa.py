@@ -116,7 +116,7 @@ def evaluate(
     model.load_state_dict(state)
     model.eval()
     tokenizer = load_tokenizer(run_cfg.data.tokenizer)
-    process = SampleProcessor(tokenizer, model_cfg, run_cfg.data.text_key)
+    process = SampleProcessor(tokenizer, model_cfg, run_cfg.data.text_key, run_cfg.data.chat_markup)
     path = run_cfg.data.eval_path if split == "eval" else run_cfg.data.train_path
     records = _records(path)[:limit]
     majority = majority_answers(_records(run_cfg.data.train_path), process)
@@ -126,7 +126,7 @@ def evaluate(
     for start in range(0, len(records), DECODE_BATCH):
         chunk = records[start : start + DECODE_BATCH]
         prompts = [process(record, add_generation_prompt=True) for record in chunk]
-        answers = greedy_answers(model, prompts, tokenizer.eos_token_id, max_answer_tokens, process.layout)
+        answers = greedy_answers(model, prompts, process.chat.answer_end[-1], max_answer_tokens, process.layout)
         for record, generated in zip(chunk, answers):
             qtype, answer = _reference(record, process)
             total[qtype] += 1

@@ -36,7 +36,7 @@ import torch
 
 from veomni.config.schema import DataConfig
 from veomni.contract.media import BadMediaMember, MediaItem, MediaLayout, MediaModelConfig, collate_items
-from veomni.data.chat.template import ChatEncoder, EncodedChat, layout_token_problems
+from veomni.data.chat.template import ChatEncoder, EncodedChat, chat_markup, layout_token_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_with_targets
@@ -62,7 +62,8 @@ class SampleProcessor:
     """Raw record -> ``ChatSample``: media through their processors, text through the chat encoder."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: MediaModelConfig,
-                 json_key: str = "json") -> None:
+                 json_key: str = "json", markup: str = "plain") -> None:
+        """``markup``: ``data.chat_markup`` (``plain``, or ``model``: the family's ``ChatMarkup``)."""
         self.modalities = model_config.media_kinds()
         self.encoder_configs = model_config.encoder_configs
         self.json_key = json_key
@@ -70,7 +71,8 @@ class SampleProcessor:
         kinds = {**self.modalities, **self.layout.forms}  # every kind of item: the modalities and their forms
         self.processors = {name: kind.processor for name, kind in kinds.items()}
         self.kind_of_field = {f: name for name, kind in kinds.items() for f in kind.fields}
-        self.chat = ChatEncoder(tokenizer, {name: kind.placeholder for name, kind in kinds.items()}, self.layout)
+        self.chat = ChatEncoder(tokenizer, {name: kind.placeholder for name, kind in kinds.items()}, self.layout,
+                                chat_markup(model_config, markup))
         vocab = model_config.vocab_size
         if len(tokenizer) > vocab:
             raise ValueError(
@@ -176,7 +178,8 @@ class MultimodalChatDataset(PackedTextDataset):
             if files.fmt != "webdataset":
                 raise ValueError(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
                                  f".tar shards, got {files.fmt}")
-        self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key) for spec in self.specs}
+        self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key, cfg.chat_markup)
+                        for spec in self.specs}
 
     def _items(self, record: dict, spec: SourceSpec, first_offset: int,
                stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
@@ -239,8 +242,12 @@ def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
     layout = model_config.media_layout()
-    markers = layout.tokens()
-    problems = layout_token_problems(tokenizer, layout)
+    try:
+        markup = chat_markup(model_config, cfg.chat_markup)
+    except ValueError as error:
+        return [str(error)]
+    markers = [*layout.tokens(), *markup.tokens()]
+    problems = layout_token_problems(tokenizer, layout, markup)
     if problems or len(tokenizer) <= model_config.vocab_size:
         return problems
     return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "
