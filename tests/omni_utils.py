@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import webdataset
+from PIL import Image
 
 from veomni.contract import build_model
 
@@ -99,3 +103,19 @@ def tiny_qwen_vl_chat(seed: int = 0, **overrides):
     config, model = build_model("qwen2_5_vl", {**TINY_QWEN_VL_CHAT, **overrides})
     model.init_weights()
     return config, model
+
+
+def random_png(height: int, width: int, seed: int) -> bytes:
+    """A PNG of uniform noise (every pixel differs, so resizing and patch order show)."""
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def qwen_vl_random_builder():
+    """``data/build_qwen_vl_random.py`` as a module (its ``make_model`` builds the tiny recipe's folder shape)."""
+    spec = importlib.util.spec_from_file_location("build_qwen_vl_random", REPO / "data" / "build_qwen_vl_random.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

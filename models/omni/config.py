@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.llm.config import LLMConfig
-from veomni.contract.media import MediaLayout
+from veomni.contract.media import ChatMarkup, MediaLayout
 
 from .modality_registry import Modality, get_modality, registered_modalities
 
@@ -63,6 +63,10 @@ class OmniConfig:
     def media_layout(self) -> MediaLayout:
         """Each item is its marker token once per feature; positions are 1-D (``MediaLayout``)."""
         return MediaLayout(pad={name: kind.placeholder for name, kind in self.media_kinds().items()})
+
+    def chat_markup(self) -> ChatMarkup | None:
+        """None: a model trained here from scratch has no chat format of its own but the engine's."""
+        return None
 
     @property
     def vocab_size(self) -> int:

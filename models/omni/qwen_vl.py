@@ -21,17 +21,20 @@ from dataclasses import dataclass
 import torch
 
 from models.vit.processing import qwen_smart_resize
-from veomni.contract.media import MediaItem, MediaLayout
+from veomni.contract.media import ChatMarkup, MediaForm, MediaItem, MediaLayout
 
 from .config import OmniConfig
 from .modalities import process_image
 from .modality_registry import Modality, get_modality
 from .mrope_positions import mrope_position_ids, token_types
+from .qwen_video import FIELD, process_qwen_video
 
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")
 TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
           "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
 """Qwen's chat template's tokens, by the config field holding each one's id."""
+CHAT_TOKENS = {"im_start_token_id": "<|im_start|>", "im_end_token_id": "<|im_end|>"}
+"""The tokens of Qwen's chat markup (ChatML), by the config field holding each one's id."""
 
 
 @dataclass
@@ -42,6 +45,13 @@ class QwenVLConfig(OmniConfig):
       windows; video time positions are temporal patch indices) or "qwen2_5_vl".
     tokens_per_second: Qwen2.5-VL's video time scale: a temporal patch spanning ``s`` seconds moves
       the time position by ``tokens_per_second * s``. None for Qwen2-VL.
+    video_*: Qwen's video processor rules for ``<video>`` items of the chat shards
+      (``models/omni/qwen_video.py``): frames sampled at ``video_fps`` (between ``video_min_frames``
+      and ``video_max_frames``, an even count), each resized within ``video_min_pixels`` /
+      ``video_max_pixels`` (the published defaults: 128 and 768 merged tokens' worth per frame).
+      Data options, not the folder's: ``checkpoint.init_from_hf`` does not compare them.
+    im_start_token_id / im_end_token_id: the ids of Qwen's chat markup tokens (``chat_markup``),
+      checked against the tokenizer when a recipe picks ``data.chat_markup: model``.
     """
 
     variant: str = "qwen2_5_vl"
@@ -51,6 +61,13 @@ class QwenVLConfig(OmniConfig):
     vision_end_token_id: int = 151653
     tokens_per_second: int | None = 2
     """2 in the published Qwen2.5-VL checkpoints (transformers' default is 4)."""
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
 
     def validate(self) -> None:
         """The omni checks, then the Qwen-VL ones; ``llm`` and ``encoders.image`` are then written out
@@ -81,8 +98,21 @@ class QwenVLConfig(OmniConfig):
         if len(set(ids)) != 4 or not all(0 <= i < self.llm_config.vocab_size for i in ids):
             raise ValueError(f"model.image_token_id, video_token_id, vision_start_token_id and vision_end_token_id "
                              f"must be distinct ids below vocab_size {self.llm_config.vocab_size}, got {ids}")
+        self._validate_video(vision)
         self.llm = dataclasses.asdict(self.llm_config)
         self.encoders = {"image": dataclasses.asdict(vision)}
+
+    def _validate_video(self, vision) -> None:
+        if not self.video_fps > 0:
+            raise ValueError(f"model.video_fps must be positive, got {self.video_fps!r}")
+        if not vision.temporal_patch_size <= self.video_min_frames <= self.video_max_frames:
+            raise ValueError(f"model.video_min_frames ({self.video_min_frames}) must be at least the temporal patch "
+                             f"({vision.temporal_patch_size} frames) and at most model.video_max_frames "
+                             f"({self.video_max_frames})")
+        if not vision.resize_factor**2 <= self.video_min_pixels <= self.video_max_pixels:
+            raise ValueError(f"model.video_min_pixels ({self.video_min_pixels}) must be at least one merged token "
+                             f"({vision.resize_factor**2} pixels) and at most model.video_max_pixels "
+                             f"({self.video_max_pixels})")
 
     def media_kinds(self) -> dict[str, Modality]:
         """The image modality with Qwen's processor rules: ``qwen_smart_resize`` (transformers' sizing,
@@ -92,18 +122,34 @@ class QwenVLConfig(OmniConfig):
 
     def media_layout(self) -> MediaLayout:
         """Qwen's chat template's layout: an ``<image>`` marker becomes ``<|vision_start|>``, one
-        ``<|image_pad|>`` per merged token, ``<|vision_end|>``; the four tokens must have the config's
-        ids in the tokenizer; positions are M-RoPE's (t, h, w) per sample (``sample_position_ids``)."""
-        return MediaLayout(pad={"image": TOKENS["image_token_id"]}, start=TOKENS["vision_start_token_id"],
-                           end=TOKENS["vision_end_token_id"],
+        ``<|image_pad|>`` per merged token, ``<|vision_end|>``, and a ``<video>`` marker the same with
+        ``<|video_pad|>`` (a ``MediaForm``: ``video.npz`` members, ``qwen_video.py``, encoded by the
+        image tower); the four tokens must have the config's ids in the tokenizer; positions are
+        M-RoPE's (t, h, w) per sample (``sample_position_ids``)."""
+        video = functools.partial(process_qwen_video, fps=self.video_fps, min_frames=self.video_min_frames,
+                                  max_frames=self.video_max_frames, min_pixels=self.video_min_pixels,
+                                  max_pixels=self.video_max_pixels)
+        return MediaLayout(pad={"image": TOKENS["image_token_id"], "video": TOKENS["video_token_id"]},
+                           start=TOKENS["vision_start_token_id"], end=TOKENS["vision_end_token_id"],
                            token_ids={token: getattr(self, name) for name, token in TOKENS.items()},
-                           position_ids=self.sample_position_ids)
+                           position_ids=self.sample_position_ids,
+                           forms={"video": MediaForm("image", video, "<video>", (FIELD,))})
+
+    def chat_markup(self) -> ChatMarkup:
+        """Qwen's chat template (ChatML, as its ``chat_template.json`` writes string contents):
+        ``<|im_start|>{role}\n{content}<|im_end|>\n`` per turn, the default system turn "You are a
+        helpful assistant." when a conversation has none; an answer's targets end with ``<|im_end|>``."""
+        return ChatMarkup(header="<|im_start|>{role}\n", turn_end="<|im_end|>\n", answer_end="<|im_end|>",
+                          after_answer="\n", default_system="You are a helpful assistant.",
+                          token_ids={token: getattr(self, name) for name, token in CHAT_TOKENS.items()})
 
     def sample_position_ids(self, input_ids: torch.Tensor, media: Mapping[str, list[MediaItem]]) -> torch.Tensor:
-        """[n, 3] positions of one sample from its ids and its image items, in order."""
-        items = media.get("image", [])
-        grids = torch.cat([item.inputs["grid_thw"] for item in items]) if items else None
-        return self.position_ids(input_ids, torch.tensor([0, len(input_ids)]), grids)
+        """[n, 3] positions of one sample from its ids and its image and video items, in order."""
+        images, videos = media.get("image", []), media.get("video", [])
+        grids = [torch.cat([item.inputs["grid_thw"] for item in items]) if items else None
+                 for items in (images, videos)]
+        seconds = torch.tensor([item.meta["second_per_grid_ts"] for item in videos]) if videos else None
+        return self.position_ids(input_ids, torch.tensor([0, len(input_ids)]), *grids, seconds)
 
     def position_ids(
         self,

@@ -35,7 +35,8 @@ from .qwen_vl import QwenVLConfig
 
 hf_model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Options inside the blocks are named by dotted path (component_init compares them one by one).
-free_fields = ("freeze", *(f"llm.{name}" for name in llm_adapter.free_fields),
+free_fields = ("freeze", "video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
+               "im_start_token_id", "im_end_token_id", *(f"llm.{name}" for name in llm_adapter.free_fields),
                *(f"encoders.image.{name}" for name in vit_adapter.free_fields))
 
 _UNSUPPORTED = (

@@ -137,12 +137,16 @@ def video_to_patches(
     mean: Sequence[float] = CLIP_MEAN,
     std: Sequence[float] = CLIP_STD,
     max_total_pixels: int | None = None,
+    temporal_patch_size: int = 1,
+    resize=smart_resize,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Frames of one video (all the same size) -> (patches [t * gh * gw, 3 * p * p], ``(t, gh, gw)``).
+    """Frames of one video (all the same size) -> (patches [t/T * gh * gw, 3 * T * p * p], ``(t/T, gh, gw)``).
 
-    Every frame is resized to the same multiple of ``patch_size * merge_size``. The per-frame
+    Every frame is resized to the same multiple of ``patch_size * merge_size`` by the sizing rule
+    ``resize`` (``smart_resize``, or ``qwen_smart_resize`` for a Qwen-VL model). The per-frame
     budget is ``max_pixels``, lowered to ``max_total_pixels // t`` when that is given, so a
-    longer clip gets smaller frames (Seed1.5-VL samples video under a token budget).
+    longer clip gets smaller frames (Seed1.5-VL samples video under a token budget). A patch spans
+    ``T = temporal_patch_size`` consecutive frames (Qwen-VL: 2); ``t`` must be a multiple of it.
     """
     if not frames:
         raise ValueError("a video needs at least one frame")
@@ -157,10 +161,10 @@ def video_to_patches(
             f"max_total_pixels={max_total_pixels} leaves {budget} pixels per frame for {len(frames)} frames, "
             f"below one {factor}x{factor} block; sample fewer frames or raise the budget"
         )
-    size_hw = smart_resize(height, width, factor, min(min_pixels, budget), budget)
+    size_hw = resize(height, width, factor, min(min_pixels, budget), budget)
     stacked = torch.stack([_normalised(frame, size_hw, mean, std) for frame in frames])
-    grid = (len(frames), size_hw[0] // patch_size, size_hw[1] // patch_size)
-    return patchify(stacked, patch_size, merge_size), grid
+    grid = (len(frames) // temporal_patch_size, size_hw[0] // patch_size, size_hw[1] // patch_size)
+    return patchify(stacked, patch_size, merge_size, temporal_patch_size), grid
 
 
 def patch_positions(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:

@@ -7,10 +7,8 @@ than the config's is refused."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -19,8 +17,15 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from models.omni.mrope_positions import token_types
 from models.vit.processing import qwen_smart_resize
-from tests.launch.test_launch import REPO
-from tests.omni_utils import TINY_QWEN_VL_CHAT, TOKENIZER, chat_record, tiny_qwen_vl_chat, write_shard
+from tests.omni_utils import (
+    TINY_QWEN_VL_CHAT,
+    TOKENIZER,
+    chat_record,
+    qwen_vl_random_builder,
+    random_png,
+    tiny_qwen_vl_chat,
+    write_shard,
+)
 from veomni.checkpoint.hf_io import load_hf_pretrained
 from veomni.config.schema import DataConfig
 from veomni.contract import build_config, get_model_spec
@@ -29,13 +34,6 @@ from veomni.data.text.packed import load_tokenizer
 
 # odd sides, one of them above the pixel budget: smart resize scales down and floors
 SIZES = [(61, 97), (37, 23), (150, 59)]
-
-
-def _png(height: int, width: int, seed: int) -> bytes:
-    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _hf_processor(tokenizer, vision) -> Qwen2_5_VLProcessor:
@@ -58,7 +56,7 @@ def test_a_sample_is_what_transformers_processor_makes(height, width):
     config = build_config("qwen2_5_vl", TINY_QWEN_VL_CHAT)
     vision = config.encoder_configs["image"]
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
-    sample = process(chat_record("a", "What color?", "red", _png(height, width, height)))
+    sample = process(chat_record("a", "What color?", "red", random_png(height, width, height)))
     item = sample.media["image"][0]
 
     tokenizer = process.chat.tokenizer
@@ -66,7 +64,7 @@ def test_a_sample_is_what_transformers_processor_makes(height, width):
     # Qwen's layout of the image in the user turn; our plain template tokenizes the text between
     # markers piece by piece ("User: ", the image, "\nWhat color?", "\n", "Assistant: ", the answer)
     prompt = "User: <|vision_start|><|image_pad|><|vision_end|>"
-    want = hf(images=[Image.open(io.BytesIO(_png(height, width, height)))], text=[prompt], return_tensors="pt")
+    want = hf(images=[Image.open(io.BytesIO(random_png(height, width, height)))], text=[prompt], return_tensors="pt")
     torch.testing.assert_close(item.inputs["grid_thw"], want["image_grid_thw"], rtol=0, atol=0)
     torch.testing.assert_close(item.inputs["patches"], want["pixel_values"].float(), rtol=0, atol=1e-5)
     rest = [tokenizer.encode(t, add_special_tokens=False) for t in ("\nWhat color?", "\n", "Assistant: ", "red")]
@@ -89,9 +87,9 @@ def test_qwen_resize_is_transformers():
 def test_packed_row_has_each_samples_mrope_positions():
     config = build_config("qwen2_5_vl", TINY_QWEN_VL_CHAT)
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
-    samples = [process(chat_record("a", "What color?", "red", _png(61, 97, 1))),
+    samples = [process(chat_record("a", "What color?", "red", random_png(61, 97, 1))),
                process(chat_record("b", "Text only?", "yes")),
-               process(chat_record("c", "Shape?", "circle", _png(150, 59, 2)))]
+               process(chat_record("c", "Shape?", "circle", random_png(150, 59, 2)))]
     batch = process.pack(samples)
     positions = batch["position_ids"]
     assert positions.shape == (batch["input_ids"].numel(), 3)
@@ -119,18 +117,11 @@ def test_a_tokenizer_with_other_ids_is_refused():
 def test_launch_check_names_a_wrong_id(tmp_path):
     """The launcher's pre-flight check of the kind says the same before any worker starts."""
     config = build_config("qwen2_5_vl", {**TINY_QWEN_VL_CHAT, "image_token_id": 8196, "video_token_id": 8194})
-    write_shard(tmp_path / "train" / "shard-000000.tar", [chat_record("a", "Q?", "yes", _png(40, 40, 0))])
+    write_shard(tmp_path / "train" / "shard-000000.tar", [chat_record("a", "Q?", "yes", random_png(40, 40, 0))])
     cfg = DataConfig(train_path=str(tmp_path / "train"), tokenizer=str(TOKENIZER))
     assert check_chat_media_data(cfg, build_config("qwen2_5_vl", TINY_QWEN_VL_CHAT)) == []
     problems = check_chat_media_data(cfg, config)
     assert any("<|image_pad|> id 8195" in p for p in problems), problems
-
-
-def _builder():
-    spec = importlib.util.spec_from_file_location("build_qwen_vl_random", REPO / "data" / "build_qwen_vl_random.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_loader_rows_give_transformers_logits(tmp_path):
@@ -138,7 +129,7 @@ def test_loader_rows_give_transformers_logits(tmp_path):
     randomised, imported; our loader's packed row of three chat samples (odd-sized images, text only)
     gives, per sample, the logits transformers' model gives on its image processor's pixel values
     and grid, computing its own M-RoPE positions."""
-    reference = _builder().make_model(seed=0)
+    reference = qwen_vl_random_builder().make_model(seed=0)
     with torch.no_grad():  # transformers' init leaves norms at 1 and biases at 0: randomise everything
         for param in reference.parameters():
             param.normal_(0.0, 0.05)
@@ -149,7 +140,7 @@ def test_loader_rows_give_transformers_logits(tmp_path):
 
     process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
     sizes = [(61, 97), None, (130, 45)]
-    records = [chat_record(f"s{i}", "Where is it?", "left", None if size is None else _png(*size, i))
+    records = [chat_record(f"s{i}", "Where is it?", "left", None if size is None else random_png(*size, i))
                for i, size in enumerate(sizes)]
     batch = process.pack([process(r) for r in records])
     with torch.no_grad():
@@ -162,7 +153,7 @@ def test_loader_rows_give_transformers_logits(tmp_path):
         ids = batch["input_ids"][batch["cu_seqlens"][i]:batch["cu_seqlens"][i + 1]]
         kwargs = {"mm_token_type_ids": token_types(ids, config.image_token_id, config.video_token_id)[None]}
         if size is not None:
-            pixels = images(images=[Image.open(io.BytesIO(_png(*size, i)))], return_tensors="pt")
+            pixels = images(images=[Image.open(io.BytesIO(random_png(*size, i)))], return_tensors="pt")
             kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
         with torch.no_grad():
             want = reference(input_ids=ids[None], **kwargs).logits[0]

@@ -53,6 +53,9 @@ class DataConfig:
     format: Literal["auto", "webdataset", "jsonl"] = "auto"
     text_key: str = "txt"
     """Key of the text field: the member suffix in webdataset shards, the JSON key in jsonl."""
+    chat_markup: Literal["plain", "model"] = "plain"
+    """``chat_media`` kind: how turns are written around their contents: ``plain`` (``User: ...``,
+    ``Assistant: ...<eos>``) or ``model`` (the model family's own, e.g. Qwen-VL's ``<|im_start|>``)."""
     tokenizer: str = ""
     """Folder loadable by ``transformers.AutoTokenizer.from_pretrained`` (offline); needed only
     by dataset kinds that read text."""

@@ -2,9 +2,10 @@
 
 A family whose model takes media (the zoo's omni models) describes each modality by a
 ``MediaKind``: how one item is processed from its shard bytes, the marker that stands for it
-in chat text, and the webdataset member suffixes holding it. The dataset
-(``veomni/data/chat/media_dataset.py``) reads these from the model config (``MediaModelConfig``) and
-never imports the family.
+in chat text, and the webdataset member suffixes holding it; a ``MediaForm`` in the model's
+``MediaLayout`` adds another kind of item one of those encoders takes (Qwen-VL's videos through its
+image tower). The dataset (``veomni/data/chat/media_dataset.py``) reads these from the model config
+(``MediaModelConfig``) and never imports the family.
 
 A model that runs the encoders derives from ``MediaHost``: its forward hands each modality's
 micro-batch inputs to the ``media_fn`` injection point (single-device default:
@@ -35,6 +36,16 @@ class MediaItem:
     cost: int
     """Work it adds to a micro-batch, counted against ``data.tokens_per_micro_batch`` with the
     text tokens (for an image: its patches)."""
+    meta: Mapping[str, float] = field(default_factory=dict)
+    """What the family's positions need to know of it beyond its encoder inputs (a Qwen-VL video's
+    ``second_per_grid_ts``), read by ``MediaLayout.position_ids``; never an encoder input."""
+
+
+class BadMediaMember(ValueError):
+    """A media member that reads but does not hold what its format says (a video without its fps,
+    frames of the wrong shape): a bug in the data's producer that skipping would hide, so the chat
+    loader stops the run naming the shard, the sample and the member. (A member whose bytes are
+    damaged raises what its decoder raises, and is skipped and counted.)"""
 
 
 class MediaKind(Protocol):
@@ -85,6 +96,24 @@ class ShardableEncoder:
         return None
 
 
+@dataclass(frozen=True)
+class MediaForm:
+    """Items of another kind that one of the model's modalities encodes (Qwen-VL: videos, which its
+    image tower takes as items of several temporal patches). They have their own marker, shard
+    members and processor, and their own pad token (``MediaLayout.pad[name]``), but no encoder of
+    their own: a packed row carries them in the ``encoder`` modality's media entry, with its items,
+    in text order, so the model, its parallel recipes and their cost models see one modality."""
+
+    encoder: str
+    """The modality (a ``media_kinds()`` name) whose encoder and media entry take the items."""
+    processor: Callable[[bytes, Any], MediaItem]
+    """(raw member bytes, the encoder's config) -> the item, as ``MediaKind.processor``."""
+    placeholder: str
+    """The marker in chat text (``"<video>"``)."""
+    fields: tuple[str, ...]
+    """Member suffixes holding items (``("video.npz",)``)."""
+
+
 SamplePositions = Callable[[torch.Tensor, Mapping[str, list[MediaItem]]], torch.Tensor]
 """(one sample's token ids [n], its media items per modality, in order) -> its position ids."""
 
@@ -112,12 +141,49 @@ class MediaLayout:
     position_ids: SamplePositions | None = None
     """(one sample's token ids [n], its items per modality in order) -> its positions (e.g. [n, 3]);
     None: 1-D positions restarting per sample."""
+    forms: Mapping[str, MediaForm] = field(default_factory=dict)
+    """Item kinds read beside ``media_kinds()`` (name -> ``MediaForm``); ``pad`` names their tokens."""
+
+    def __post_init__(self) -> None:
+        missing = sorted(name for name in self.forms if name not in self.pad)
+        if missing:
+            raise ValueError(f"MediaLayout: the forms {missing} have no pad token")
+
+    def encoder_of(self, name: str) -> str:
+        """The modality whose media entry carries items of kind ``name`` (a form's encoder, or itself)."""
+        form = self.forms.get(name)
+        return name if form is None else form.encoder
 
     def tokens(self) -> list[str]:
         """Every token the layout writes, in the order they are added to a tokenizer."""
         fixed = sorted(self.token_ids, key=self.token_ids.get)
         rest = [*self.pad.values(), self.start, self.end]
         return fixed + [t for t in dict.fromkeys(rest) if t is not None and t not in self.token_ids]
+
+
+@dataclass(frozen=True)
+class ChatMarkup:
+    """How the chat loader writes turns around their contents (``MediaModelConfig.chat_markup``; the
+    recipe picks it with ``data.chat_markup``). A turn is ``header`` (``{role}`` / ``{Role}``: the role,
+    lower case / capitalised) + its content + ``turn_end``, except an assistant turn, which ends with
+    ``answer_end`` (a loss target with the content) + ``after_answer``. The engine's plain template
+    is ``ChatMarkup("{Role}: ", "\n")``; a family whose model was trained on its own (Qwen-VL's
+    ``<|im_start|>user\n...<|im_end|>\n``) declares it, so fine-tuning sees the format it answers in.
+    """
+
+    header: str
+    turn_end: str
+    answer_end: str | None = None
+    """None: the tokenizer's eos token."""
+    after_answer: str = ""
+    default_system: str | None = None
+    """A system turn written first when a conversation has none (Qwen's template does that)."""
+    token_ids: Mapping[str, int] = field(default_factory=dict)
+    """Special tokens of the markup and the ids the model config fixes: added to the tokenizer
+    after the ``MediaLayout``'s, in id order, and a tokenizer giving one another id is refused."""
+
+    def tokens(self) -> list[str]:
+        return sorted(self.token_ids, key=self.token_ids.get)
 
 
 class MediaModelConfig(Protocol):
@@ -132,6 +198,10 @@ class MediaModelConfig(Protocol):
 
     def media_layout(self) -> MediaLayout:
         """The tokens and positions of media in the row (``MediaLayout``)."""
+        ...
+
+    def chat_markup(self) -> ChatMarkup | None:
+        """The family's own chat markup (``data.chat_markup: model``); None: it has none."""
         ...
 
 

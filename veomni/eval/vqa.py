@@ -28,7 +28,7 @@ import torch
 from veomni.checkpoint.export import load_checkpoint_weights
 from veomni.checkpoint.manager import list_checkpoints
 from veomni.contract import build_model
-from veomni.contract.media import SamplePositions
+from veomni.contract.media import MediaLayout
 from veomni.data.chat.media_dataset import ChatSample, SampleProcessor, pack_chat_samples
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 from veomni.data.text.packed import load_tokenizer
@@ -54,12 +54,12 @@ def _reference(record: dict, process: SampleProcessor) -> tuple[str, str]:
 @torch.no_grad()
 def greedy_answers(
     model: torch.nn.Module, prompts: list[ChatSample], eos_id: int,
-    max_tokens: int = DEFAULT_MAX_ANSWER_TOKENS, position_ids: SamplePositions | None = None,
+    max_tokens: int = DEFAULT_MAX_ANSWER_TOKENS, layout: MediaLayout | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of many prompts at once, each at most ``max_tokens`` long (eos
     excluded): each step packs the unfinished prompts (with what they generated so far) into
-    one row, media included, and extends each by its argmax next token. ``position_ids``: the
-    model's own positions of a sample (``MediaLayout.position_ids``), recomputed as it grows."""
+    one row, media included, and extends each by its argmax next token. ``layout``: the model's
+    ``MediaLayout`` (its own positions of a sample are recomputed as it grows)."""
     answers: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for _ in range(max_tokens):
@@ -76,7 +76,7 @@ def greedy_answers(
             )
             for i in active
         ]
-        batch = pack_chat_samples(rows, position_ids)
+        batch = pack_chat_samples(rows, layout)
         logits = model(
             batch["input_ids"],
             batch["position_ids"],
@@ -116,7 +116,7 @@ def evaluate(
     model.load_state_dict(state)
     model.eval()
     tokenizer = load_tokenizer(run_cfg.data.tokenizer)
-    process = SampleProcessor(tokenizer, model_cfg, run_cfg.data.text_key)
+    process = SampleProcessor(tokenizer, model_cfg, run_cfg.data.text_key, run_cfg.data.chat_markup)
     path = run_cfg.data.eval_path if split == "eval" else run_cfg.data.train_path
     records = _records(path)[:limit]
     majority = majority_answers(_records(run_cfg.data.train_path), process)
@@ -126,7 +126,7 @@ def evaluate(
     for start in range(0, len(records), DECODE_BATCH):
         chunk = records[start : start + DECODE_BATCH]
         prompts = [process(record, add_generation_prompt=True) for record in chunk]
-        answers = greedy_answers(model, prompts, tokenizer.eos_token_id, max_answer_tokens, process.layout.position_ids)
+        answers = greedy_answers(model, prompts, process.chat.answer_end[-1], max_answer_tokens, process.layout)
         for record, generated in zip(chunk, answers):
             qtype, answer = _reference(record, process)
             total[qtype] += 1

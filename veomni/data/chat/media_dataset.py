@@ -14,11 +14,14 @@ A batch is the text loader's dict (labels are -100 except on assistant tokens) p
 for each modality present in the row. The model config's ``media_layout()`` (``veomni.contract.media``)
 says which tokens stand for an item and, for a family with its own positions (Qwen-VL's (t, h, w)),
 how a sample's ``position_ids`` are computed; the processors are the family's (``media_kinds()``).
+The layout's forms (``MediaForm``: Qwen-VL's videos) are read like modalities, each with its own
+marker, members and processor, and packed into their encoder's media entry, items in row order.
 
 Reading order, consumer split, epochs and exact resume are the text loader's
 (``PackedTextDataset``). A media item that does not decode is skipped with its sample and
-counted as a bad record; a sample whose placeholders and items do not pair up stops the run
-with its key (``InvalidSampleError``). Registered as the ``chat_media`` dataset kind.
+counted as a bad record; a sample whose placeholders and items do not pair up, or with a member
+that reads but breaks its format (``BadMediaMember``), stops the run with its shard and key
+(``InvalidSampleError``). Registered as the ``chat_media`` dataset kind.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from veomni.config.schema import DataConfig
-from veomni.contract.media import MediaItem, MediaModelConfig, SamplePositions, collate_items
-from veomni.data.chat.template import ChatEncoder, EncodedChat, layout_token_problems
+from veomni.contract.media import BadMediaMember, MediaItem, MediaLayout, MediaModelConfig, collate_items
+from veomni.data.chat.template import ChatEncoder, EncodedChat, chat_markup, layout_token_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_with_targets
@@ -59,13 +62,17 @@ class SampleProcessor:
     """Raw record -> ``ChatSample``: media through their processors, text through the chat encoder."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: MediaModelConfig,
-                 json_key: str = "json") -> None:
+                 json_key: str = "json", markup: str = "plain") -> None:
+        """``markup``: ``data.chat_markup`` (``plain``, or ``model``: the family's ``ChatMarkup``)."""
         self.modalities = model_config.media_kinds()
         self.encoder_configs = model_config.encoder_configs
         self.json_key = json_key
-        self.modality_of_field = {f: name for name, m in self.modalities.items() for f in m.fields}
         self.layout = model_config.media_layout()
-        self.chat = ChatEncoder(tokenizer, {name: m.placeholder for name, m in self.modalities.items()}, self.layout)
+        kinds = {**self.modalities, **self.layout.forms}  # every kind of item: the modalities and their forms
+        self.processors = {name: kind.processor for name, kind in kinds.items()}
+        self.kind_of_field = {f: name for name, kind in kinds.items() for f in kind.fields}
+        self.chat = ChatEncoder(tokenizer, {name: kind.placeholder for name, kind in kinds.items()}, self.layout,
+                                chat_markup(model_config, markup))
         vocab = model_config.vocab_size
         if len(tokenizer) > vocab:
             raise ValueError(
@@ -74,11 +81,13 @@ class SampleProcessor:
             )
 
     def media_fields(self, record: dict) -> dict[str, list[str]]:
-        """Modality -> the record's member suffixes holding its items, in sorted order
-        (``png``, or ``0.png``, ``1.png``... for several)."""
-        found: dict[str, list[str]] = {name: [] for name in self.modalities}
+        """Kind of item -> the record's member suffixes holding its items, in sorted order (``png``,
+        or ``0.png``, ``1.png``... for several; a field may have dots: ``video.npz``, ``0.video.npz``)."""
+        found: dict[str, list[str]] = {name: [] for name in self.processors}
         for member in sorted(k for k in record if not k.startswith("__")):
-            name = self.modality_of_field.get(member.rsplit(".", 1)[-1])
+            parts = member.split(".")
+            names = (self.kind_of_field.get(".".join(parts[i:])) for i in range(len(parts)))
+            name = next((n for n in names if n is not None), None)
             if name is not None:
                 found[name].append(member)
         return found
@@ -95,11 +104,18 @@ class SampleProcessor:
         return meta
 
     def media(self, record: dict) -> dict[str, list[MediaItem]]:
-        """Every media item processed; raises whatever the processor raises on a corrupt item."""
-        return {
-            name: [self.modalities[name].processor(record[f], self.encoder_configs[name]) for f in fields]
-            for name, fields in self.media_fields(record).items()
-        }
+        """Every media item processed (a form's by its encoder's config); raises whatever the processor
+        raises on a damaged item, and an ``InvalidSampleError`` naming the sample and member on a
+        ``BadMediaMember``."""
+        out = {}
+        for name, fields in self.media_fields(record).items():
+            config, out[name] = self.encoder_configs[self.layout.encoder_of(name)], []
+            for member in fields:
+                try:
+                    out[name].append(self.processors[name](record[member], config))
+                except BadMediaMember as error:
+                    raise InvalidSampleError(f"sample {record.get('__key__')!r}: member {member!r}: {error}") from None
+        return out
 
     def __call__(self, record: dict, add_generation_prompt: bool = False) -> ChatSample:
         key = record.get("__key__", "?")
@@ -115,29 +131,31 @@ class SampleProcessor:
         return ChatSample(key, chat, media, cost)
 
     def pack(self, samples: list[ChatSample]) -> dict:
-        """``pack_chat_samples`` with the model's own positions, if its layout has them."""
-        return pack_chat_samples(samples, self.layout.position_ids)
+        """``pack_chat_samples`` with the model's layout (its positions, its forms' encoders)."""
+        return pack_chat_samples(samples, self.layout)
 
 
-def pack_chat_samples(samples: list[ChatSample], position_ids: SamplePositions | None = None) -> dict:
+def pack_chat_samples(samples: list[ChatSample], layout: MediaLayout | None = None) -> dict:
     """One packed row: ``pack_with_targets`` of the ids (labels only where the next token is a
-    target), and each modality's collated encoder inputs with its placeholder positions.
-    ``position_ids`` (a ``MediaLayout``'s): each sample's positions from its ids and items, in place
-    of the 1-D ones."""
+    target), and each modality's collated encoder inputs with its placeholder positions, items in
+    row order. With a ``layout``: each sample's positions from its ``position_ids`` (in place of
+    the 1-D ones), and the items of its forms in their encoder's entry."""
     batch = pack_with_targets([s.chat.ids for s in samples], [s.chat.targets for s in samples])
-    if position_ids is not None:
-        batch["position_ids"] = torch.cat([position_ids(torch.tensor(s.chat.ids, dtype=torch.long), s.media)
+    if layout is not None and layout.position_ids is not None:
+        batch["position_ids"] = torch.cat([layout.position_ids(torch.tensor(s.chat.ids, dtype=torch.long), s.media)
                                            for s in samples])
+    entries: dict[str, list[tuple[list[int], MediaItem]]] = {}  # encoder -> (row positions, item) per item
+    for sample, offset in zip(samples, batch["cu_seqlens"][:-1].tolist()):
+        for name, items in sample.media.items():
+            places = iter(sample.chat.placeholders[name])
+            encoder = entries.setdefault(layout.encoder_of(name) if layout else name, [])
+            encoder.extend(([offset + next(places) for _ in range(item.num_tokens)], item) for item in items)
     media: dict[str, dict] = {}
-    offsets = batch["cu_seqlens"][:-1].tolist()
-    for name in samples[0].media:
-        items = [item for s in samples for item in s.media.get(name, [])]
-        if items:
-            positions = [offset + p for s, offset in zip(samples, offsets) for p in s.chat.placeholders[name]]
-            media[name] = {
-                "inputs": collate_items(items),
-                "positions": torch.tensor(positions, dtype=torch.long),
-            }
+    for name, found in entries.items():
+        if found:
+            found.sort(key=lambda entry: entry[0][0])
+            media[name] = {"inputs": collate_items([item for _, item in found]),
+                           "positions": torch.tensor([p for places, _ in found for p in places], dtype=torch.long)}
     batch["media"] = media
     return batch
 
@@ -160,7 +178,8 @@ class MultimodalChatDataset(PackedTextDataset):
             if files.fmt != "webdataset":
                 raise ValueError(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
                                  f".tar shards, got {files.fmt}")
-        self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key) for spec in self.specs}
+        self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key, cfg.chat_markup)
+                        for spec in self.specs}
 
     def _items(self, record: dict, spec: SourceSpec, first_offset: int,
                stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
@@ -180,8 +199,8 @@ class MultimodalChatDataset(PackedTextDataset):
         key, url = record.get("__key__"), record.get("__url__", "?")
         try:
             sample = self.process[spec.name](record)
-        except InvalidSampleError:
-            raise
+        except InvalidSampleError as error:
+            raise InvalidSampleError(f"{url}: {error}") from error
         except Exception as error:  # noqa: BLE001 - a corrupt media file must not stop the run
             logger.warning(
                 "%s: sample %s skipped: a media item does not decode (%s: %s)",
@@ -223,8 +242,12 @@ def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
     layout = model_config.media_layout()
-    markers = layout.tokens()
-    problems = layout_token_problems(tokenizer, layout)
+    try:
+        markup = chat_markup(model_config, cfg.chat_markup)
+    except ValueError as error:
+        return [str(error)]
+    markers = [*layout.tokens(), *markup.tokens()]
+    problems = layout_token_problems(tokenizer, layout, markup)
     if problems or len(tokenizer) <= model_config.vocab_size:
         return problems
     return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "

@@ -1,12 +1,15 @@
 """Chat samples -> token ids with loss targets and expanded media placeholders.
 
-Template (plain text, so any tokenizer works)::
+Template (``PLAIN``: plain text, so any tokenizer works)::
 
     User: <image>\nWhat color is the shape?\n
     Assistant: red<eos>
 
 Each message is ``"{Role}: "`` + content; user/system turns end with a newline, assistant turns
-with the tokenizer's eos. Only the assistant's content and its eos are targets. Every media
+with the tokenizer's eos. Only the assistant's content and its eos are targets. A model family
+may declare its own markup (a ``ChatMarkup``: Qwen-VL's ``<|im_start|>user\n...<|im_end|>\n``),
+which a recipe picks with ``data.chat_markup: model``; its answers end with its own end token,
+a target as the eos is, and its special tokens are added and checked like the layout's. Every media
 marker (``<image>``) in the content is replaced by ``num_tokens`` copies of that modality's
 placeholder token, one per feature the encoder will produce, so the model can write the
 features over them in order. The placeholder is the marker itself unless the model's
@@ -24,13 +27,15 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken
 
-from veomni.contract.media import MediaLayout
+from veomni.contract.media import ChatMarkup, MediaLayout
 from veomni.data.sources import InvalidSampleError
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant")
+PLAIN = ChatMarkup(header="{Role}: ", turn_end="\n")
+"""The engine's template (``data.chat_markup: plain``)."""
 
 
 def add_placeholder_tokens(tokenizer: PreTrainedTokenizerBase, markers: Sequence[str]) -> dict[str, int]:
@@ -41,12 +46,26 @@ def add_placeholder_tokens(tokenizer: PreTrainedTokenizerBase, markers: Sequence
     return {m: tokenizer.convert_tokens_to_ids(m) for m in markers}
 
 
-def layout_token_problems(tokenizer: PreTrainedTokenizerBase, layout: MediaLayout) -> list[str]:
-    """Add the layout's tokens; name each whose id differs from the one the model config fixes."""
-    got = add_placeholder_tokens(tokenizer, layout.tokens())
+def layout_token_problems(tokenizer: PreTrainedTokenizerBase, layout: MediaLayout,
+                          markup: ChatMarkup = PLAIN) -> list[str]:
+    """Add the layout's tokens, then the markup's; name each whose id differs from the one the
+    model config fixes."""
+    got = add_placeholder_tokens(tokenizer, [*layout.tokens(), *markup.tokens()])
     return [f"the tokenizer gives {token} id {got[token]}, the model config expects {want}: set the model's id "
             f"to {got[token]} (or use a tokenizer that has it at {want})"
-            for token, want in layout.token_ids.items() if got[token] != want]
+            for token, want in {**layout.token_ids, **markup.token_ids}.items() if got[token] != want]
+
+
+def chat_markup(model_config, choice: str) -> ChatMarkup:
+    """The markup ``data.chat_markup`` picks: ``plain`` (``PLAIN``) or ``model`` (the family's own;
+    ValueError when it declares none)."""
+    if choice == "plain":
+        return PLAIN
+    markup = model_config.chat_markup() if choice == "model" else None
+    if markup is None:
+        raise ValueError(f"data.chat_markup={choice!r}: expected 'plain', or 'model' for a model family that "
+                         f"declares its chat markup ({type(model_config).__name__} declares none)")
+    return markup
 
 
 @dataclass
@@ -67,17 +86,20 @@ class ChatEncoder:
     """Turns ``messages`` (+ the number of features of each media item) into an ``EncodedChat``."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, markers: Mapping[str, str],
-                 layout: MediaLayout | None = None) -> None:
+                 layout: MediaLayout | None = None, markup: ChatMarkup = PLAIN) -> None:
         """``markers``: modality name -> its marker in the text (``{"image": "<image>"}``); ``layout``:
-        the model's tokens for an item (default: the marker, once per feature). ValueError when the
-        tokenizer gives a token the model fixes another id."""
+        the model's tokens for an item (default: the marker, once per feature); ``markup``: how turns
+        are written. ValueError when the tokenizer gives a token the model fixes another id."""
         self.tokenizer = tokenizer
         self.modality_of = {marker: name for name, marker in markers.items()}
         self.layout = layout or MediaLayout(pad=dict(markers))
-        problems = layout_token_problems(tokenizer, self.layout)
+        self.markup = markup
+        problems = layout_token_problems(tokenizer, self.layout, markup)
         if problems:
             raise ValueError("; ".join(problems))
         ids = add_placeholder_tokens(tokenizer, self.layout.tokens())
+        # the ids closing an answer (targets); its last one is where a generated answer stops
+        self.answer_end = [tokenizer.eos_token_id] if markup.answer_end is None else self._text(markup.answer_end)
         self.token_of = {marker: ids[self.layout.pad[name]] for name, marker in markers.items()}
         self.around = tuple([ids[t]] if t else [] for t in (self.layout.start, self.layout.end))
         self.split = (
@@ -86,6 +108,9 @@ class ChatEncoder:
 
     def _text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _header(self, role: str) -> list[int]:
+        return self._text(self.markup.header.format(role=role, Role=role.capitalize()))
 
     def encode(
         self,
@@ -105,6 +130,8 @@ class ChatEncoder:
         turns = list(messages)
         if add_generation_prompt and turns and turns[-1].get("role") == "assistant":
             turns = turns[:-1]
+        if self.markup.default_system is not None and not (turns and turns[0].get("role") == "system"):
+            turns.insert(0, {"role": "system", "content": self.markup.default_system})
         for turn in turns:
             role, content = turn.get("role"), turn.get("content")
             if role not in ROLES or not isinstance(content, str):
@@ -112,9 +139,10 @@ class ChatEncoder:
                     f"sample {key!r}: each message needs a role in {ROLES} and a string "
                     f"content, got {dict(turn)!r}"
                 )
-            out.extend(self._text(f"{role.capitalize()}: "), False)
+            out.extend(self._header(role), False)
             if role == "assistant":
-                out.extend(self._text(content) + [self.tokenizer.eos_token_id], True)
+                out.extend(self._text(content) + self.answer_end, True)
+                out.extend(self._text(self.markup.after_answer), False)
                 continue
             for piece in self.split.split(content) if self.split else [content]:
                 name = self.modality_of.get(piece)
@@ -133,9 +161,9 @@ class ChatEncoder:
                 out.placeholders[name].extend(range(len(out.ids), len(out.ids) + count))
                 out.extend([self.token_of[piece]] * count, False)
                 out.extend(self.around[1], False)
-            out.extend(self._text("\n"), False)
+            out.extend(self._text(self.markup.turn_end), False)
         if add_generation_prompt:
-            out.extend(self._text("Assistant: "), False)
+            out.extend(self._header("assistant"), False)
         for name, items in media_tokens.items():
             if used[name] != len(items):
                 raise InvalidSampleError(
