@@ -20,8 +20,8 @@ from tests.parity_utils import (
 )
 from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model
-from veomni.ops.attention import SeqInfo
 from veomni.data.packing import pack_samples
+from veomni.ops.attention import SeqInfo
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.pipeline.stages import build_pipeline
