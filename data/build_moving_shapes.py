@@ -127,6 +127,15 @@ def make_clip(rng: np.random.Generator, held_out: bool) -> tuple[np.ndarray, dic
     still = direction == STILL
     speed = STILL if still else list(SPEED_PX_AT_32)[rng.integers(len(SPEED_PX_AT_32))]
     frames = 1 if still else int(rng.choice(CLIP_FRAMES))
+    return render_clip(rng, colour, shape, size, direction, speed, frames, height, width)
+
+
+def render_clip(rng: np.random.Generator, colour: str, shape: str, size: str, direction: str, speed: str,
+                frames: int, height: int, width: int) -> tuple[np.ndarray, dict]:
+    """The frames [F, H, W, 3] and json of a clip with these attributes (``STILL`` direction and speed
+    for an image); its start and background grey are drawn from ``rng``. Other sets of moving shapes
+    (the video QA set) pick their own attributes, frame counts and sizes and draw through it."""
+    still = direction == STILL
     scale = min(height, width)
     extent = SIZE_FRACTION[size] * scale
     pixels_per_frame = 0.0 if still else SPEED_PX_AT_32[speed] * scale / 32
