@@ -42,7 +42,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import webdataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,9 +51,8 @@ from models.omni.qwen_video import encode_video_member  # noqa: E402
 from veomni.data.builders import (  # noqa: E402
     builder_main,
     majority_baseline,
-    publish_split,
     record_baseline,
-    staging_folder,
+    write_answered_split,
     write_generated_splits,
 )
 
@@ -107,23 +105,10 @@ def sample_record(index: int, seed: int) -> tuple[dict, str, str]:
 
 def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str, Counter]:
     """Write samples ``first_index ..`` into ``out`` (staged, then renamed); answer counts by type."""
-    tmp = staging_folder(out)
-    answers: dict[str, Counter] = {q: Counter() for q in QUESTION_TYPES}
-    with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=SAMPLES_PER_SHARD, verbose=0) as writer:
-        for index in range(first_index, first_index + count):
-            record, qtype, answer = sample_record(index, seed)
-            writer.write(record)
-            answers[qtype][answer] += 1
-    manifest = {
-        "samples": count,
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "first_index": first_index,
-        "clip": {"frames": FRAMES, "height": SIDE, "width": SIDE, "fps": FPS},
-        "answers": {q: dict(sorted(c.items())) for q, c in answers.items()},
-    }
-    publish_split(tmp, out, manifest)
-    return answers
+    records = (sample_record(index, seed) for index in range(first_index, first_index + count))
+    return write_answered_split(out, records, QUESTION_TYPES, SAMPLES_PER_SHARD, {
+        "format_version": FORMAT_VERSION, "seed": seed, "first_index": first_index,
+        "clip": {"frames": FRAMES, "height": SIDE, "width": SIDE, "fps": FPS}})
 
 
 def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_samples: int) -> None:

@@ -38,9 +38,8 @@ from PIL import Image, ImageDraw
 from veomni.data.builders import (
     builder_main,
     majority_baseline,
-    publish_split,
     record_baseline,
-    staging_folder,
+    write_answered_split,
     write_generated_splits,
 )
 
@@ -156,24 +155,10 @@ def sample_record(index: int, rng: random.Random) -> tuple[dict, str, str]:
 
 def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str, Counter]:
     """Write ``count`` samples to a temporary folder, then rename it to ``out``; answer counts by type."""
-    import webdataset  # here, not at the top: it imports torch, and a cached run needs neither (1.5 s)
-
-    tmp = staging_folder(out)
     rng = random.Random(f"{seed}:{out.name}")
-    answers: dict[str, Counter] = {q: Counter() for q in QUESTION_TYPES}
-    with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=SAMPLES_PER_SHARD, verbose=0) as writer:
-        for index in range(first_index, first_index + count):
-            record, qtype, answer = sample_record(index, rng)
-            writer.write(record)
-            answers[qtype][answer] += 1
-    manifest = {
-        "samples": count,
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "answers": {q: dict(sorted(c.items())) for q, c in answers.items()},
-    }
-    publish_split(tmp, out, manifest)
-    return answers
+    records = (sample_record(index, rng) for index in range(first_index, first_index + count))
+    return write_answered_split(out, records, QUESTION_TYPES, SAMPLES_PER_SHARD,
+                                {"format_version": FORMAT_VERSION, "seed": seed})
 
 
 def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_samples: int) -> None:

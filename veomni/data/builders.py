@@ -24,7 +24,7 @@ import sys
 import tarfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,26 @@ def record_baseline(eval_out: Path, baseline: dict[str, tuple[str, float]], answ
     print(title)
     for group, (answer, accuracy) in baseline.items():
         print(f"  {group:<{group_width}} always {answer!r:<{answer_width}} {accuracy:6.1%}")
+
+
+def write_answered_split(out: Path, records: Iterable[tuple[dict[str, Any], str, str]], groups: Iterable[str],
+                         samples_per_shard: int, manifest: dict[str, Any]) -> dict[str, Counter]:
+    """Write a generated QA split, staged then published: ``records`` yields (webdataset record, its
+    group, its answer). The manifest gets ``samples`` and the answer counts per group (``answers``)
+    around ``manifest``'s own fields; returns those counts."""
+    import webdataset  # here, not at the top: a cached run needs no writer
+
+    tmp = staging_folder(out)
+    answers: dict[str, Counter] = {group: Counter() for group in groups}
+    count = 0
+    with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=samples_per_shard, verbose=0) as writer:
+        for record, group, answer in records:
+            writer.write(record)
+            answers[group][answer] += 1
+            count += 1
+    publish_split(tmp, out, {"samples": count, **manifest,
+                             "answers": {g: dict(sorted(c.items())) for g, c in answers.items()}})
+    return answers
 
 
 def write_generated_splits(train_out: Path, eval_out: Path, train_samples: int, eval_samples: int,
