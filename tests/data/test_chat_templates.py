@@ -185,3 +185,13 @@ def test_marks_that_miss_an_answer_or_hold_a_prompt_are_refused(tmp_path, name):
     template, why = BAD_MARKS[name]
     (problem,) = _check(tmp_path, with_template(byte_level_bpe(), template))
     assert why in problem and "{% generation %} marks" in problem
+
+
+def test_a_probe_the_template_refuses_is_not_judged_unless_it_is_the_plain_one(tmp_path):
+    """Mistral v0.1 raises on a system turn: such samples are counted bad at load, the template passes;
+    a template that refuses the plain two-exchange probe is refused, with its reason."""
+    no_system = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}" + LLAMA3
+    assert _check(tmp_path / "no_system", with_template(byte_level_bpe(), no_system)) == []
+    (problem,) = _check(tmp_path / "none", with_template(byte_level_bpe(), "{{ raise_exception('no chats') }}"))
+    assert "probe conversation with two exchanges" in problem and "refused the conversation" in problem
+    assert "no chats" in problem
