@@ -28,6 +28,7 @@ from tests.chat_utils import REPO, VOCAB, chat_loader, openai_line, write_jsonl
 from veomni import launch
 from veomni.config.schema import DataConfig
 from veomni.data.chat.conversation import TemplateChat
+from veomni.data.chat.template_probe import chat_template_problems
 from veomni.data.kinds import get_dataset_kind
 from veomni.data.sources import InvalidSampleError
 from veomni.tasks.base import IGNORE_INDEX
@@ -195,3 +196,13 @@ def test_a_probe_the_template_refuses_is_not_judged_unless_it_is_the_plain_one(t
     (problem,) = _check(tmp_path / "none", with_template(byte_level_bpe(), "{{ raise_exception('no chats') }}"))
     assert "probe conversation with two exchanges" in problem and "refused the conversation" in problem
     assert "no chats" in problem
+
+
+def test_a_slow_tokenizer_is_refused_for_want_of_character_offsets():
+    from transformers import ByT5Tokenizer  # a Python tokenizer that needs no files
+
+    slow = with_template(ByT5Tokenizer(), LLAMA3)
+    (problem,) = chat_template_problems(slow)
+    assert "Python (slow) tokenizer" in problem and "tokenizer.json" in problem
+    with pytest.raises(ValueError, match="no character offsets"):
+        TemplateChat(slow)

@@ -120,7 +120,7 @@ class TemplateChat:
             return self.tokenizer.apply_chat_template(list(messages), **kwargs)
         except Exception as error:  # noqa: BLE001 - a template raises what it likes (jinja2 errors, raise_exception)
             raise TemplateRefusal(f"sample {key!r}: the chat template refused the conversation "
-                                     f"({type(error).__name__}: {error})") from error
+                                  f"({type(error).__name__}: {error})") from error
 
     def text(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool, key: str) -> str:
         return self._apply(messages, key, tokenize=False, add_generation_prompt=generation_prompt)
