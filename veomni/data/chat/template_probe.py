@@ -57,7 +57,10 @@ def chat_template_problems(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     problem = missing_template(tokenizer) or slow_tokenizer(tokenizer)
     if problem:
         return [problem]
-    chat = TemplateChat(tokenizer)
+    try:
+        chat = TemplateChat(tokenizer)
+    except ValueError as error:  # named templates, none of them the default
+        return [f"data.tokenizer {tokenizer.name_or_path}: {error}"]
     for index, (shape, messages) in enumerate(PROBES.items()):
         where = f"data.tokenizer {tokenizer.name_or_path}: its chat template, on a probe conversation with {shape}"
         try:
