@@ -206,3 +206,9 @@ def test_a_slow_tokenizer_is_refused_for_want_of_character_offsets():
     assert "Python (slow) tokenizer" in problem and "tokenizer.json" in problem
     with pytest.raises(ValueError, match="no character offsets"):
         TemplateChat(slow)
+
+
+def test_named_templates_without_a_default_are_refused_naming_the_folder():
+    tokenizer = with_template(byte_level_bpe(), {"tool_use": LLAMA3})
+    (problem,) = chat_template_problems(tokenizer)
+    assert problem.startswith(f"data.tokenizer {tokenizer.name_or_path}: ") and "tool_use" in problem
