@@ -168,7 +168,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, tokenizer_d
     assert "renders the conversation" in problem and "differently" in problem
     with caplog.at_level(logging.WARNING), pytest.raises(BadDataError, match="5 of 5 records were bad"):
         list(chat_loader(path, folder, max_bad_fraction=0.5))
-    assert "first different token" in caplog.text
+    assert "differently from the whole conversation (from character" in caplog.text
 
 
 def test_long_conversations_keep_whole_turns_that_fit(tmp_path, tokenizer_dir, tokenizer, caplog):

@@ -9,18 +9,29 @@ Input: OpenAI-style ``{"messages": [{"role": ..., "content": ...}]}`` or ShareGP
 ``system``, ``user``, ``assistant``, contents are strings, and at least one turn is the
 assistant's. Anything else is an ``InvalidSampleError`` naming the sample.
 
-Targets by growing prefixes, so any template works (``{% generation %}`` markers or not): for
-the assistant turn ``k`` the template renders ``messages[:k]`` with the generation prompt (up to
-the assistant's content, its role header included) and ``messages[:k + 1]`` (through the content
-and whatever closes the turn, e.g. ``<|im_end|>\\n``); the tokens between the two are the turn's
-targets. Each rendering must be a token prefix of the whole conversation rendered at once (what
-is trained on); a template for which it is not (one that renders a turn differently once later
-turns follow, e.g. drops earlier reasoning) fails the sample with an ``InvalidSampleError`` that
-says so, and the launcher tries a probe conversation first (``chat_template_problems``).
+Templates are judged by the text they render, never by how its pieces tokenize: the whole
+conversation is rendered once and tokenized once (what is trained on), and the loss targets are
+character spans of that text, mapped to tokens with the tokenizer's offsets. A token is a target
+when it covers any character of a span, so a token that straddles a span's edge (a space the
+generation prompt ends with, merged into the answer's first word) is a target: the rule of
+transformers' ``assistant_masks``. The spans:
+
+- a template with ``{% generation %}`` markers: the marked text, exactly transformers'
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)`` (text the template writes after
+  ``{% endgeneration %}``, a turn's newline, is no target). Templates that render earlier turns
+  differently once later ones follow (drop earlier reasoning, move the system prompt) are fine:
+  the marks are on the whole conversation as rendered, as TRL's assistant-only loss trains it.
+- a template without them: for the assistant turn ``k`` the template renders ``messages[:k]``
+  with the generation prompt and ``messages[:k + 1]``; the text between the two (the answer and
+  everything the template closes the turn with, up to the next turn) is the span. Both must be
+  character prefixes of the whole rendering; a template for which they are not rewrites earlier
+  turns, and the sample fails with an ``InvalidSampleError`` that says so and how to fix it (mark
+  the template); the launcher renders probe conversations first (``template_probe``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,10 +44,6 @@ if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 """ShareGPT's ``from`` -> the role the template takes."""
-
-PROBE = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."},
-         {"role": "user", "content": "Again, please."}, {"role": "assistant", "content": "Hi again."}]
-"""A two-exchange conversation the launcher renders to check a template before any worker starts."""
 
 
 def conversation_messages(obj: Any, key: str) -> list[dict[str, str]]:
@@ -66,73 +73,110 @@ def conversation_messages(obj: Any, key: str) -> list[dict[str, str]]:
 
 @dataclass(frozen=True)
 class ChatTokens:
-    """One conversation's tokens: ``targets[i]`` says token ``i`` is a loss target;
-    ``turn_ends``: where each assistant turn's tokens end (exclusive), in order."""
+    """One conversation's tokens: ``targets[i]`` says token ``i`` is a loss target."""
 
     ids: list[int]
     targets: list[bool]
-    turn_ends: tuple[int, ...]
 
-    def fit(self, max_len: int) -> ChatTokens | None:
-        """The conversation through its last assistant turn that ends within ``max_len`` tokens
-        (whole turns only: no target loses its context, and turns after the last answer teach
-        nothing); None when not even the first answer fits."""
-        ends = tuple(end for end in self.turn_ends if end <= max_len)
-        if not ends:
-            return None
-        return ChatTokens(self.ids[:ends[-1]], self.targets[:ends[-1]], ends)
+
+class TemplateRefusal(InvalidSampleError):
+    """The chat template raised on a conversation (``raise_exception``, a jinja error)."""
+
+
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A ``{% generation %}`` tag, as transformers looks for it."""
+
+MARK_THE_TEMPLATE = ("wrap each assistant turn's text in the template in {% generation %} ... {% endgeneration %} "
+                     "(the conversation is then rendered once and the marked text is the loss target, as "
+                     "transformers' return_assistant_tokens_mask and TRL's assistant-only loss take it), or use a "
+                     "template that renders earlier turns the same whatever follows them")
+"""What to do about a template without marks that rewrites earlier turns."""
+
+
+def span_targets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """Token ``i`` (characters ``offsets[i]``) is a target when it covers a character of a span
+    (spans ascending, not overlapping): a token straddling a span's edge is one."""
+    targets, span = [], 0
+    for start, end in offsets:
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        targets.append(span < len(spans) and end > spans[span][0])
+    return targets
 
 
 class TemplateChat:
     """Renders conversations with ``tokenizer``'s chat template (see the module docstring)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        problem = missing_template(tokenizer)
+        problem = missing_template(tokenizer) or slow_tokenizer(tokenizer)
         if problem:
             raise ValueError(problem)
         self.tokenizer = tokenizer
+        self.marked = GENERATION_MARK.search(tokenizer.get_chat_template()) is not None
 
-    def render(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool, key: str) -> list[int]:
-        """Token ids of the template's text for ``messages`` (the template writes any special tokens
-        itself, so none are added); an ``InvalidSampleError`` when the template refuses them."""
+    def _apply(self, messages: Sequence[Mapping[str, str]], key: str, **kwargs: Any) -> Any:
+        """``apply_chat_template``; an ``InvalidSampleError`` when the template refuses the messages."""
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(list(messages), **kwargs)
         except Exception as error:  # noqa: BLE001 - a template raises what it likes (jinja2 errors, raise_exception)
-            raise InvalidSampleError(f"sample {key!r}: the chat template refused the conversation "
-                                     f"({type(error).__name__}: {error})") from error
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            raise TemplateRefusal(f"sample {key!r}: the chat template refused the conversation "
+                                  f"({type(error).__name__}: {error})") from error
 
-    def encode(self, messages: Sequence[Mapping[str, str]], key: str) -> ChatTokens:
-        """The whole conversation's ids, its assistant turns' tokens (content and turn end) as
-        targets; an ``InvalidSampleError`` when a prefix does not render as a prefix."""
-        ids = self.render(messages, False, key)
-        targets = [False] * len(ids)
-        ends = []
-        for k, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            start = self._prefix_length(ids, messages[:k], True, k, key)
-            end = self._prefix_length(ids, messages[:k + 1], False, k, key)
-            targets[start:end] = [True] * (end - start)
-            ends.append(end)
-        return ChatTokens(ids, targets, tuple(ends))
+    def text(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool, key: str) -> str:
+        return self._apply(messages, key, tokenize=False, add_generation_prompt=generation_prompt)
 
     def prompt(self, messages: Sequence[Mapping[str, str]], key: str) -> list[int]:
         """Ids of ``messages`` followed by the assistant's header: what a model answers from."""
-        return self.render(messages, True, key)
+        return self.tokenizer.encode(self.text(messages, True, key), add_special_tokens=False)
 
-    def _prefix_length(self, ids: list[int], messages: Sequence[Mapping[str, str]], generation_prompt: bool,
+    def encode(self, messages: Sequence[Mapping[str, str]], key: str) -> ChatTokens:
+        """The whole conversation's ids (the template writes any special tokens itself, so none are
+        added) and its assistant spans' tokens as targets."""
+        if self.marked:
+            out = self._apply(messages, key, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            return ChatTokens(list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]])
+        text = self.text(messages, False, key)
+        spans = [(self._prefix_length(text, messages[:k], True, k, key),
+                  self._prefix_length(text, messages[:k + 1], False, k, key))
+                 for k, message in enumerate(messages) if message["role"] == "assistant"]
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return ChatTokens(list(encoding["input_ids"]), span_targets(encoding["offset_mapping"], spans))
+
+    def fit(self, messages: Sequence[Mapping[str, str]], key: str, max_len: int) -> ChatTokens:
+        """The conversation through its last assistant turn whose rendering ends within ``max_len``
+        tokens, rendered on its own (whole turns only: no target loses its context, and turns after
+        the last answer teach nothing); an ``InvalidSampleError`` when not even the first answer fits.
+        A binary search over the number of answers kept: renderings grow with the turns they hold."""
+        ends = [k + 1 for k, message in enumerate(messages) if message["role"] == "assistant"]
+        chat = self.encode(messages[:ends[-1]], key)
+        if len(chat.ids) <= max_len:
+            return chat
+        low, high, best = 0, len(ends) - 2, None
+        while low <= high:
+            middle = (low + high) // 2
+            chat = self.encode(messages[:ends[middle]], key)
+            if len(chat.ids) <= max_len:
+                best, low = chat, middle + 1
+            else:
+                high = middle - 1
+        if best is None:  # every probe failed, the last one holding only the first answer
+            raise InvalidSampleError(f"sample {key!r}: its first assistant turn ends at token {len(chat.ids)}, past "
+                                     f"data.max_seq_len={max_len}")
+        return best
+
+    def _prefix_length(self, text: str, messages: Sequence[Mapping[str, str]], generation_prompt: bool,
                        turn: int, key: str) -> int:
-        prefix = self.render(messages, generation_prompt, key)
-        if ids[:len(prefix)] != prefix:
-            differ = next((i for i, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
-            what = "up to" if generation_prompt else "through"
-            raise InvalidSampleError(
-                f"sample {key!r}: the chat template renders the conversation {what} assistant turn {turn} differently "
-                f"from the whole conversation (first different token at {differ}), so the turn's targets cannot be "
-                "found by prefixes; templates that rewrite earlier turns once later ones follow are not supported")
-        return len(prefix)
+        prefix = self.text(messages, generation_prompt, key)
+        if text.startswith(prefix):
+            return len(prefix)
+        differ = next((i for i, (a, b) in enumerate(zip(text, prefix)) if a != b), min(len(text), len(prefix)))
+        what = "up to" if generation_prompt else "through"
+        raise InvalidSampleError(
+            f"sample {key!r}: the chat template renders the conversation {what} assistant turn {turn} differently "
+            f"from the whole conversation (from character {differ}: {prefix[differ:differ + 40]!r} where the whole "
+            f"has {text[differ:differ + 40]!r}): it rewrites earlier turns once later ones follow (moves the system "
+            "prompt, drops earlier reasoning, ...), and it has no {% generation %} marks, so the turn's loss "
+            f"targets cannot be found from rendered prefixes; {MARK_THE_TEMPLATE}")
 
 
 def missing_template(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -146,21 +190,11 @@ def missing_template(tokenizer: PreTrainedTokenizerBase) -> str:
             "or a ChatML one as data/build_chat_sft.py writes), or point data.tokenizer at a tokenizer that has one")
 
 
-def chat_template_problems(tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """The launcher's check of a tokenizer's template: it exists, and the targets it gives ``PROBE``
-    hold each answer."""
-    problem = missing_template(tokenizer)
-    if problem:
-        return [problem]
-    try:
-        chat = TemplateChat(tokenizer).encode(PROBE, "probe")
-    except InvalidSampleError as error:
-        return [f"data.tokenizer {tokenizer.name_or_path}: its chat template cannot give loss masks: {error}"]
-    starts = (0, *chat.turn_ends)
-    answers = [tokenizer.decode([t for t, target in zip(chat.ids[a:b], chat.targets[a:b]) if target])
-               for a, b in zip(starts, chat.turn_ends)]
-    wanted = [m["content"] for m in PROBE if m["role"] == "assistant"]
-    if any(want not in got for want, got in zip(wanted, answers)):
-        return [f"data.tokenizer {tokenizer.name_or_path}: its chat template's assistant turns of a probe conversation "
-                f"hold the targets {answers!r}, which do not contain the answers {wanted!r}"]
-    return []
+def slow_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Why ``tokenizer`` cannot map rendered text to tokens (no character offsets); empty if it can."""
+    if tokenizer.is_fast:
+        return ""
+    return (f"the tokenizer {tokenizer.name_or_path} is a Python (slow) tokenizer, which gives no character "
+            "offsets, and the chat_text kind maps the template's rendered text to tokens with them: save the "
+            "tokenizer with a tokenizer.json (a fast tokenizer: transformers converts most slow ones when loading "
+            "them with use_fast=True)")

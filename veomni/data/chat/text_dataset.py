@@ -3,14 +3,15 @@
 A record is one conversation: a jsonl line that is the conversation object itself, or a
 webdataset sample whose ``<key>.<text_key>`` member (``data.text_key: json``) holds it, OpenAI
 style or ShareGPT (``veomni.data.chat.conversation``). It is rendered with the tokenizer's own
-chat template, and only the assistant turns (their contents and the tokens the template closes
-them with) are loss targets: labels are -100 on system and user turns and on the role headers.
+chat template, and only the assistant turns are loss targets (their ``{% generation %}`` spans, or
+for a template without them their contents and what closes them; ``veomni.data.chat.conversation``):
+labels are -100 on system and user turns and on the role headers.
 
 One conversation is one packed sample (its own ``cu_seqlens`` span, positions from 0, its last
 label -100), so attention and targets never cross conversations, and sequence or context
 parallelism slices rows that already carry their labels. A conversation is kept through its last
-assistant turn that ends within ``data.max_seq_len`` tokens (whole turns: no target loses its
-context); one whose first answer does not fit is skipped and counted as bad, as is a record that
+assistant turn whose rendering ends within ``data.max_seq_len`` tokens (whole turns: no target
+loses its context); one whose first answer does not fit is skipped and counted as bad, as is a record that
 does not parse, has a turn with a missing or unknown role, has no assistant turn, or that the
 template renders inconsistently (each logged with why).
 
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from veomni.config.schema import DataConfig
-from veomni.data.chat.conversation import ChatTokens, TemplateChat, chat_template_problems, conversation_messages
+from veomni.data.chat.conversation import ChatTokens, TemplateChat, conversation_messages
+from veomni.data.chat.template_probe import chat_template_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_with_targets
@@ -103,17 +105,11 @@ class ChatTextDataset(PackedTextDataset):
         origin = record.get("__url__", spec.path) if isinstance(record, dict) else spec.path
         try:
             key, messages = record_conversation(record, self.formats[spec.name], spec.text_key)
-            chat = self.chat.encode(messages, key)
+            return self.chat.fit(messages, key, self.cfg.max_seq_len)
         except InvalidSampleError as error:
             logger.warning("%s: skipped, counted as bad: %s", origin, error)
             count_bad(stats, origin, self.cfg.max_bad_fraction)
             return None
-        fitted = chat.fit(self.cfg.max_seq_len)
-        if fitted is None:
-            logger.warning("%s: sample %r skipped, counted as bad: its first assistant turn ends at token %d, past "
-                           "data.max_seq_len=%d", origin, key, chat.turn_ends[0], self.cfg.max_seq_len)
-            count_bad(stats, origin, self.cfg.max_bad_fraction)
-        return fitted
 
 
 def check_chat_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
