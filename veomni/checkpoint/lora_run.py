@@ -37,7 +37,10 @@ def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
         return None
     return {"arch": cfg.model.arch, "seed": cfg.train.seed, "pretrained": init_entries(cfg.checkpoint),
             "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
-                     "train": list(cfg.lora.train)}}
+                     "train": list(cfg.lora.train),
+                     # recorded only when set: the checkpoints of runs without them still resume
+                     **{k: v for k, v in (("rank_pattern", cfg.lora.rank_pattern),
+                                          ("alpha_pattern", cfg.lora.alpha_pattern)) if v}}}
 
 
 def load_lora_checkpoint(checkpoint: Path, run_cfg: RunConfig, averaged: set[str] = frozenset()
