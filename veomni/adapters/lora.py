@@ -213,9 +213,10 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     if missing:
         raise ValueError(f"lora.train entries {missing} match no module of {type(model).__name__}; its top-level "
                          f"modules: {', '.join(name for name, _ in model.named_children())}")
-    for name, param in model.named_parameters():
-        inside_trained = any(name == t or name.startswith(t + ".") for t in trained)
-        param.requires_grad_(is_adapter_name(name) or inside_trained)
+    model.requires_grad_(False)
+    for name, param in model.named_parameters(remove_duplicate=False):  # a tied weight trains under either name
+        if is_adapter_name(name) or any(name == t or name.startswith(t + ".") for t in trained):
+            param.requires_grad_(True)
     return model
 
 

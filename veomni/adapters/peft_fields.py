@@ -6,7 +6,7 @@ LoRA...) must not load as plain LoRA and give other logits in silence; and a fie
 adds, with a value that is not off, is refused as unknown rather than ignored. The launcher's check
 (``veomni/checkpoint/lora_checks.py``) and ``load_peft`` call ``peft_config_problems``, so a
 refusal comes before any worker starts. docs/lora.md has the table in words;
-``tests/adapters/test_peft_fields.py`` checks it covers every field of the installed peft.
+``tests/adapters/test_peft_options.py`` checks it covers every field of the installed peft.
 """
 
 from __future__ import annotations

@@ -119,6 +119,11 @@ def saved_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[st
     names = [name for name, p in model.named_parameters() if p.requires_grad and not is_adapter_name(name)]
     if not names:
         return {}
+    tied = [name for name, p in model.named_parameters(remove_duplicate=False)
+            if p.requires_grad and not is_adapter_name(name) and name not in names]
+    if tied:
+        raise ValueError(f"lora.train trains the tied weight {tied[0]} whole: PEFT's modules_to_save would hold "
+                         "one copy per module, untied; export the merged model only")
     found, same = _exported_keys(model, adapter, model_cfg, names)
     out = {}
     for name, keys in found.items():
