@@ -19,11 +19,13 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.adapters.test_peft_parity import _hf_model, _logits, _ours  # noqa: E402
-from tests.parity_utils import assert_parity  # noqa: E402
+from tests.parity_utils import assert_parity, tiny_model  # noqa: E402
 from veomni import launch  # noqa: E402
+from veomni.adapters.lora import add_lora  # noqa: E402
 from veomni.adapters.peft_fields import HONOURED, IRRELEVANT, REFUSED  # noqa: E402
 from veomni.adapters.peft_io import export_peft, load_peft  # noqa: E402
 from veomni.config.schema import LoraConfig  # noqa: E402
+from veomni.contract import get_model_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -128,3 +130,12 @@ def test_every_field_of_peft_lora_config_is_judged_and_in_the_docs():
     fields = [f.name for f in dataclasses.fields(peft.LoraConfig)]
     assert [f for f in fields if f not in judged] == []
     assert [f for f in fields if f"| `{f}` |" not in table] == []
+
+
+def test_a_tied_head_trained_whole_trains_and_goes_out_merged_only(tmp_path):
+    model = tiny_model(tie_embeddings=True)
+    lora = LoraConfig(rank=4, alpha=8.0, train=["lm_head"])
+    add_lora(model, lora)
+    assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.requires_grad
+    with pytest.raises(ValueError, match="tied weight lm_head.weight whole: PEFT's modules_to_save would hold"):
+        export_peft(model, get_model_spec("llm").hf_adapter, model.config, lora, tmp_path / "out")
