@@ -107,16 +107,18 @@ def test_an_option_our_lora_does_not_compute_is_refused_by_name(options, field, 
         load_peft(ours, tmp_path / "made", adapter, cfg, lora)
 
 
-@pytest.mark.parametrize("options, field", [(dict(use_dora=True), "use_dora=True"),
-                                            (dict(init_lora_weights="olora"), "init_lora_weights='olora'"),
-                                            (dict(modules_to_save=["lm_head"]), "modules_to_save"),
-                                            (PATTERNS, "rank_pattern {'v_proj': 2}")])
-def test_the_launcher_refuses_them_before_any_worker_in_a_dry_run(options, field, tmp_path, capsys):
+@pytest.mark.parametrize("options, field, dry", [(dict(use_dora=True), "use_dora=True", True),
+                                                 (dict(use_dora=True), "use_dora=True", False),
+                                                 (dict(init_lora_weights="olora"), "init_lora_weights='olora'", True),
+                                                 (dict(modules_to_save=["lm_head"]), "modules_to_save", True),
+                                                 (PATTERNS, "rank_pattern {'v_proj': 2}", True)])
+def test_the_launcher_refuses_them_before_any_worker(options, field, dry, tmp_path, capsys):
     config = {"r": 4, "lora_alpha": 8, "peft_type": "LORA", "target_modules": TARGETS, **options}
     (tmp_path / "made").mkdir()
     (tmp_path / "made" / "adapter_config.json").write_text(json.dumps(config))
     (tmp_path / "made" / "adapter_model.safetensors").write_bytes(b"")
-    status = launch.main([str(REPO / "recipes" / "quickstart" / "tiny_llm.yaml"), "--dry-run", "--world-size", "1",
+    plan = ["--dry-run", "--world-size", "1"] if dry else []
+    status = launch.main([str(REPO / "recipes" / "quickstart" / "tiny_llm.yaml"), *plan,
                           "--lora.rank", "4", "--lora.alpha", "8", "--lora.init_from_peft", str(tmp_path / "made"),
                           "--train.output_dir", str(tmp_path / "run")])
     output = capsys.readouterr().err
