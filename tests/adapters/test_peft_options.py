@@ -61,6 +61,35 @@ def test_a_folder_with_layer_patterns_and_a_saved_module_loads_with_peft_logits(
     assert_parity(_logits(ours, _ids(2)), theirs, "patterns and modules_to_save")
 
 
+SELECTIONS = {  # peft's options -> the same layers (and scaling) in our recipe's terms
+    "regex": (dict(target_modules=r".*\.(q|v)_proj"), dict(targets=["q_proj", "v_proj"])),
+    "layers_to_transform": (dict(target_modules=TARGETS, layers_to_transform=[1]), dict(targets=["layers.1.attn.*"])),
+    "exclude_modules": (dict(target_modules=TARGETS, exclude_modules=["k_proj"]),
+                        dict(targets=["q_proj", "v_proj", "o_proj"])),
+    "rslora_dropout": (dict(target_modules=TARGETS, use_rslora=True, lora_dropout=0.1), dict(targets=TARGETS,
+                                                                                            rslora=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(SELECTIONS))
+def test_how_peft_selects_layers_is_honoured_by_the_adapters_it_holds(name, tmp_path):
+    theirs_options, ours_options = SELECTIONS[name]
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **theirs_options)
+    torch.manual_seed(3)
+    made = peft.get_peft_model(_hf_model(False), config).eval()
+    made.save_pretrained(str(tmp_path / "made"))
+    with torch.no_grad():
+        theirs = made(_ids(2)[None]).logits[0]
+    lora = LoraConfig(rank=4, alpha=8.0, **ours_options)
+    ours, adapter, cfg = _ours(_hf_model(False), lora)
+    load_peft(ours, tmp_path / "made", adapter, cfg, lora)
+    assert_parity(_logits(ours, _ids(2)), theirs, name)
+    wider = dataclasses.replace(lora, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
+    ours, adapter, cfg = _ours(_hf_model(False), wider)
+    with pytest.raises(ValueError, match=r"no adapter for layers\.\d\.(attn|mlp)\.\w+\.weight"):
+        load_peft(ours, tmp_path / "made", adapter, cfg, wider)
+
+
 @pytest.mark.parametrize("recipe, field", [
     (dataclasses.replace(OURS, rank_pattern={}), "lora.rank_pattern: {'layers.0.attn.v_proj': 2"),
     (dataclasses.replace(OURS, alpha_pattern={}), "lora.alpha_pattern: {'layers.0.attn.q_proj': 3.0"),
