@@ -170,3 +170,13 @@ def test_a_tied_head_trained_whole_trains_and_goes_out_merged_only(tmp_path):
     assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.requires_grad
     with pytest.raises(ValueError, match="tied weight lm_head.weight whole: PEFT's modules_to_save would hold"):
         export_peft(model, get_model_spec("llm").hf_adapter, model.config, lora, tmp_path / "out")
+
+
+def test_a_peft_export_names_the_pretrained_folder_that_is_its_whole_base(tmp_path):
+    from veomni.checkpoint.export import export_base
+    from veomni.config.schema import RunConfig
+
+    cfg = RunConfig(lora=LoraConfig(rank=4))
+    cfg.checkpoint.init_from_hf = str(tmp_path / "hf")
+    assert export_base(cfg, tmp_path / "peft") == str((tmp_path / "hf").resolve())
+    assert not (tmp_path / "peft").exists()  # nothing written: the folder is the base
