@@ -3,8 +3,9 @@
 ``qwen2_5_vl`` / ``qwen2_vl``): what ``checkpoint.init_from_hf`` reads and the export writes.
 
 Pure functions over configs and state dicts. The two halves are the LLM's and the vision tower's
-own adapters (``models/llm/hf_adapter.py``, ``models/vit/hf_adapter.py``, the latter with exact
-2-frame temporal patches); this module routes names between them:
+own adapters (``models/llm/hf_adapter.py``, ``models/vit/hf_adapter.py``, the latter with the
+folder's own temporal patches, exact both ways: ``per_frame=False``); this module routes names
+between them:
 
     llm.*              <-> model.*, lm_head.*    (the LLM adapter's names; transformers 5 holds
                                                   them as model.language_model.* in memory and
@@ -114,7 +115,7 @@ def config_to_hf(cfg: QwenVLConfig) -> Any:
                          "mrope_section": list(llm.mrope_section)},
     )
     tower = cfg.encoder_configs["image"]
-    vision = vit_adapter.config_to_hf(tower).to_dict()
+    vision = vit_adapter.config_to_hf(tower, per_frame=False).to_dict()
     if vision["model_type"] != f"{cfg.variant}_vision":
         raise ValueError(f"model.encoders.image is a {vision['model_type']} tower, not {cfg.variant}'s")
     if cfg.variant == "qwen2_5_vl":
@@ -170,5 +171,5 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: QwenVLConfig) -> dict[
             raise KeyError(f"no Qwen-VL mapping for parameter {name!r} (expected llm.* or encoders.image.*)")
         parts[prefix][name[len(prefix):]] = tensor
     out = llm_adapter.state_dict_to_hf(parts["llm."], cfg.llm_config)
-    tower = vit_adapter.state_dict_to_hf(parts["encoders.image."], cfg.encoder_configs["image"])
+    tower = vit_adapter.state_dict_to_hf(parts["encoders.image."], cfg.encoder_configs["image"], per_frame=False)
     return {**out, **{f"visual.{k}": v for k, v in tower.items()}}

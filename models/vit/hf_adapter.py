@@ -95,8 +95,11 @@ def hf_model_type(cfg: ViTConfig) -> str:
     return "qwen2_5_vl_vision" if (cfg.norm, cfg.mlp) == ("rmsnorm", "gated") else "qwen2_vl_vision"
 
 
-def config_to_hf(cfg: ViTConfig) -> Any:
-    """The vision config describing the same tower; ValueError naming what neither tower expresses."""
+def config_to_hf(cfg: ViTConfig, per_frame: bool = True) -> Any:
+    """The vision config describing the same tower; ValueError naming what neither tower expresses.
+    ``per_frame``: a one-frame ``temporal_patch_size`` is a per-frame tower's (exported with
+    Qwen2-VL's 2-frame kernel); else it is the folder's own and is written as it is (as
+    ``config_from_hf(..., per_frame=False)`` read it)."""
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
@@ -117,7 +120,7 @@ def config_to_hf(cfg: ViTConfig) -> Any:
                              f"(RMSNorm + gated MLP) (needs {want!r})")
     common = dict(depth=cfg.num_layers, hidden_act=cfg.hidden_act, num_heads=cfg.num_heads,
                   in_channels=cfg.in_channels, patch_size=cfg.patch_size, spatial_merge_size=cfg.merge_size,
-                  temporal_patch_size=_hf_temporal(cfg), initializer_range=cfg.init_std,
+                  temporal_patch_size=_hf_temporal(cfg, per_frame), initializer_range=cfg.init_std,
                   rope_parameters={"rope_type": "axial", "rope_theta": cfg.rope_theta})
     if not qwen2_5:
         return Qwen2VLVisionConfig(**common, embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size,
@@ -131,8 +134,8 @@ def config_to_hf(cfg: ViTConfig) -> Any:
         fullatt_block_indexes=list(range(cfg.num_layers)) if windowless else list(cfg.full_attention_layers))
 
 
-def _hf_temporal(cfg: ViTConfig) -> int:
-    return TEMPORAL_PATCH_SIZE if cfg.temporal_patch_size == 1 else cfg.temporal_patch_size
+def _hf_temporal(cfg: ViTConfig, per_frame: bool) -> int:
+    return TEMPORAL_PATCH_SIZE if per_frame and cfg.temporal_patch_size == 1 else cfg.temporal_patch_size
 
 
 def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
@@ -167,14 +170,16 @@ def loaded_name(name: str) -> str:
     return name
 
 
-def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ViTConfig) -> dict[str, torch.Tensor]:
+def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ViTConfig, per_frame: bool = True
+                     ) -> dict[str, torch.Tensor]:
     """The tower's state dict of ours: a per-frame patch embedding spread evenly over the temporal
-    kernel (so that a still image, repeated over it, gives our features), else reshaped."""
+    kernel (so that a still image, repeated over it, gives our features), else reshaped (and
+    always reshaped with ``per_frame=False``: see ``config_to_hf``)."""
     ours, theirs = _PATCH_EMBED
     out = {_rename(name, _MERGER): tensor for name, tensor in sd.items() if name != ours}
     p, frames = cfg.patch_size, cfg.temporal_patch_size
     weight = sd[ours].reshape(cfg.hidden_size, cfg.in_channels, frames, p, p)
-    if frames == 1:
+    if per_frame and frames == 1:
         weight = (weight / TEMPORAL_PATCH_SIZE).expand(-1, -1, TEMPORAL_PATCH_SIZE, -1, -1)
     out[theirs] = weight.contiguous()
     return out

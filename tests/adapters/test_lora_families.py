@@ -99,7 +99,7 @@ def test_the_launcher_refuses_a_peft_folder_that_cannot_start_the_adapters(capsy
     (folder / "adapter_model.safetensors").write_bytes(b"")
     status, output = _launch("quickstart/tiny_llm.yaml", "--lora.rank", "4", "--lora.init_from_peft", str(folder),
                              "--train.output_dir", str(tmp_path), capsys=capsys)
-    assert status == 2 and "has r=8, lora_alpha=16; the recipe has lora.rank=4" in output, output
+    assert status == 2 and "has r=8, lora_alpha=16, use_rslora=False; the recipe has lora.rank=4" in output, output
     status, output = _launch("quickstart/tiny_llm.yaml", "--lora.rank", "4", "--lora.init_from_peft",
                              str(tmp_path / "missing"), "--train.output_dir", str(tmp_path), capsys=capsys)
     assert status == 2 and "adapter_config.json is missing" in output, output

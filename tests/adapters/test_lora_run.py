@@ -21,17 +21,19 @@ from veomni.train.trainer import Trainer
 pytestmark = pytest.mark.full
 
 
-def _config(tmp: str, out: str, lora: bool, **train):
+def _config(tmp: str, out: str, lora: bool, whole: tuple[str, ...] = (), **train):
     cfg = tiny_run_config(Path(tmp), max_steps=6, **train)
     cfg.train.output_dir = str(Path(tmp) / out)
     cfg.parallel = ParallelConfig()
     if lora:
-        cfg.lora = LoraConfig(rank=4, alpha=8.0)
+        cfg.lora = LoraConfig(rank=4, alpha=8.0, train=list(whole))
+    if whole:  # a head of its own: a tied one goes out merged only (peft_io.saved_paths)
+        cfg.model.options["tie_embeddings"] = False
     return cfg
 
 
-def _train(rank, world, tmp, out, lora, max_steps=6, resume="auto", seed=3):
-    cfg = _config(tmp, out, lora, seed=seed)
+def _train(rank, world, tmp, out, lora, max_steps=6, resume="auto", seed=3, whole=()):
+    cfg = _config(tmp, out, lora, whole, seed=seed)
     cfg.checkpoint.resume = resume
     trainer = Trainer(cfg)
     before = full_params(trainer.model)
@@ -91,17 +93,19 @@ def test_an_adapter_checkpoint_refuses_another_base(tmp_path):
 
 
 def test_a_lora_run_exports_as_peft_and_merged_folders_transformers_load(tmp_path):
+    """A run on the seeded random base (no pretrained folder) that trains ``lm_head`` whole: the PEFT
+    folder holds it as ``modules_to_save`` and names the base written beside it, and ``peft`` loads
+    the two with the trained model's logits, as transformers loads the merged folder."""
     import peft
     import transformers
 
-    from veomni.adapters.lora import is_adapter_name
+    from tests.parity_utils import assert_parity
     from veomni.checkpoint.export import main
-    from veomni.checkpoint.hf_io import save_hf_pretrained
     from veomni.checkpoint.lora_run import load_lora_checkpoint
     from veomni.config.load import load_config
 
     tmp = str(tmp_path)
-    _, trained = run_distributed(_train, 1, tmp, "lora", True, 3)[0]
+    _, trained = run_distributed(_train, 1, tmp, "lora", True, 3, "auto", 3, ("lm_head",))[0]
     run_dir = tmp_path / "lora"
     checkpoint = run_dir / "checkpoints" / "step_00000003"
     assert main([str(checkpoint), str(tmp_path / "merged"), "--peft", str(tmp_path / "peft")]) == 0
@@ -109,14 +113,15 @@ def test_a_lora_run_exports_as_peft_and_merged_folders_transformers_load(tmp_pat
     rebuilt = dict(ours.named_parameters())  # the base rebuilt from the recipe, the adapters from the checkpoint
     for name, value in trained.items():
         torch.testing.assert_close(rebuilt[name].detach(), value, rtol=0, atol=0, msg=name)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["lm_head"]
+    assert config["base_model_name_or_path"] == str((tmp_path / "peft" / "base").resolve())
     ids = torch.randint(0, 8192, (10,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ours.eval()(ids, torch.arange(10), torch.tensor([0, 10], dtype=torch.int32), 10)
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-        torch.testing.assert_close(merged(ids[None]).logits[0], want, atol=1e-5, rtol=0)
-        base = {k: v for k, v in ours.state_dict().items() if not is_adapter_name(k)}
-        save_hf_pretrained("llm", model_cfg, base, tmp_path / "base")
-        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+        assert_parity(merged(ids[None]).logits[0], want, "merged export")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]).eval()
         assert (plain(ids[None]).logits[0] - want).abs().max() > 1e-4  # three steps moved the adapters
         adapted = peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval()
-        torch.testing.assert_close(adapted(ids[None]).logits[0], want, atol=1e-5, rtol=0)
+        assert_parity(adapted(ids[None]).logits[0], want, "PEFT export on its exported base")

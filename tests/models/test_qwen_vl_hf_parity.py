@@ -10,6 +10,8 @@ our export loads back into transformers with the same logits. Qwen3-VL folders a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -39,10 +41,11 @@ SAMPLES = [[((1, 4, 6), False), ((2, 6, 6), True)], [((1, 6, 4), False)]]
 SECONDS = 1.5  # per temporal patch of the video: time positions step by tokens_per_second * 1.5 = 6
 
 
-def _hf_model(variant: str, tied: bool):
+def _hf_model(variant: str, tied: bool, temporal: int = 2):
     config_name, model_name = CLASSES[variant]
     config = getattr(transformers, config_name)(
-        text_config=TEXT, vision_config=VISION[variant], image_token_id=IMAGE, video_token_id=VIDEO,
+        text_config=TEXT, vision_config={**VISION[variant], "temporal_patch_size": temporal},
+        image_token_id=IMAGE, video_token_id=VIDEO,
         vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
@@ -112,9 +115,12 @@ def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant,tied", [("qwen2_5_vl", False), ("qwen2_vl", True)])
-def test_import_and_export_match_transformers(variant, tied, tmp_path) -> None:
-    reference = _hf_model(variant, tied)
+@pytest.mark.parametrize("variant,tied,temporal", [("qwen2_5_vl", False, 2), ("qwen2_vl", True, 2),
+                                                   ("qwen2_vl", False, 1)])
+def test_import_and_export_match_transformers(variant, tied, temporal, tmp_path) -> None:
+    """Also: the exported config.json states every field of the imported one the family reads as
+    the folder did (a one-frame temporal patch stays one frame, not the per-frame tower's 2)."""
+    reference = _hf_model(variant, tied, temporal)
     reference.save_pretrained(tmp_path / "hf")
     arch, cfg, state_dict = load_hf_pretrained(tmp_path / "hf")
     assert arch == "qwen2_5_vl" and cfg.variant == variant and cfg.llm_config.tie_embeddings == tied
@@ -127,8 +133,20 @@ def test_import_and_export_match_transformers(variant, tied, tmp_path) -> None:
     _assert_same(_our_logits(model, cfg, samples), want, "imported")
 
     save_hf_pretrained(arch, cfg, model.state_dict(), tmp_path / "export")
+    _assert_same_fields(tmp_path / "hf", tmp_path / "export")
     exported = getattr(transformers, CLASSES[variant][1]).from_pretrained(tmp_path / "export").eval()
     _assert_same(_hf_logits(exported, variant, samples), want, "exported")
+
+
+def _assert_same_fields(source, exported) -> None:
+    want, got = (json.loads((folder / "config.json").read_text()) for folder in (source, exported))
+    for section in ("text_config", "vision_config"):
+        fields = set(TEXT) if section == "text_config" else set(want[section])
+        differ = {k: (want[section][k], got[section].get(k)) for k in fields if got[section].get(k) != want[section][k]}
+        assert not differ, f"{section}: (imported, exported) {differ}"
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "tie_word_embeddings", "model_type"):
+        assert got[name] == want[name], name
 
 
 def test_positions_equal_get_rope_index() -> None:

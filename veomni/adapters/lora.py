@@ -7,7 +7,8 @@ see the adapted model as any other. It
 
 - swaps each targeted ``nn.Linear`` for a ``LoRALinear`` holding the same ``weight`` / ``bias``
   (their names do not change, so pretrained folders, exports and FLOP counts still apply) plus
-  ``lora_A`` [r, in] and ``lora_B`` [out, r];
+  ``lora_A`` [r, in] and ``lora_B`` [out, r], r and alpha per layer (``lora.rank_pattern`` /
+  ``lora.alpha_pattern``, PEFT's ``rank_pattern`` / ``alpha_pattern``);
 - gives each targeted grouped-expert module (``veomni.contract.hooks.AdaptableExperts``) one adapter per
   expert, ``<weight>_lora_A`` [E, r, in] and ``<weight>_lora_B`` [E, out, r], registered on the
   module itself: they lead with the expert dim, so expert parallelism shards them with the experts,
@@ -51,14 +52,14 @@ def is_adapter_name(name: str) -> bool:
 class LoRALinear(nn.Linear):
     """``y = x W^T + b + scaling * dropout(x) A^T B^T``, with ``W`` and ``b`` the frozen base's."""
 
-    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, rslora: bool, dropout: float) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         factory = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **factory))
         self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, **factory))
-        self.scaling = scaling
+        self.alpha, self.scaling = alpha, module_scaling(rank, alpha, rslora)
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +97,40 @@ def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
                  if p.ndim == 3 and not is_adapter_name(name))
 
 
+def module_scaling(rank: int, alpha: float, rslora: bool) -> float:
+    """PEFT's: ``alpha / r``, or ``alpha / sqrt(r)`` with rank-stabilised LoRA."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
 def scaling_of(cfg: LoraConfig) -> float:
-    return cfg.alpha / math.sqrt(cfg.rank) if cfg.rslora else cfg.alpha / cfg.rank
+    return module_scaling(cfg.rank, cfg.alpha, cfg.rslora)
+
+
+def rank_and_alpha(path: str, cfg: LoraConfig) -> tuple[int, float]:
+    """The rank and alpha of the linear layer at ``path``: the first ``lora.rank_pattern`` /
+    ``lora.alpha_pattern`` key that matches it (the patterns of ``lora.targets``), else
+    ``lora.rank`` / ``lora.alpha``."""
+    rank = next((r for pattern, r in cfg.rank_pattern.items() if _matches(path, pattern)), cfg.rank)
+    alpha = next((a for pattern, a in cfg.alpha_pattern.items() if _matches(path, pattern)), cfg.alpha)
+    return rank, float(alpha)
+
+
+def _check_patterns(cfg: LoraConfig, linears: list[str], experts: list[str]) -> None:
+    """ValueError naming a ``lora.rank_pattern`` / ``lora.alpha_pattern`` key that matches no adapted
+    linear layer, or one that matches an expert group (its adapters take the section's rank and alpha:
+    PEFT's ``target_parameters`` have no per-module pattern we could export), or a rank under 1."""
+    for key, patterns in (("rank_pattern", cfg.rank_pattern), ("alpha_pattern", cfg.alpha_pattern)):
+        for pattern, value in patterns.items():
+            grouped = [p for p in experts if _matches(p, pattern)]
+            if grouped:
+                raise ValueError(f"lora.{key} entry {pattern!r} matches the expert group {grouped[0]}: expert "
+                                 "adapters take lora.rank and lora.alpha; drop the entry or narrow it to linear "
+                                 "layers")
+            if not any(_matches(p, pattern) for p in linears):
+                raise ValueError(f"lora.{key} entry {pattern!r} matches no adapted linear layer; they are named "
+                                 f"like {', '.join(linears[:4])}")
+            if key == "rank_pattern" and int(value) < 1:
+                raise ValueError(f"lora.rank_pattern entry {pattern!r}: rank {value} is not a positive integer")
 
 
 def _matches(path: str, pattern: str) -> bool:
@@ -162,8 +195,10 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         where = "among lora.targets" if cfg.targets else "in its blocks"
         raise ValueError(f"lora: {type(model).__name__} has no linear layer or adaptable expert group to adapt "
                          f"{where}; name modules in lora.targets")
+    _check_patterns(cfg, [p for p, _ in linears], [p for p, _ in experts])
     for path, linear in linears:
-        model.set_submodule(path, LoRALinear(linear, cfg.rank, scaling, cfg.dropout))
+        rank, alpha = rank_and_alpha(path, cfg)
+        model.set_submodule(path, LoRALinear(linear, rank, alpha, cfg.rslora, cfg.dropout))
     for _, module in experts:
         names = expert_weight_names(module)
         for name in names:
@@ -178,9 +213,10 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     if missing:
         raise ValueError(f"lora.train entries {missing} match no module of {type(model).__name__}; its top-level "
                          f"modules: {', '.join(name for name, _ in model.named_children())}")
-    for name, param in model.named_parameters():
-        inside_trained = any(name == t or name.startswith(t + ".") for t in trained)
-        param.requires_grad_(is_adapter_name(name) or inside_trained)
+    model.requires_grad_(False)
+    for name, param in model.named_parameters(remove_duplicate=False):  # a tied weight trains under either name
+        if is_adapter_name(name) or any(name == t or name.startswith(t + ".") for t in trained):
+            param.requires_grad_(True)
     return model
 
 

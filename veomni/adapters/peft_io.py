@@ -6,6 +6,11 @@ A PEFT folder is ``adapter_config.json`` + ``adapter_model.safetensors`` keyed b
 ``lora_A.weight`` [E*r, in] (expert-major) and ``lora_B.weight`` [out, r*E] (expert-minor), one
 pair per targeted weight, the first weight listed innermost (``<module>.base_layer.lora_A``...).
 
+Modules ``lora.train`` trains whole are PEFT's ``modules_to_save``: their weights are stored
+under the Hugging Face name (``base_model.model.lm_head.weight``), and load back into them. Per-layer
+ranks and alphas are PEFT's ``rank_pattern`` / ``alpha_pattern``, written as full module names.
+Every other field of PEFT's ``LoraConfig`` is judged in ``peft_fields.py``.
+
 Our module paths become the Hugging Face ones through the family's own ``HFAdapter``: each
 adapted weight is exported with ``state_dict_to_hf`` and found among the results, so any family
 whose export renames (and may split) weights gets PEFT interop with no code of its own. A weight
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from veomni.adapters.lora import ExpertLoRA, LoRALinear, init_lora, is_adapter_name, scaling_of
+from veomni.adapters.peft_fields import peft_config_problems
 from veomni.config.schema import LoraConfig
 from veomni.contract import HFAdapter
 from veomni.contract.hooks import AdaptableExperts
@@ -52,14 +59,12 @@ def _join(path: str, leaf: str) -> str:
     return f"{path}.{leaf}" if path else leaf
 
 
-def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, str]:
-    """Our adapted weight (``layers.0.attn.q_proj.weight``) -> the Hugging Face name PEFT targets:
-    the module path of a linear layer (``model.layers.0.self_attn.q_proj``) or the parameter path of
-    a grouped expert weight (``model.layers.0.mlp.experts.gate_up_proj``), as the loaded model holds
-    it (``HFAdapter.loaded_name``)."""
+def _exported_keys(model: nn.Module, adapter: HFAdapter, model_cfg: Any, names: list[str]
+                   ) -> tuple[dict[str, list[str]], dict[str, bool]]:
+    """(our weight -> the exported keys it becomes, exported key -> whether it comes out element for
+    element as it went in) for ``names``, weights of ``model``."""
     state = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
-    names = [_join(path, w) for path, _, weights in adapted_modules(model) for w in weights]
-    # Each adapted weight becomes marker * 2**32 + its element index (float64, exact): the exported
+    # Each weight of ``names`` becomes marker * 2**32 + its element index (float64, exact): the exported
     # entries whose values all lie in a marker's range are the ones it turned into, whatever the
     # export renames or splits; the other weights are zero views that take no memory.
     probe = {k: v.new_zeros((), dtype=torch.float64, device="cpu").expand(v.shape) for k, v in state.items()}
@@ -78,7 +83,16 @@ def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, 
             # a linear weight must come out element for element as it went in (not transposed or
             # permuted: the DiT's patch_embedding and proj_out are)
             same[key] = tensor.shape == probe[name].shape and torch.equal(tensor.double(), probe[name])
-    del probe, exported
+    return found, same
+
+
+def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, str]:
+    """Our adapted weight (``layers.0.attn.q_proj.weight``) -> the Hugging Face name PEFT targets:
+    the module path of a linear layer (``model.layers.0.self_attn.q_proj``) or the parameter path of
+    a grouped expert weight (``model.layers.0.mlp.experts.gate_up_proj``), as the loaded model holds
+    it (``HFAdapter.loaded_name``)."""
+    names = [_join(path, w) for path, _, weights in adapted_modules(model) for w in weights]
+    found, same = _exported_keys(model, adapter, model_cfg, names)
     out = {}
     for name, keys in found.items():
         if name.endswith(".weight") and len(keys) == 1 and not same[keys[0]]:
@@ -98,6 +112,34 @@ def hf_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, 
     return out
 
 
+def saved_paths(model: nn.Module, adapter: HFAdapter, model_cfg: Any) -> dict[str, str]:
+    """Each weight ``lora.train`` trains whole (``lm_head.weight``) -> its Hugging Face name as the
+    loaded model holds it: what PEFT's ``modules_to_save`` stores. ValueError naming a weight the
+    export changes (fused, transposed, split), which PEFT could not hold as it is."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad and not is_adapter_name(name)]
+    if not names:
+        return {}
+    tied = [name for name, p in model.named_parameters(remove_duplicate=False)
+            if p.requires_grad and not is_adapter_name(name) and name not in names]
+    if tied:
+        raise ValueError(f"lora.train trains the tied weight {tied[0]} whole: PEFT's modules_to_save would hold "
+                         "one copy per module, untied; export the merged model only")
+    found, same = _exported_keys(model, adapter, model_cfg, names)
+    out = {}
+    for name, keys in found.items():
+        if len(keys) != 1 or not same[keys[0]]:
+            raise ValueError(f"lora.train trains {name} whole, but the {type(adapter).__name__} export changes it "
+                             f"(into {keys or 'nothing'}), so PEFT's modules_to_save cannot hold it; leave it out "
+                             "of lora.train, or export the merged model only")
+        out[name] = adapter.loaded_name(keys[0])
+    return out
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's ``get_pattern_key``: the first key that is a dotted suffix of ``module`` (a regex)."""
+    return next((value for key, value in patterns.items() if re.match(rf"(.*\.)?({key})$", module)), default)
+
+
 def export_peft(model: nn.Module, adapter: HFAdapter, model_cfg: Any, lora: LoraConfig, out: Path,
                 base_model: str = "", task_type: str | None = "CAUSAL_LM") -> Path:
     """Write ``model``'s adapters (a plain CPU model holding the trained values) as a PEFT folder.
@@ -105,12 +147,19 @@ def export_peft(model: nn.Module, adapter: HFAdapter, model_cfg: Any, lora: Lora
     a VLM's ``model.llm`` with the LLM's (``load_peft`` likewise). A DiT's folder loads onto
     diffusers' model with ``task_type=None``."""
     paths = hf_paths(model, adapter, model_cfg)
-    tensors: dict[str, torch.Tensor] = {}
+    saved = saved_paths(model, adapter, model_cfg)
+    params = dict(model.named_parameters())
+    tensors = {f"{PREFIX}{hf}": params[ours].detach().contiguous() for ours, hf in saved.items()}
     modules, parameters = [], []
+    ranks, alphas = {}, {}
     for path, module, weights in adapted_modules(model):
         if isinstance(module, LoRALinear):
             target = paths[_join(path, "weight")]
             modules.append(target)
+            if module.lora_A.shape[0] != lora.rank:
+                ranks[target] = module.lora_A.shape[0]
+            if module.alpha != lora.alpha:
+                alphas[target] = module.alpha
             tensors[f"{PREFIX}{target}.lora_A.weight"] = module.lora_A.detach().contiguous()
             tensors[f"{PREFIX}{target}.lora_B.weight"] = module.lora_B.detach().contiguous()
             continue
@@ -123,8 +172,10 @@ def export_peft(model: nn.Module, adapter: HFAdapter, model_cfg: Any, lora: Lora
             tensors[f"{PREFIX}{owner}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
     config = {"peft_type": "LORA", "task_type": task_type, "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "bias": "none", "fan_in_fan_out": False,
+              "rank_pattern": ranks, "alpha_pattern": alphas,
               "target_modules": modules or None, "target_parameters": parameters or None,
-              "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": sorted({hf.rpartition(".")[0] for hf in saved.values()}) or None,
+              "init_lora_weights": True, "inference_mode": True,
               "base_model_name_or_path": base_model or None}
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.float() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
@@ -162,6 +213,9 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
     """Copy a PEFT folder's adapters into ``model``'s (same rank, alpha, targets); returns how many
     weights were loaded. ValueError naming each mismatch."""
     config, tensors = read_peft(folder)
+    problems = peft_config_problems(config, str(folder))
+    if problems:
+        raise ValueError("; ".join(problems))
     if (config.get("r"), float(config.get("lora_alpha", 0)), bool(config.get("use_rslora"))) != \
             (lora.rank, float(lora.alpha), lora.rslora):
         raise ValueError(f"{folder}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
@@ -170,6 +224,7 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
     tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
                for k, v in tensors.items()}
     paths = hf_paths(model, adapter, model_cfg)
+    _check_layer_patterns(model, paths, config, folder)
     used: set[str] = set()
     for path, module, weights in adapted_modules(model):
         for depth, weight in enumerate(weights):
@@ -190,16 +245,56 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
             else:
                 dest_a, dest_b = module.lora_A, module.lora_B
             for dest, src, key in ((dest_a, a, keys[0]), (dest_b, b, keys[1])):
-                if dest.shape != src.shape:
-                    raise ValueError(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs "
-                                     f"{tuple(dest.shape)}")
-                dest.copy_(src)
+                _copy(dest, src, key, folder)
             used.update(keys)
+    adapters = len(used) // 2
+    params = dict(model.named_parameters())
+    for ours, hf in saved_paths(model, adapter, model_cfg).items():
+        key = f"{PREFIX}{hf}"
+        if key in tensors:
+            _copy(params[ours].data, tensors[key], key, folder)
+            used.add(key)
     extra = sorted(set(tensors) - used)
-    if extra:
-        raise ValueError(f"{folder}: adapters for modules lora.targets does not select, e.g. {extra[0]}; add "
+    unselected = [k for k in extra if is_adapter_name(k.removesuffix(".weight"))]
+    if unselected:
+        raise ValueError(f"{folder}: adapters for modules lora.targets does not select, e.g. {unselected[0]}; add "
                          "them to lora.targets")
-    return len(used) // 2
+    if extra:
+        raise ValueError(f"{folder}: trains {extra[0].removeprefix(PREFIX)} whole (modules_to_save "
+                         f"{config.get('modules_to_save')}), which lora.train does not train; add its module to "
+                         "lora.train (our module names)")
+    return adapters
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor, key: str, folder: str | Path) -> None:
+    if dest.shape != src.shape:
+        raise ValueError(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs {tuple(dest.shape)}")
+    dest.copy_(src)
+
+
+def _check_layer_patterns(model: nn.Module, paths: dict[str, str], config: dict[str, Any], folder: str | Path
+                          ) -> None:
+    """The folder's rank and alpha of each adapted linear layer (its ``rank_pattern`` /
+    ``alpha_pattern`` read as PEFT reads them) equal the model's; ValueError naming the layers and
+    the ``lora.rank_pattern`` / ``lora.alpha_pattern`` that would make them equal."""
+    wrong, want_ranks, want_alphas = [], {}, {}
+    for path, module, _ in adapted_modules(model):
+        if not isinstance(module, LoRALinear):
+            continue
+        target = paths[_join(path, "weight")]
+        rank = _pattern_value(config.get("rank_pattern") or {}, target, config.get("r"))
+        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, target, config.get("lora_alpha")))
+        if rank != config.get("r"):
+            want_ranks[path] = rank
+        if alpha != float(config.get("lora_alpha")):
+            want_alphas[path] = alpha
+        if (rank, alpha) != (module.lora_A.shape[0], module.alpha):
+            wrong.append(f"{path} (folder r={rank}, alpha={alpha:g}; recipe r={module.lora_A.shape[0]}, "
+                         f"alpha={module.alpha:g})")
+    if wrong:
+        raise ValueError(f"{folder}: its rank_pattern / alpha_pattern give layers another rank or alpha than the "
+                         f"recipe: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; set "
+                         f"lora.rank_pattern: {want_ranks} and lora.alpha_pattern: {want_alphas}")
 
 
 def init_adapters(model: nn.Module, lora: LoraConfig, adapter: HFAdapter | None, model_cfg: Any,

@@ -7,7 +7,9 @@ size or FSDP layout wrote it. The model config comes from the run's resolved
 ``config.yaml`` (two folders up from the checkpoint), unless ``--config`` names another.
 The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(EXPORT_DIR)``. A LoRA
 run's checkpoint is exported merged into its base (``lora_run.py`` rebuilds it); ``--peft DIR``
-writes its adapters as a PEFT folder too.
+writes its adapters as a PEFT folder too, naming its base in ``base_model_name_or_path``: the
+run's ``checkpoint.init_from_hf`` folder when that alone is the base, else the rebuilt base
+(the seeded init, per-part folders), written to ``DIR/base``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from veomni.adapters.lora import merge_lora
+from veomni.adapters.lora import is_adapter_name, merge_lora
 from veomni.adapters.peft_io import export_peft
+from veomni.checkpoint.component_init import WHOLE_MODEL, init_entries
 from veomni.checkpoint.hf_io import save_hf_pretrained
-from veomni.checkpoint.lora_run import load_lora_checkpoint
+from veomni.checkpoint.lora_run import load_lora_checkpoint, rebuild_lora_base
 from veomni.checkpoint.manager import COMPLETE_MARKER, EMA_APP_KEY, list_checkpoints
 from veomni.config.load import load_config
+from veomni.config.schema import RunConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.logging_setup import setup_logging
 
@@ -96,9 +100,26 @@ def export_adapters(checkpoint: Path, out_dir: Path, config_path: Path | None = 
                          f"lora.rank {run_cfg.lora.rank} and model {run_cfg.model.arch!r}")
     model_cfg, model = load_lora_checkpoint(checkpoint, run_cfg)
     diffusers = isinstance(spec.hf_adapter.config_to_hf(model_cfg), Mapping)  # a diffusers config.json
-    export_peft(model, spec.hf_adapter, model_cfg, run_cfg.lora, out_dir, task_type=None if diffusers else "CAUSAL_LM")
+    export_peft(model, spec.hf_adapter, model_cfg, run_cfg.lora, out_dir, base_model=export_base(run_cfg, out_dir),
+                task_type=None if diffusers else "CAUSAL_LM")
     logger.info("exported the adapters of %s -> %s (PEFT)", checkpoint, out_dir)
     return out_dir
+
+
+def export_base(run_cfg: RunConfig, out_dir: Path) -> str:
+    """The base a LoRA run's PEFT folder applies to, as ``base_model_name_or_path``: the run's
+    ``checkpoint.init_from_hf`` folder when it alone loads the base; else the base rebuilt from the
+    recipe (a seeded random init, folders per part) written as a Hugging Face folder to
+    ``out_dir/base``, the lora.train modules at their start (PEFT's ``modules_to_save`` replace them)."""
+    entries = init_entries(run_cfg.checkpoint)
+    if list(entries) == [WHOLE_MODEL]:
+        return str(Path(entries[WHOLE_MODEL]).resolve())
+    model_cfg, model = rebuild_lora_base(run_cfg)
+    base = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
+    tokenizer = Path(run_cfg.data.tokenizer) if run_cfg.data.tokenizer else None
+    folder = save_hf_pretrained(run_cfg.model.arch, model_cfg, base, out_dir / "base", tokenizer_dir=tokenizer)
+    logger.info("the base of %s is no single pretrained folder: written to %s", out_dir, folder)
+    return str(folder.resolve())
 
 
 def export(checkpoint: Path, out_dir: Path, config_path: Path | None = None, with_tokenizer: bool = True) -> Path:

@@ -7,8 +7,11 @@ which names the key. Two more questions only the adapted model answers:
 - ``lora.targets`` / ``lora.train`` reaching into a part the model config freezes itself (an omni
   model's ``model.freeze``) contradicts it: LoRA already freezes every base weight, so the recipe
   must say which it means.
-- ``lora.init_from_peft`` names a PEFT folder of the recipe's rank and alpha, for a family that
-  can map its names.
+- ``lora.init_from_peft`` names a PEFT folder of the recipe's rank, alpha and rslora, for a family
+  that can map its names, with no ``LoraConfig`` option our LoRA does not compute
+  (``veomni/adapters/peft_fields.py``), per-layer patterns where the recipe has them and whole
+  modules (``modules_to_save``) where ``lora.train`` trains some. Which layers they reach is
+  compared when the folder loads (it needs the weights' Hugging Face names).
 - A frozen base that no ``checkpoint.init_from_hf`` / ``checkpoint.init`` entry loads is legitimate
   (tests, recipes, a seeded study): it is the seeded random init, rebuilt from ``train.seed`` on
   every start and resume. The launcher's ``frozen_problems`` refuses that only for what the model
@@ -20,6 +23,7 @@ from __future__ import annotations
 from torch import nn
 
 from veomni.adapters.lora import add_lora, is_adapter_name
+from veomni.adapters.peft_fields import peft_config_problems
 from veomni.adapters.peft_io import read_peft_config
 from veomni.checkpoint.component_init import component_paths, init_entries
 from veomni.config.schema import RunConfig
@@ -52,10 +56,21 @@ def _peft_problems(cfg: RunConfig) -> list[str]:
         config = read_peft_config(folder)
     except (FileNotFoundError, ValueError) as exc:
         return [f"lora.init_from_peft: {exc}"]
-    if (config.get("r"), float(config.get("lora_alpha", 0))) != (cfg.lora.rank, float(cfg.lora.alpha)):
-        return [f"lora.init_from_peft: {folder} has r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
-                f"the recipe has lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha}: make them equal"]
-    return []
+    problems = [f"lora.init_from_peft: {problem}" for problem in peft_config_problems(config, folder)]
+    if (config.get("r"), float(config.get("lora_alpha", 0)), bool(config.get("use_rslora"))) != \
+            (cfg.lora.rank, float(cfg.lora.alpha), cfg.lora.rslora):
+        problems.append(f"lora.init_from_peft: {folder} has r={config.get('r')}, lora_alpha={config.get('lora_alpha')}"
+                        f", use_rslora={bool(config.get('use_rslora'))}; the recipe has lora.rank={cfg.lora.rank}, "
+                        f"lora.alpha={cfg.lora.alpha}, lora.rslora={cfg.lora.rslora}: make them equal")
+    for field, ours in (("rank_pattern", cfg.lora.rank_pattern), ("alpha_pattern", cfg.lora.alpha_pattern)):
+        if bool(config.get(field)) != bool(ours):
+            problems.append(f"lora.init_from_peft: {folder} has {field} {config.get(field) or {}} and the recipe "
+                            f"lora.{field} {ours}: give the recipe the same per-layer values (keys in our module "
+                            "names, patterns as in lora.targets)")
+    if config.get("modules_to_save") and not cfg.lora.train:
+        problems.append(f"lora.init_from_peft: {folder} trains {config['modules_to_save']} whole (modules_to_save); "
+                        "name those modules in lora.train (our module names) to load and train them")
+    return problems
 
 
 def check_lora(model: nn.Module, cfg: RunConfig) -> tuple[list[str], list[str]]:

@@ -37,7 +37,24 @@ def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
         return None
     return {"arch": cfg.model.arch, "seed": cfg.train.seed, "pretrained": init_entries(cfg.checkpoint),
             "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
-                     "train": list(cfg.lora.train)}}
+                     "train": list(cfg.lora.train),
+                     # recorded only when set: the checkpoints of runs without them still resume
+                     **{k: v for k, v in (("rank_pattern", cfg.lora.rank_pattern),
+                                          ("alpha_pattern", cfg.lora.alpha_pattern)) if v}}}
+
+
+def rebuild_lora_base(run_cfg: RunConfig) -> tuple[Any, nn.Module]:
+    """(model config, the adapted CPU model as the run's rank 0 built it before its first step): the
+    seeded init, the pretrained folders over it, PEFT's adapter init (no ``lora.init_from_peft``)."""
+    load_plugins(run_cfg.model.plugins)
+    spec = get_model_spec(run_cfg.model.arch)
+    model_cfg = build_config(run_cfg.model.arch, run_cfg.model.options)
+    torch.manual_seed(run_cfg.train.seed)  # the base exactly as the run's rank 0 built it
+    model = adapted_model(functools.partial(spec.instantiate, model_cfg), run_cfg.lora)
+    model.init_weights()
+    load_components(model, init_entries(run_cfg.checkpoint), is_adapter_name)
+    init_adapters(model, run_cfg.lora, spec.hf_adapter, model_cfg, resuming=True)
+    return model_cfg, model
 
 
 def load_lora_checkpoint(checkpoint: Path, run_cfg: RunConfig, averaged: set[str] = frozenset()
@@ -49,14 +66,7 @@ def load_lora_checkpoint(checkpoint: Path, run_cfg: RunConfig, averaged: set[str
     if saved != frozen_base(run_cfg):
         raise ValueError(f"{checkpoint} was trained on the base {saved}, but its run config describes "
                          f"{frozen_base(run_cfg)}: pass the run's own config.yaml")
-    load_plugins(run_cfg.model.plugins)
-    spec = get_model_spec(run_cfg.model.arch)
-    model_cfg = build_config(run_cfg.model.arch, run_cfg.model.options)
-    torch.manual_seed(run_cfg.train.seed)  # the base exactly as the run's rank 0 built it
-    model = adapted_model(functools.partial(spec.instantiate, model_cfg), run_cfg.lora)
-    model.init_weights()
-    load_components(model, init_entries(run_cfg.checkpoint), is_adapter_name)
-    init_adapters(model, run_cfg.lora, spec.hf_adapter, model_cfg, resuming=True)
+    model_cfg, model = rebuild_lora_base(run_cfg)
     trained = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     state: dict[str, Any] = {"model": {k: v for k, v in trained.items() if k not in averaged}}
     if averaged:

@@ -291,6 +291,11 @@ class LoraConfig:
     alpha: float = 16.0
     """The adapters' output is scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with ``rslora``)."""
     rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Per-layer ranks, PEFT's ``rank_pattern``: pattern (as in ``targets``) -> rank; the first key
+    matching an adapted linear layer gives its rank, the others take ``rank``."""
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    """Per-layer alphas, PEFT's ``alpha_pattern``, as ``rank_pattern``."""
     dropout: float = 0.0
     """Dropout on the adapters' input (training only)."""
     targets: list[str] = field(default_factory=list)
