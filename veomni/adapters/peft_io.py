@@ -29,6 +29,7 @@ from veomni.adapters.lora import ExpertLoRA, LoRALinear, init_lora, is_adapter_n
 from veomni.config.schema import LoraConfig
 from veomni.contract import HFAdapter
 from veomni.contract.hooks import AdaptableExperts
+from veomni.errors import BadCheckpoint, BadConfig, MissingInput
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +139,13 @@ def read_peft_config(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder} is not a PEFT adapter folder: {name} is missing")
+            raise MissingInput(f"{folder} is not a PEFT adapter folder: {name} is missing")
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{folder / CONFIG_FILE} is not valid JSON ({exc})") from None
+        raise BadCheckpoint(f"{folder / CONFIG_FILE} is not valid JSON ({exc})") from None
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise BadCheckpoint(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
     return config
 
 
@@ -154,7 +155,7 @@ def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
     try:
         return config, load_file(str(Path(folder) / WEIGHTS_FILE))
     except SafetensorError as exc:
-        raise ValueError(f"{Path(folder) / WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
+        raise BadCheckpoint(f"{Path(folder) / WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
 
 
 @torch.no_grad()
@@ -164,7 +165,7 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
     config, tensors = read_peft(folder)
     if (config.get("r"), float(config.get("lora_alpha", 0)), bool(config.get("use_rslora"))) != \
             (lora.rank, float(lora.alpha), lora.rslora):
-        raise ValueError(f"{folder}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
+        raise BadCheckpoint(f"{folder}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
                          f"use_rslora={config.get('use_rslora')} but the recipe has lora.rank={lora.rank}, "
                          f"lora.alpha={lora.alpha}, lora.rslora={lora.rslora}: make them equal")
     tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
@@ -179,7 +180,7 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
             keys = (f"{PREFIX}{owner}.lora_A.weight", f"{PREFIX}{owner}.lora_B.weight")
             missing = [k for k in keys if k not in tensors]
             if missing:
-                raise ValueError(f"{folder}: no adapter for {_join(path, weight)} (looked for {missing[0]}); the "
+                raise BadCheckpoint(f"{folder}: no adapter for {_join(path, weight)} (looked for {missing[0]}); the "
                                  "folder's targets must include every module lora.targets selects")
             a, b = tensors[keys[0]], tensors[keys[1]]
             if grouped:
@@ -191,13 +192,13 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
                 dest_a, dest_b = module.lora_A, module.lora_B
             for dest, src, key in ((dest_a, a, keys[0]), (dest_b, b, keys[1])):
                 if dest.shape != src.shape:
-                    raise ValueError(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs "
+                    raise BadCheckpoint(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs "
                                      f"{tuple(dest.shape)}")
                 dest.copy_(src)
             used.update(keys)
     extra = sorted(set(tensors) - used)
     if extra:
-        raise ValueError(f"{folder}: adapters for modules lora.targets does not select, e.g. {extra[0]}; add "
+        raise BadCheckpoint(f"{folder}: adapters for modules lora.targets does not select, e.g. {extra[0]}; add "
                          "them to lora.targets")
     return len(used) // 2
 
@@ -211,7 +212,7 @@ def init_adapters(model: nn.Module, lora: LoraConfig, adapter: HFAdapter | None,
     lines = [f"LoRA: {init_lora(model)} adapted weights, rank {lora.rank}, scaling {scaling_of(lora):g}"]
     if lora.init_from_peft and not resuming:
         if adapter is None:
-            raise ValueError("lora.init_from_peft: this model family has no Hugging Face adapter to map PEFT names")
+            raise BadConfig("lora.init_from_peft: this model family has no Hugging Face adapter to map PEFT names")
         count = load_peft(model, lora.init_from_peft, adapter, model_cfg, lora)
         lines.append(f"LoRA: {count} adapters loaded from {lora.init_from_peft}")
     return lines

@@ -40,6 +40,13 @@ def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
                      "train": list(cfg.lora.train)}}
 
 
+def loads_pretrained(cfg: RunConfig, resuming: bool) -> bool:
+    """Whether a start of the run loads the pretrained folders (``checkpoint.init_from_hf`` /
+    ``checkpoint.init``): a fresh run does, and a LoRA run at every start, its resumes included (its
+    checkpoints hold no base). The workers load by it and the launcher checks by it."""
+    return not resuming or cfg.lora.rank > 0
+
+
 def load_lora_checkpoint(checkpoint: Path, run_cfg: RunConfig, averaged: set[str] = frozenset()
                          ) -> tuple[Any, nn.Module]:
     """(model config, the adapted CPU model holding the checkpoint's trained values); the entries in

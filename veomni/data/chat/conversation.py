@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from veomni.data.chat.template import ROLES
 from veomni.data.sources import InvalidSampleError
+from veomni.errors import BadData
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
@@ -89,7 +90,7 @@ class TemplateChat:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         problem = missing_template(tokenizer)
         if problem:
-            raise ValueError(problem)
+            raise BadData(problem)
         self.tokenizer = tokenizer
 
     def render(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool, key: str) -> list[int]:
