@@ -166,8 +166,8 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
     if (config.get("r"), float(config.get("lora_alpha", 0)), bool(config.get("use_rslora"))) != \
             (lora.rank, float(lora.alpha), lora.rslora):
         raise BadCheckpoint(f"{folder}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
-                         f"use_rslora={config.get('use_rslora')} but the recipe has lora.rank={lora.rank}, "
-                         f"lora.alpha={lora.alpha}, lora.rslora={lora.rslora}: make them equal")
+                            f"use_rslora={config.get('use_rslora')} but the recipe has lora.rank={lora.rank}, "
+                            f"lora.alpha={lora.alpha}, lora.rslora={lora.rslora}: make them equal")
     tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
                for k, v in tensors.items()}
     paths = hf_paths(model, adapter, model_cfg)
@@ -181,7 +181,7 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
             missing = [k for k in keys if k not in tensors]
             if missing:
                 raise BadCheckpoint(f"{folder}: no adapter for {_join(path, weight)} (looked for {missing[0]}); the "
-                                 "folder's targets must include every module lora.targets selects")
+                                    "folder's targets must include every module lora.targets selects")
             a, b = tensors[keys[0]], tensors[keys[1]]
             if grouped:
                 dest_a, dest_b = getattr(module, f"{weight}_lora_A"), getattr(module, f"{weight}_lora_B")
@@ -193,13 +193,13 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
             for dest, src, key in ((dest_a, a, keys[0]), (dest_b, b, keys[1])):
                 if dest.shape != src.shape:
                     raise BadCheckpoint(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs "
-                                     f"{tuple(dest.shape)}")
+                                        f"{tuple(dest.shape)}")
                 dest.copy_(src)
             used.update(keys)
     extra = sorted(set(tensors) - used)
     if extra:
         raise BadCheckpoint(f"{folder}: adapters for modules lora.targets does not select, e.g. {extra[0]}; add "
-                         "them to lora.targets")
+                            "them to lora.targets")
     return len(used) // 2
 
 

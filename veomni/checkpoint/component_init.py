@@ -42,7 +42,7 @@ def init_entries(cfg: CheckpointConfig) -> dict[str, str]:
     modules before the ones inside them (a nested entry overrides its part of an enclosing one)."""
     if cfg.init_from_hf and WHOLE_MODEL in cfg.init:
         raise BadConfig("checkpoint.init_from_hf and checkpoint.init[''] both name the whole model: "
-                         "keep one")
+                        "keep one")
     entries = {WHOLE_MODEL: cfg.init_from_hf, **cfg.init} if cfg.init_from_hf else dict(cfg.init)
     return dict(sorted(entries.items(), key=lambda item: (item[0] != WHOLE_MODEL, item[0].count("."))))
 
@@ -71,7 +71,7 @@ def find_component(model: nn.Module, path: str) -> nn.Module:
     except AttributeError:
         components = ", ".join(component_paths(model))
         raise BadConfig(f"{_key(path)}: the model has no sub-module '{path}'; its components: {components} "
-                         "(or any sub-module path inside them)") from None
+                        "(or any sub-module path inside them)") from None
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def read_folder(path: str | Path) -> PretrainedFolder:
         return PretrainedFolder(folder, adapter, config)
     if not any(folder.glob("*.safetensors")):
         raise MissingInput(f"{folder} holds neither a {CONFIG_FILE} (a Hugging Face / diffusers folder) "
-                                "nor *.safetensors (weights in our own parameter names)")
+                           "nor *.safetensors (weights in our own parameter names)")
     return PretrainedFolder(folder, None, None)
 
 
@@ -255,7 +255,7 @@ def load_components(model: nn.Module, entries: Mapping[str, str],
         missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
         if missing or unexpected:
             raise BadCheckpoint(f"{_key(path)}: {folder.path} does not hold the parameters of {_label(path)}: "
-                             f"missing {_listed(missing)}; unexpected {_listed(unexpected)}")
+                                f"missing {_listed(missing)}; unexpected {_listed(unexpected)}")
         module.load_state_dict(state, strict=not any(added(name) for name in module.state_dict()))
         lines.append(f"{_label(path)} initialised from {folder.describe()}")
     return lines

@@ -50,7 +50,7 @@ def read_config_json(folder: Path) -> tuple[str, dict[str, Any]]:
     architecture = contents.get("model_type") or contents.get("_class_name")
     if not architecture:
         raise BadCheckpoint(f"{config_file} has neither model_type (transformers) nor _class_name (diffusers): "
-                         "which architecture it holds is unknown")
+                            "which architecture it holds is unknown")
     return architecture, contents
 
 

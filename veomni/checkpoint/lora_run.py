@@ -24,20 +24,11 @@ from veomni.adapters.lora import adapted_model, is_adapter_name
 from veomni.adapters.peft_io import init_adapters
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import COMPLETE_MARKER, EMA_APP_KEY
+from veomni.checkpoint.run_identity import frozen_base
 from veomni.config.schema import RunConfig
 from veomni.contract import build_config, get_model_spec, load_plugins
 
 logger = logging.getLogger(__name__)
-
-
-def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
-    """What rebuilds a LoRA run's frozen base: the model, the seed of its init, the pretrained folders
-    loaded over it and the adapters' shape. None without LoRA."""
-    if cfg.lora.rank <= 0:
-        return None
-    return {"arch": cfg.model.arch, "seed": cfg.train.seed, "pretrained": init_entries(cfg.checkpoint),
-            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
-                     "train": list(cfg.lora.train)}}
 
 
 def loads_pretrained(cfg: RunConfig, resuming: bool) -> bool:

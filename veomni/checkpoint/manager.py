@@ -366,6 +366,6 @@ def load_rank_state(path: Path) -> dict[str, Any]:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise BadCheckpoint(f"{path} holds a pickled object other than tensors and plain values; refusing to load "
-                         f"it, since unpickling it could run code ({str(exc).splitlines()[0]}). A checkpoint "
-                         "written by this project never holds one: take the checkpoint from a source you trust"
-                         ) from None
+                            f"it, since unpickling it could run code ({str(exc).splitlines()[0]}). A checkpoint "
+                            "written by this project never holds one: take the checkpoint from a source you trust"
+                            ) from None

@@ -5,7 +5,7 @@ another kind started in the same folder (LoRA after full fine-tuning, another mo
 another LoRA base) would load a checkpoint that does not fit it: its keys are missing, and every
 worker's ``dcp.load`` fails the same way on every restart. Each checkpoint therefore records the run
 that wrote it (``run_identity``, in ``complete.json``): the model's resolved config and, for a LoRA
-run, its frozen base (``lora_run.frozen_base``: seed, pretrained folders, adapter shape; a full
+run, its frozen base (``frozen_base``: seed, pretrained folders, adapter shape; a full
 run's checkpoint holds every weight, so its init does not matter to a resume).
 
 The launcher compares that record with the recipe before any worker starts (``resume_problems``),
@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from veomni.checkpoint.component_init import init_entries
 from veomni.checkpoint.verify import COMPLETE_MARKER
 from veomni.config.schema import RunConfig
 
@@ -33,11 +34,19 @@ IDENTITY_KEY = "run_identity"
 _SHOWN = 4
 
 
+def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
+    """What rebuilds a LoRA run's frozen base: the model, the seed of its init, the pretrained folders
+    loaded over it and the adapters' shape. None without LoRA."""
+    if cfg.lora.rank <= 0:
+        return None
+    return {"arch": cfg.model.arch, "seed": cfg.train.seed, "pretrained": init_entries(cfg.checkpoint),
+            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
+                     "train": list(cfg.lora.train)}}
+
+
 def run_identity(cfg: RunConfig, model_config: Any) -> dict[str, Any]:
     """The record of the kind of run ``cfg`` is, as JSON values: the model (family and every resolved
     field of ``model_config``) and a LoRA run's frozen base (None for full fine-tuning)."""
-    from veomni.checkpoint.lora_run import frozen_base  # lora_run reads checkpoints through the manager
-
     fields = dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else vars(model_config)
     model = json.loads(json.dumps({"arch": cfg.model.arch, **fields}, default=str))
     return {"model": model, "lora": json.loads(json.dumps(frozen_base(cfg), default=str))}

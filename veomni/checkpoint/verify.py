@@ -90,9 +90,9 @@ def choose_checkpoint(candidates: list[Path], problems: Callable[[Path], list[st
         damaged.append(f"{path.name}: {'; '.join(found)}")
         if explicit:
             raise BadCheckpoint(f"checkpoint.resume={path} is damaged: {'; '.join(found)}. Point checkpoint.resume "
-                             "at another checkpoint, or set it to auto to take the newest intact one")
+                                "at another checkpoint, or set it to auto to take the newest intact one")
     if damaged:
         raise BadCheckpoint(f"no intact checkpoint to resume from under {root}: {' | '.join(damaged)}. Restore "
-                         "the files, delete the damaged folders to start from an older one, or set "
-                         "checkpoint.resume: none to start over")
+                            "the files, delete the damaged folders to start from an older one, or set "
+                            "checkpoint.resume: none to start over")
     return None

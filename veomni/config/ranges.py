@@ -45,7 +45,7 @@ def check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (cfg.data.balance_max_wait >= 1, ("data", "balance_max_wait"), "must be >= 1 step"),
         (cfg.lora.rank >= 0, ("lora", "rank"), "must be >= 0 (0: no adapters, the whole model trains)"),
     ]
-    lora_keys = [key for key in ("targets", "train", "init_from_peft") if f"lora.{key}" in origins]
+    lora_keys = [key for key in ("targets", "train", "init_from_peft") if getattr(cfg.lora, key)]
     if cfg.lora.rank == 0 and lora_keys:  # rank 0 would train the whole model, silently
         rules.append((False, ("lora", lora_keys[0]),
                       "is set but lora.rank is 0, which turns LoRA off and trains the whole model: set lora.rank "

@@ -41,13 +41,13 @@ def run_sources(cfg: DataConfig, split: str) -> list[SourceSpec]:
         return [SourceSpec(split, path or "", 1.0, cfg.format, cfg.text_key)]
     if cfg.train_path:
         raise BadConfig("data.train_path and data.sources are both set: list the train_path folder as one of "
-                         "data.sources (with a weight), or remove data.sources")
+                        "data.sources (with a weight), or remove data.sources")
     specs = []
     for index, source in enumerate(cfg.sources):
         name = source.name or Path(source.path).name.removesuffix(".jsonl") or f"source{index}"
         if source.weight < 0:
             raise BadConfig(f"data.sources[{index}] ({name!r}): weight {source.weight} is negative; weights are "
-                             "shares of the samples, >= 0")
+                            "shares of the samples, >= 0")
         specs.append(SourceSpec(name, source.path, source.weight, source.format or cfg.format,
                                 source.text_key or cfg.text_key))
     names = [s.name for s in specs]

@@ -92,8 +92,8 @@ def manifest_shard_records(path: str | Path) -> dict[str, int]:
         return {str(name): int(count) for name, count in counts.items()}
     except (OSError, ValueError, AttributeError, TypeError) as error:
         raise BadData(f"{file} cannot be read as a builder manifest with shard_records {{\"shard file\": "
-                         f"records}} ({error}); rebuild the split with its builder (data/build_*.py) or fix "
-                         "or remove the manifest") from None
+                      f"records}} ({error}); rebuild the split with its builder (data/build_*.py) or fix "
+                      "or remove the manifest") from None
 
 
 def count_shard_end(stats: ReadStats, file: Path, read: int, expected: int | None,

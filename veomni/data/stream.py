@@ -178,7 +178,7 @@ class SourceStream:
         for _, item in self.decode(record, ref.item_offset, ReadStats()):
             return item
         raise BadData(f"data source {self.name!r}: no item at {self.files.files[ref.file]} byte "
-                         f"{ref.offset} item {ref.item_offset}; the data changed since the checkpoint")
+                      f"{ref.offset} item {ref.item_offset}; the data changed since the checkpoint")
 
     def unconsumed(self, pos: StreamPosition, plans: dict[int, list[Part]], consumer: int, consumers: int,
                    epochs: range) -> dict[int, list[Part]]:

@@ -178,7 +178,7 @@ class MultimodalChatDataset(PackedTextDataset):
         for spec, files in zip(self.specs, self.files):
             if files.fmt != "webdataset":
                 raise BadData(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
-                                 f".tar shards, got {files.fmt}")
+                              f".tar shards, got {files.fmt}")
         self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key, cfg.chat_markup)
                         for spec in self.specs}
 

@@ -65,7 +65,7 @@ def chat_markup(model_config, choice: str) -> ChatMarkup:
     markup = model_config.chat_markup() if choice == "model" else None
     if markup is None:
         raise BadConfig(f"data.chat_markup={choice!r}: expected 'plain', or 'model' for a model family that "
-                         f"declares its chat markup ({type(model_config).__name__} declares none)")
+                        f"declares its chat markup ({type(model_config).__name__} declares none)")
     return markup
 
 
