@@ -23,6 +23,7 @@ from veomni.data.build_loader import dataset_kind_name
 from veomni.data.builders import MANIFEST
 from veomni.data.kinds import get_dataset_kind
 from veomni.data.mixture import run_sources
+from veomni.errors import BadInput
 from veomni.parallel.mesh import LayoutError, ParallelDims
 
 
@@ -189,20 +190,40 @@ def _sample_problems(cfg: RunConfig, spec: Any) -> list[str]:
     return []
 
 
-def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
-    """What is wrong with ``checkpoint.init`` / ``init_from_hf`` for a fresh run, from the folders'
-    config.json against the meta model's sub-modules (no weights are read); and a frozen part nothing
-    loads. A resumed run loads none of them: nothing to check."""
-    from veomni.checkpoint.component_init import check_init, frozen_problems, init_entries
+def _resume_point(cfg: RunConfig) -> tuple[Path | None, list[str]]:
+    """The checkpoint the run would resume (None: a fresh run), by the launcher's cheap check of
+    recorded sizes, and why ``checkpoint.resume`` names none that can be resumed."""
     from veomni.checkpoint.manager import resolve_resume
 
     try:
+        return resolve_resume(cfg.checkpoint.resume, Path(cfg.train.output_dir) / "checkpoints"), []
+    except BadInput as exc:
+        return None, [str(exc)]
+
+
+def _check_pretrained(cfg: RunConfig, model: Any, resumed: Path | None) -> list[str]:
+    """What is wrong with ``checkpoint.init`` / ``init_from_hf``, from the folders' config.json against
+    the meta model's sub-modules (no weights are read); and a frozen part nothing loads. Checked
+    whenever a start loads them (``loads_pretrained``: a fresh run, and a LoRA run's every start)."""
+    from veomni.checkpoint.component_init import check_init, frozen_problems, init_entries
+    from veomni.checkpoint.lora_run import loads_pretrained
+
+    try:
         entries = init_entries(cfg.checkpoint)
-        if resolve_resume(cfg.checkpoint.resume, Path(cfg.train.output_dir) / "checkpoints") is not None:
-            return []
-    except (ValueError, FileNotFoundError) as exc:
+    except BadInput as exc:
         return [str(exc)]
+    if not loads_pretrained(cfg, resuming=resumed is not None):
+        return []
     return check_init(model, entries) + frozen_problems(model, entries)
+
+
+def _check_resume(cfg: RunConfig, model_cfg: Any, model: Any, resumed: Path | None) -> list[str]:
+    """A checkpoint the run would resume that another kind of run wrote (full or LoRA, another model,
+    another LoRA base), refused before a worker fails to load it (``veomni/checkpoint/run_identity.py``).
+    ``model``: the meta model, adapted by ``_check_lora``."""
+    from veomni.checkpoint.run_identity import resume_problems
+
+    return [] if resumed is None else resume_problems(resumed, cfg, model_cfg, model)
 
 
 def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
@@ -273,11 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model_cfg, model, problems = _validate_model(cfg)
     if model is not None:  # a recipe with other problems builds nothing
+        resumed, resume_errors = _resume_point(cfg)
         init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)
-        problems += init_problems
+        problems += resume_errors + init_problems
         if not built_later:
-            problems += _check_pretrained(cfg, model)
+            problems += _check_pretrained(cfg, model, resumed)
         problems += _check_lora(cfg, model)
+        if not problems:  # the model and its adapters are what the recipe says: compare the checkpoint's
+            problems += _check_resume(cfg, model_cfg, model, resumed)
     problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start
         return _fail(problems)

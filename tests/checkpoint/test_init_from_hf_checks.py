@@ -108,3 +108,25 @@ def test_a_differing_folder_is_refused(workdir, tmp_path, case_id, config_class,
         assert re.search(rf"config error: checkpoint\.init_from_hf: .*{needle}", output), output
         assert "Traceback" not in output
     assert results[0][1] == results[1][1], "a dry run must fail with the real run's message"
+
+
+FINE_TUNING = {"lora": ["--lora.rank", "4"], "chat-lora": ["--data.kind", "chat_text", "--lora.rank", "4"],
+               "chat-lora-targets": ["--data.kind", "chat_text", "--lora.rank", "4", "--lora.targets", "[q_proj]"]}
+"""The fine-tuning recipes a user walks: the same folder checks must hold for each (a LoRA / chat
+plan once showed a default model while the launch refused the folder)."""
+
+
+@pytest.mark.parametrize("variant", sorted(FINE_TUNING))
+@pytest.mark.parametrize("case_id", ["rope-theta", "family", "dense-folder-moe-recipe"])
+def test_a_differing_folder_is_refused_for_lora_and_chat_alike(workdir, tmp_path, case_id, variant, monkeypatch,
+                                                               capsys):
+    _, config_class, kwargs, flags, needle = next(case for case in DIFFERENCES if case[0] == case_id)
+    monkeypatch.chdir(workdir)
+    folder = tmp_path / "hf"
+    config_class(**kwargs).save_pretrained(folder)
+    results = launch_both_modes(workdir / "r.yaml", [*flags, *FINE_TUNING[variant], "--checkpoint.init_from_hf",
+                                                     str(folder)], capsys)
+    for status, output in results:
+        assert status == 2 and "Traceback" not in output, output
+        assert re.search(rf"config error: checkpoint\.init_from_hf: .*{needle}", output), output
+    assert results[0][1] == results[1][1], "a dry run must fail with the real run's message"

@@ -137,6 +137,14 @@ CASES = [
     ("empty-init-folder", [], ["--checkpoint.init_from_hf", "corpus"], r"checkpoint\.init_from_hf: .*holds neither"),
     ("init-unknown-module", [], ["--checkpoint.init.vision", "corpus"], r"checkpoint\.init\.vision: the model has no"),
     ("bad-override-flag", [], ["train.lr", "1"], r"unexpected argument 'train\.lr'"),
+    # fine-tuning recipes: LoRA, chat, a pretrained folder (the plan checks what the launch checks)
+    ("lora-rank-zero", [], ["--lora.targets", "[q_proj]"], r"lora\.targets is set but lora\.rank is 0"),
+    ("lora-target-matches-nothing", [], ["--lora.rank", "4", "--lora.targets", "[nonexistent_proj]"],
+     r"lora\.targets.*nonexistent_proj"),
+    ("lora-missing-init-from-hf", [], ["--lora.rank", "4", "--checkpoint.init_from_hf", "/nonexistent/qwen3"],
+     r"checkpoint\.init_from_hf: folder does not exist: /nonexistent/qwen3"),
+    ("chat-lora-empty-init-folder", [], ["--data.kind", "chat_text", "--lora.rank", "4", "--checkpoint.init_from_hf",
+                                         "corpus"], r"checkpoint\.init_from_hf: .*holds neither"),
 ]
 
 

@@ -86,6 +86,21 @@ def test_wrong_types_are_rejected(tmp_path, override, needle):
         load_config(write(tmp_path), override)
 
 
+def test_lora_rank_zero_with_lora_keys_is_refused(tmp_path):
+    """``lora.rank: 0`` turns LoRA off: with targets (or train, init_from_peft) it would silently train
+    the whole model, so it is refused naming the key; rank 0 alone, or no lora section, trains it."""
+    recipe = write(tmp_path / "lora", RECIPE + "lora:\n  rank: 8\n  targets: [q_proj, v_proj]\n")
+    with pytest.raises(ConfigError, match=r"r\.yaml:\d+: lora\.targets is set but lora\.rank is 0, which turns LoRA "
+                                          r"off and trains the whole model: set lora\.rank > 0"):
+        load_config(recipe, ["--lora.rank", "0"])
+    with pytest.raises(ConfigError, match=r"lora\.train is set but lora\.rank is 0"):
+        load_config(write(tmp_path), ["--lora.train", "[head]"])
+    with pytest.raises(ConfigError, match=r"lora\.rank must be >= 0"):
+        load_config(recipe, ["--lora.rank", "-1"])
+    assert load_config(recipe).lora.rank == 8
+    assert load_config(write(tmp_path), ["--lora.rank", "0"]).lora.rank == 0
+
+
 def test_unknown_arch_lists_known(tmp_path):
     with pytest.raises(ConfigError, match="llm"):
         load_config(write(tmp_path, RECIPE.replace("arch: llm", "arch: nope")))

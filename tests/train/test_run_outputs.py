@@ -42,6 +42,18 @@ def test_every_eval_is_logged_and_plotted(tmp_path, caplog):
     assert (214, 39, 40) in colours and (31, 119, 180) in colours
 
 
+def test_a_single_eval_draws_every_series_the_legend_names(tmp_path):
+    """After one eval, the eval loss and its baseline are one point each: both are drawn."""
+    reporter = MetricsReporter(tmp_path, LogConfig(progress_bar=False, interval=1000), {}, 10, 0, enabled=True)
+    reporter.log(1, {"loss": 6.0, "tokens_per_s": 1.0, "mfu": 0.1})
+    reporter.log(2, {"loss": 5.0, "tokens_per_s": 1.0, "mfu": 0.1, "eval_loss": 5.5, "eval_baseline": 6.5})
+    reporter.close()
+    with Image.open(tmp_path / "loss.png") as image:
+        plot = image.crop((70, 30, 870, 470))  # inside the frame: the legend below it is text in every colour
+        colours = {colour for _, colour in plot.getcolors(maxcolors=100_000)}
+    assert {(31, 119, 180), (214, 39, 40), (120, 120, 120)} <= colours
+
+
 def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_peak.CACHE_ENV, str(tmp_path))
     first, how_first = cpu_peak.cached_cpu_peak_flops()

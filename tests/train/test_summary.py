@@ -148,6 +148,19 @@ def test_summary_says_when_the_model_is_not_below_the_baseline():
     assert "eval loss     none" in format_summary(_summary(eval_loss=None, baseline=None))
 
 
+def test_summary_says_why_there_is_no_eval_loss():
+    """An interrupted run with data.eval_path set ran no eval yet: not 'eval_path is unset'."""
+    def why(**changes) -> str:
+        text = format_summary(_summary(eval_loss=None, baseline=None, **changes))
+        return next(line for line in text.splitlines() if line.startswith("eval loss"))
+
+    assert why(eval_set=True, stopped="SIGTERM at step 107 of 400") == \
+        "eval loss     none (no eval ran before the stop at step 107)"
+    assert why(eval_set=False, stopped="SIGTERM at step 107 of 400") == \
+        "eval loss     none (no eval batches: data.eval_path is unset)"
+    assert why(eval_set=True) == "eval loss     none (no eval batches: the data.eval_path split gave none)"
+
+
 def test_summary_lists_the_tasks_other_eval_metrics():
     text = format_summary(_summary(eval_metrics={"accuracy": 0.83217, "test_accuracy": 0.845}))
     assert "\neval metrics  accuracy 0.8322, test_accuracy 0.845\ntrain loss" in text

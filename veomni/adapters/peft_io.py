@@ -36,6 +36,7 @@ from veomni.adapters.peft_fields import peft_config_problems
 from veomni.config.schema import LoraConfig
 from veomni.contract import HFAdapter
 from veomni.contract.hooks import AdaptableExperts
+from veomni.errors import BadCheckpoint, BadConfig, MissingInput
 
 logger = logging.getLogger(__name__)
 
@@ -189,13 +190,13 @@ def read_peft_config(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder} is not a PEFT adapter folder: {name} is missing")
+            raise MissingInput(f"{folder} is not a PEFT adapter folder: {name} is missing")
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{folder / CONFIG_FILE} is not valid JSON ({exc})") from None
+        raise BadCheckpoint(f"{folder / CONFIG_FILE} is not valid JSON ({exc})") from None
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise BadCheckpoint(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
     return config
 
 
@@ -205,22 +206,22 @@ def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
     try:
         return config, load_file(str(Path(folder) / WEIGHTS_FILE))
     except SafetensorError as exc:
-        raise ValueError(f"{Path(folder) / WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
+        raise BadCheckpoint(f"{Path(folder) / WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
 
 
 @torch.no_grad()
 def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cfg: Any, lora: LoraConfig) -> int:
     """Copy a PEFT folder's adapters into ``model``'s (same rank, alpha, targets); returns how many
-    weights were loaded. ValueError naming each mismatch."""
+    weights were loaded. BadCheckpoint naming each mismatch."""
     config, tensors = read_peft(folder)
     problems = peft_config_problems(config, str(folder))
     if problems:
-        raise ValueError("; ".join(problems))
+        raise BadCheckpoint("; ".join(problems))
     if (config.get("r"), float(config.get("lora_alpha", 0)), bool(config.get("use_rslora"))) != \
             (lora.rank, float(lora.alpha), lora.rslora):
-        raise ValueError(f"{folder}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
-                         f"use_rslora={config.get('use_rslora')} but the recipe has lora.rank={lora.rank}, "
-                         f"lora.alpha={lora.alpha}, lora.rslora={lora.rslora}: make them equal")
+        raise BadCheckpoint(f"{folder}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
+                               f"use_rslora={config.get('use_rslora')} but the recipe has lora.rank={lora.rank}, "
+                               f"lora.alpha={lora.alpha}, lora.rslora={lora.rslora}: make them equal")
     tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
                for k, v in tensors.items()}
     paths = hf_paths(model, adapter, model_cfg)
@@ -234,8 +235,8 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
             keys = (f"{PREFIX}{owner}.lora_A.weight", f"{PREFIX}{owner}.lora_B.weight")
             missing = [k for k in keys if k not in tensors]
             if missing:
-                raise ValueError(f"{folder}: no adapter for {_join(path, weight)} (looked for {missing[0]}); the "
-                                 "folder's targets must include every module lora.targets selects")
+                raise BadCheckpoint(f"{folder}: no adapter for {_join(path, weight)} (looked for {missing[0]}); the "
+                                       "folder's targets must include every module lora.targets selects")
             a, b = tensors[keys[0]], tensors[keys[1]]
             if grouped:
                 dest_a, dest_b = getattr(module, f"{weight}_lora_A"), getattr(module, f"{weight}_lora_B")
@@ -257,25 +258,25 @@ def load_peft(model: nn.Module, folder: str | Path, adapter: HFAdapter, model_cf
     extra = sorted(set(tensors) - used)
     unselected = [k for k in extra if is_adapter_name(k.removesuffix(".weight"))]
     if unselected:
-        raise ValueError(f"{folder}: adapters for modules lora.targets does not select, e.g. {unselected[0]}; add "
-                         "them to lora.targets")
+        raise BadCheckpoint(f"{folder}: adapters for modules lora.targets does not select, e.g. {unselected[0]}; add "
+                            "them to lora.targets")
     if extra:
-        raise ValueError(f"{folder}: trains {extra[0].removeprefix(PREFIX)} whole (modules_to_save "
-                         f"{config.get('modules_to_save')}), which lora.train does not train; add its module to "
-                         "lora.train (our module names)")
+        raise BadCheckpoint(f"{folder}: trains {extra[0].removeprefix(PREFIX)} whole (modules_to_save "
+                            f"{config.get('modules_to_save')}), which lora.train does not train; add its module to "
+                            "lora.train (our module names)")
     return adapters
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor, key: str, folder: str | Path) -> None:
     if dest.shape != src.shape:
-        raise ValueError(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs {tuple(dest.shape)}")
+        raise BadCheckpoint(f"{folder}: {key} has shape {tuple(src.shape)}, the model needs {tuple(dest.shape)}")
     dest.copy_(src)
 
 
 def _check_layer_patterns(model: nn.Module, paths: dict[str, str], config: dict[str, Any], folder: str | Path
                           ) -> None:
     """The folder's rank and alpha of each adapted linear layer (its ``rank_pattern`` /
-    ``alpha_pattern`` read as PEFT reads them) equal the model's; ValueError naming the layers and
+    ``alpha_pattern`` read as PEFT reads them) equal the model's; BadCheckpoint naming the layers and
     the ``lora.rank_pattern`` / ``lora.alpha_pattern`` that would make them equal."""
     wrong, want_ranks, want_alphas = [], {}, {}
     for path, module, _ in adapted_modules(model):
@@ -292,9 +293,9 @@ def _check_layer_patterns(model: nn.Module, paths: dict[str, str], config: dict[
             wrong.append(f"{path} (folder r={rank}, alpha={alpha:g}; recipe r={module.lora_A.shape[0]}, "
                          f"alpha={module.alpha:g})")
     if wrong:
-        raise ValueError(f"{folder}: its rank_pattern / alpha_pattern give layers another rank or alpha than the "
-                         f"recipe: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; set "
-                         f"lora.rank_pattern: {want_ranks} and lora.alpha_pattern: {want_alphas}")
+        raise BadCheckpoint(f"{folder}: its rank_pattern / alpha_pattern give layers another rank or alpha than the "
+                            f"recipe: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; set "
+                            f"lora.rank_pattern: {want_ranks} and lora.alpha_pattern: {want_alphas}")
 
 
 def init_adapters(model: nn.Module, lora: LoraConfig, adapter: HFAdapter | None, model_cfg: Any,
@@ -306,7 +307,7 @@ def init_adapters(model: nn.Module, lora: LoraConfig, adapter: HFAdapter | None,
     lines = [f"LoRA: {init_lora(model)} adapted weights, rank {lora.rank}, scaling {scaling_of(lora):g}"]
     if lora.init_from_peft and not resuming:
         if adapter is None:
-            raise ValueError("lora.init_from_peft: this model family has no Hugging Face adapter to map PEFT names")
+            raise BadConfig("lora.init_from_peft: this model family has no Hugging Face adapter to map PEFT names")
         count = load_peft(model, lora.init_from_peft, adapter, model_cfg, lora)
         lines.append(f"LoRA: {count} adapters loaded from {lora.init_from_peft}")
     return lines

@@ -31,6 +31,7 @@ from torch import nn
 from veomni.checkpoint.hf_io import CONFIG_FILE, read_hf_config, read_safetensors
 from veomni.config.schema import CheckpointConfig
 from veomni.contract import ConfiguredModule, HFAdapter
+from veomni.errors import BadCheckpoint, BadConfig, MissingInput
 
 WHOLE_MODEL = ""
 _LISTED = 8  # names shown of a long list of parameters
@@ -40,8 +41,8 @@ def init_entries(cfg: CheckpointConfig) -> dict[str, str]:
     """Sub-module path -> folder: ``init_from_hf`` as the whole model's entry, then ``init``, enclosing
     modules before the ones inside them (a nested entry overrides its part of an enclosing one)."""
     if cfg.init_from_hf and WHOLE_MODEL in cfg.init:
-        raise ValueError("checkpoint.init_from_hf and checkpoint.init[''] both name the whole model: "
-                         "keep one")
+        raise BadConfig("checkpoint.init_from_hf and checkpoint.init[''] both name the whole model: "
+                        "keep one")
     entries = {WHOLE_MODEL: cfg.init_from_hf, **cfg.init} if cfg.init_from_hf else dict(cfg.init)
     return dict(sorted(entries.items(), key=lambda item: (item[0] != WHOLE_MODEL, item[0].count("."))))
 
@@ -69,8 +70,8 @@ def find_component(model: nn.Module, path: str) -> nn.Module:
         return model.get_submodule(path)
     except AttributeError:
         components = ", ".join(component_paths(model))
-        raise ValueError(f"{_key(path)}: the model has no sub-module '{path}'; its components: {components} "
-                         "(or any sub-module path inside them)") from None
+        raise BadConfig(f"{_key(path)}: the model has no sub-module '{path}'; its components: {components} "
+                        "(or any sub-module path inside them)") from None
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,13 @@ def read_folder(path: str | Path) -> PretrainedFolder:
     ValueError saying what is wrong with it."""
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} does not exist or is not a folder")
+        raise MissingInput(f"{folder} does not exist or is not a folder")
     if (folder / CONFIG_FILE).is_file():
         adapter, config = read_hf_config(folder)
         return PretrainedFolder(folder, adapter, config)
     if not any(folder.glob("*.safetensors")):
-        raise FileNotFoundError(f"{folder} holds neither a {CONFIG_FILE} (a Hugging Face / diffusers folder) "
-                                "nor *.safetensors (weights in our own parameter names)")
+        raise MissingInput(f"{folder} holds neither a {CONFIG_FILE} (a Hugging Face / diffusers folder) "
+                           "nor *.safetensors (weights in our own parameter names)")
     return PretrainedFolder(folder, None, None)
 
 
@@ -248,13 +249,13 @@ def load_components(model: nn.Module, entries: Mapping[str, str],
         folder = read_folder(folder_path)
         problems = config_problems(path, module, folder)
         if problems:
-            raise ValueError("\n".join(problems))
+            raise BadCheckpoint("\n".join(problems))
         state = folder.state_dict()
         expected = {name for name in module.state_dict() if not added(name)}
         missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
         if missing or unexpected:
-            raise ValueError(f"{_key(path)}: {folder.path} does not hold the parameters of {_label(path)}: "
-                             f"missing {_listed(missing)}; unexpected {_listed(unexpected)}")
+            raise BadCheckpoint(f"{_key(path)}: {folder.path} does not hold the parameters of {_label(path)}: "
+                                f"missing {_listed(missing)}; unexpected {_listed(unexpected)}")
         module.load_state_dict(state, strict=not any(added(name) for name in module.state_dict()))
         lines.append(f"{_label(path)} initialised from {folder.describe()}")
     return lines

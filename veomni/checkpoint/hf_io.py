@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from veomni.contract import HFAdapter, get_model_spec, hf_adapter_for_model_type, spec_for_hf_model_type
+from veomni.errors import BadCheckpoint, BadConfig, MissingInput
 
 CONFIG_FILE = "config.json"
 TRANSFORMERS_WEIGHTS = "model"
@@ -44,12 +45,12 @@ def read_config_json(folder: Path) -> tuple[str, dict[str, Any]]:
     (transformers) or ``_class_name`` (diffusers). FileNotFoundError / ValueError say what is missing."""
     config_file = folder / CONFIG_FILE
     if not config_file.is_file():
-        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}; is it a Hugging Face model folder?")
+        raise MissingInput(f"{folder} has no {CONFIG_FILE}; is it a Hugging Face model folder?")
     contents = json.loads(config_file.read_text())
     architecture = contents.get("model_type") or contents.get("_class_name")
     if not architecture:
-        raise ValueError(f"{config_file} has neither model_type (transformers) nor _class_name (diffusers): "
-                         "which architecture it holds is unknown")
+        raise BadCheckpoint(f"{config_file} has neither model_type (transformers) nor _class_name (diffusers): "
+                            "which architecture it holds is unknown")
     return architecture, contents
 
 
@@ -84,7 +85,7 @@ def _weight_files(folder: Path) -> list[Path]:
         return [folder / name for name in sorted(set(weight_map.values()))]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights (pytorch_model.bin is not supported)")
+        raise MissingInput(f"{folder} has no *.safetensors weights (pytorch_model.bin is not supported)")
     return files
 
 
@@ -106,7 +107,7 @@ def save_hf_pretrained(
     """
     spec = get_model_spec(arch_name)
     if spec.hf_adapter is None:
-        raise ValueError(f"model {arch_name!r} has no Hugging Face adapter")
+        raise BadConfig(f"model {arch_name!r} has no Hugging Face adapter")
     out = Path(out_dir)
     hf_sd = _standalone_tensors(spec.hf_adapter.state_dict_to_hf(state_dict, config))
     hf_config = spec.hf_adapter.config_to_hf(config)
@@ -173,7 +174,7 @@ def _save_shards(sd: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int
 def _copy_tokenizer(src: Path, dst: Path) -> None:
     """Copy the tokenizer files of ``src`` (which may be a whole HF model folder)."""
     if not src.is_dir():
-        raise FileNotFoundError(f"tokenizer folder {src} does not exist")
+        raise MissingInput(f"tokenizer folder {src} does not exist")
     for file in src.iterdir():
         if (
             file.is_file()

@@ -24,23 +24,18 @@ from veomni.adapters.lora import adapted_model, is_adapter_name
 from veomni.adapters.peft_io import init_adapters
 from veomni.checkpoint.component_init import init_entries, load_components
 from veomni.checkpoint.manager import COMPLETE_MARKER, EMA_APP_KEY
+from veomni.checkpoint.run_identity import frozen_base
 from veomni.config.schema import RunConfig
 from veomni.contract import build_config, get_model_spec, load_plugins
 
 logger = logging.getLogger(__name__)
 
 
-def frozen_base(cfg: RunConfig) -> dict[str, Any] | None:
-    """What rebuilds a LoRA run's frozen base: the model, the seed of its init, the pretrained folders
-    loaded over it and the adapters' shape. None without LoRA."""
-    if cfg.lora.rank <= 0:
-        return None
-    return {"arch": cfg.model.arch, "seed": cfg.train.seed, "pretrained": init_entries(cfg.checkpoint),
-            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
-                     "train": list(cfg.lora.train),
-                     # recorded only when set: the checkpoints of runs without them still resume
-                     **{k: v for k, v in (("rank_pattern", cfg.lora.rank_pattern),
-                                          ("alpha_pattern", cfg.lora.alpha_pattern)) if v}}}
+def loads_pretrained(cfg: RunConfig, resuming: bool) -> bool:
+    """Whether a start of the run loads the pretrained folders (``checkpoint.init_from_hf`` /
+    ``checkpoint.init``): a fresh run does, and a LoRA run at every start, its resumes included (its
+    checkpoints hold no base). The workers load by it and the launcher checks by it."""
+    return not resuming or cfg.lora.rank > 0
 
 
 def rebuild_lora_base(run_cfg: RunConfig) -> tuple[Any, nn.Module]:

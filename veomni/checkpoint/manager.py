@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from veomni.checkpoint.run_identity import key_problems, mismatch_message, stored_shapes
 from veomni.checkpoint.verify import (
     COMPLETE_MARKER,
     FILES_KEY,
@@ -59,6 +60,7 @@ from veomni.checkpoint.verify import (
     share,
     size_problems,
 )
+from veomni.errors import BadCheckpoint, MissingInput
 from veomni.parallel.pipeline.stage_optimizers import StageOptimizers
 
 logger = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ def resume_candidates(resume: str, root: Path, run_id: str | None = None) -> tup
         return own + [path for path in newest_first if path not in own], False
     path = Path(resume)
     if not (path / COMPLETE_MARKER).is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"checkpoint.resume={resume}: not a complete checkpoint (no {COMPLETE_MARKER}); "
             f"complete ones under {root}: {[p.name for _, p in list_checkpoints(root)] or 'none'}"
         )
@@ -302,9 +304,13 @@ class CheckpointManager:
         models, optims = _stage_state(model, optimizer, self.trainable_only)
         state = {"model": _union(models), "optim": _union(optims), "app": app_state}
         twins: dict[str, list[tuple[str, Any, str]]] = {}
+        stored = stored_shapes(path)
         if tied:
-            stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-            twins = {section: _read_through(state[section], section, stored, tied) for section in ("model", "optim")}
+            twins = {section: _read_through(state[section], section, set(stored), tied)
+                     for section in ("model", "optim")}
+        wanted = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+        if problems := key_problems(path, wanted, stored):  # the same on every rank: stop, never restart
+            raise BadCheckpoint(mismatch_message(path, problems))
         dcp.load(state, checkpoint_id=str(path))
         for section, pairs in twins.items():
             for key, value, twin in pairs:
@@ -359,7 +365,7 @@ def load_rank_state(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise ValueError(f"{path} holds a pickled object other than tensors and plain values; refusing to load "
-                         f"it, since unpickling it could run code ({str(exc).splitlines()[0]}). A checkpoint "
-                         "written by this project never holds one: take the checkpoint from a source you trust"
-                         ) from None
+        raise BadCheckpoint(f"{path} holds a pickled object other than tensors and plain values; refusing to load "
+                            f"it, since unpickling it could run code ({str(exc).splitlines()[0]}). A checkpoint "
+                            "written by this project never holds one: take the checkpoint from a source you trust"
+                            ) from None

@@ -24,6 +24,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from veomni.errors import BadCheckpoint
+
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "complete.json"
@@ -87,10 +89,10 @@ def choose_checkpoint(candidates: list[Path], problems: Callable[[Path], list[st
         logger.warning("checkpoint %s is damaged: %s", path, "; ".join(found))
         damaged.append(f"{path.name}: {'; '.join(found)}")
         if explicit:
-            raise ValueError(f"checkpoint.resume={path} is damaged: {'; '.join(found)}. Point checkpoint.resume "
-                             "at another checkpoint, or set it to auto to take the newest intact one")
+            raise BadCheckpoint(f"checkpoint.resume={path} is damaged: {'; '.join(found)}. Point checkpoint.resume "
+                                "at another checkpoint, or set it to auto to take the newest intact one")
     if damaged:
-        raise ValueError(f"no intact checkpoint to resume from under {root}: {' | '.join(damaged)}. Restore "
-                         "the files, delete the damaged folders to start from an older one, or set "
-                         "checkpoint.resume: none to start over")
+        raise BadCheckpoint(f"no intact checkpoint to resume from under {root}: {' | '.join(damaged)}. Restore "
+                            "the files, delete the damaged folders to start from an older one, or set "
+                            "checkpoint.resume: none to start over")
     return None

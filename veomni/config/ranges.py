@@ -43,7 +43,13 @@ def check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (cfg.data.shuffle_window >= 1, ("data", "shuffle_window"), "must be >= 1 (1 keeps the read order)"),
         (cfg.data.balance_group >= 0, ("data", "balance_group"), "must be >= 0 (0: the ranks of one node)"),
         (cfg.data.balance_max_wait >= 1, ("data", "balance_max_wait"), "must be >= 1 step"),
+        (cfg.lora.rank >= 0, ("lora", "rank"), "must be >= 0 (0: no adapters, the whole model trains)"),
     ]
+    lora_keys = [key for key in ("targets", "train", "init_from_peft") if getattr(cfg.lora, key)]
+    if cfg.lora.rank == 0 and lora_keys:  # rank 0 would train the whole model, silently
+        rules.append((False, ("lora", lora_keys[0]),
+                      "is set but lora.rank is 0, which turns LoRA off and trains the whole model: set lora.rank "
+                      "> 0 (e.g. 8) to train adapters, or remove the lora section to train the whole model"))
     max_positions = cfg.model.options.get("max_position_embeddings")
     if max_positions is not None:
         rules.append((cfg.data.max_seq_len <= max_positions, ("data", "max_seq_len"),

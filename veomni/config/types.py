@@ -15,8 +15,10 @@ import types
 import typing
 from typing import Any, Literal
 
+from veomni.errors import BadConfig
 
-class ConfigError(ValueError):
+
+class ConfigError(BadConfig):
     """A recipe problem the user must fix; the message says what and where."""
 
 

@@ -20,6 +20,7 @@ from veomni.data.resume import ResumableLoader
 from veomni.data.text import packed  # noqa: F401
 from veomni.data.text.packed import load_tokenizer
 from veomni.data.video import clips, frames, latents  # noqa: F401
+from veomni.errors import BadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def build_dataloader(
     if split == "train" and cfg.sources:
         path = ", ".join(source.path for source in cfg.sources)
     if not path:
-        raise ValueError(f"data.{split}_path is not set")
+        raise BadConfig(f"data.{split}_path is not set")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
     dataset = get_dataset_kind(kind).build(DatasetRequest(cfg, path, split, tokenizer, dp_rank, dp_size, seed,

@@ -23,6 +23,7 @@ from veomni.config.schema import DataConfig
 from veomni.data.resume import MERGED_KEY as MERGED_KEY
 from veomni.data.resume import ResumableDataset as ResumableDataset
 from veomni.data.resume import find_dataset_states as find_dataset_states
+from veomni.errors import BadConfig
 
 
 @dataclass(frozen=True)
@@ -85,4 +86,4 @@ def get_dataset_kind(name: str) -> DatasetKind:
     except KeyError:
         close = difflib.get_close_matches(name, list(_KINDS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown dataset kind {name!r}{hint}; registered: {', '.join(sorted(_KINDS))}") from None
+        raise BadConfig(f"unknown dataset kind {name!r}{hint}; registered: {', '.join(sorted(_KINDS))}") from None

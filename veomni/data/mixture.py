@@ -19,6 +19,7 @@ from pathlib import Path
 from veomni.config.schema import DataConfig
 from veomni.data.shards import Piece, ShardFiles
 from veomni.data.sources import manifest_shard_records, resolve_files
+from veomni.errors import BadConfig, MissingInput
 
 
 @dataclass(frozen=True)
@@ -39,22 +40,22 @@ def run_sources(cfg: DataConfig, split: str) -> list[SourceSpec]:
         path = cfg.train_path if split == "train" else cfg.eval_path
         return [SourceSpec(split, path or "", 1.0, cfg.format, cfg.text_key)]
     if cfg.train_path:
-        raise ValueError("data.train_path and data.sources are both set: list the train_path folder as one of "
-                         "data.sources (with a weight), or remove data.sources")
+        raise BadConfig("data.train_path and data.sources are both set: list the train_path folder as one of "
+                        "data.sources (with a weight), or remove data.sources")
     specs = []
     for index, source in enumerate(cfg.sources):
         name = source.name or Path(source.path).name.removesuffix(".jsonl") or f"source{index}"
         if source.weight < 0:
-            raise ValueError(f"data.sources[{index}] ({name!r}): weight {source.weight} is negative; weights are "
-                             "shares of the samples, >= 0")
+            raise BadConfig(f"data.sources[{index}] ({name!r}): weight {source.weight} is negative; weights are "
+                            "shares of the samples, >= 0")
         specs.append(SourceSpec(name, source.path, source.weight, source.format or cfg.format,
                                 source.text_key or cfg.text_key))
     names = [s.name for s in specs]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"data.sources: the name(s) {repeated} are used twice; give each source its own name")
+        raise BadConfig(f"data.sources: the name(s) {repeated} are used twice; give each source its own name")
     if sum(s.weight for s in specs) <= 0:
-        raise ValueError(f"data.sources: the weights of {names} sum to zero; at least one source needs weight > 0")
+        raise BadConfig(f"data.sources: the weights of {names} sum to zero; at least one source needs weight > 0")
     return specs
 
 
@@ -65,7 +66,7 @@ def source_files(spec: SourceSpec, split: str) -> ShardFiles:
         fmt, files = resolve_files(spec.path, spec.format)
     except FileNotFoundError as exc:
         key = f"data.{split}_path" if spec.name == split else f"data.sources ({spec.name!r})"
-        raise FileNotFoundError(f"{key}: {exc}") from None
+        raise MissingInput(f"{key}: {exc}") from None
     return ShardFiles(files, fmt, manifest_shard_records(spec.path))
 
 

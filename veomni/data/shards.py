@@ -26,6 +26,8 @@ from typing import Any, BinaryIO
 
 from webdataset.tariterators import base_plus_ext
 
+from veomni.errors import BadData
+
 FORMATS = ("jsonl", "webdataset")
 BLOCK = tarfile.BLOCKSIZE
 EXTENSION_TYPES = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
@@ -177,7 +179,7 @@ class ShardFiles:
                 offset = member.next_offset
                 if named is not None:
                     if named[1] in sample:
-                        raise ValueError(f"{url}: duplicate file name {member.name!r} in sample {named[0]!r}")
+                        raise BadData(f"{url}: duplicate file name {member.name!r} in sample {named[0]!r}")
                     sample[named[1]] = data
             while stream.read(DRAIN_CHUNK):  # end-of-archive blocks and padding: a whole file reads its size
                 pass

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
 
 from veomni.data.builders import MANIFEST
+from veomni.errors import BadConfig, BadData, BadInput, MissingInput
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,11 @@ MIN_RECORDS_FOR_EARLY_CHECK = 1000
 records among the first dozen say little), and always at the end of a pass."""
 
 
-class BadDataError(RuntimeError):
+class BadDataError(BadInput, RuntimeError):
     """Too large a fraction of the records could not be read."""
 
 
-class InvalidSampleError(ValueError):
+class InvalidSampleError(BadData):
     """A record that reads fine but contradicts itself (e.g. more media placeholders than media):
     a bug in the data's producer that skipping would hide, so it stops the run, naming the sample."""
 
@@ -62,10 +63,10 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[Path]]:
     ``FileNotFoundError`` naming the path when it is missing or holds no data files.
     """
     if fmt not in ("auto", *FORMATS):
-        raise ValueError(f"unknown data format {fmt!r}; expected auto, webdataset or jsonl")
+        raise BadConfig(f"unknown data format {fmt!r}; expected auto, webdataset or jsonl")
     root = Path(path)
     if not path or not root.exists():
-        raise FileNotFoundError(f"data path {path!r} does not exist")
+        raise MissingInput(f"data path {path!r} does not exist")
     suffix_of = {"webdataset": ".tar", "jsonl": ".jsonl"}
     if root.is_file():
         found = {name: [root] for name, suffix in suffix_of.items() if root.suffix == suffix}
@@ -76,7 +77,7 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[Path]]:
         if found.get(name):
             return name, found[name]
     wanted = " or ".join(suffix_of[name] for name in candidates)
-    raise FileNotFoundError(f"data path {path!r} holds no {wanted} files")
+    raise MissingInput(f"data path {path!r} holds no {wanted} files")
 
 
 def manifest_shard_records(path: str | Path) -> dict[str, int]:
@@ -90,9 +91,9 @@ def manifest_shard_records(path: str | Path) -> dict[str, int]:
         counts = json.loads(file.read_text()).get("shard_records", {})
         return {str(name): int(count) for name, count in counts.items()}
     except (OSError, ValueError, AttributeError, TypeError) as error:
-        raise ValueError(f"{file} cannot be read as a builder manifest with shard_records {{\"shard file\": "
-                         f"records}} ({error}); rebuild the split with its builder (data/build_*.py) or fix "
-                         "or remove the manifest") from None
+        raise BadData(f"{file} cannot be read as a builder manifest with shard_records {{\"shard file\": "
+                      f"records}} ({error}); rebuild the split with its builder (data/build_*.py) or fix "
+                      "or remove the manifest") from None
 
 
 def count_shard_end(stats: ReadStats, file: Path, read: int, expected: int | None,

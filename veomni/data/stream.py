@@ -25,6 +25,7 @@ from typing import Any
 
 from veomni.data.shards import Piece, ShardFiles, epoch_pieces
 from veomni.data.sources import ReadStats, check_bad_fraction, count_shard_end
+from veomni.errors import BadData
 
 Part = tuple[Piece, int]
 """A piece of an epoch's plan and the item offset its first record resumes at (a document's token
@@ -159,7 +160,7 @@ class SourceStream:
                 check_bad_fraction(stats, self.max_bad_fraction, self.files.files[-1], end_of_pass=True)
             if self.train and pos.epoch not in self.plans and pos.piece == 0 and pos.offset < 0 \
                     and pos.taken == 0 and not produced:
-                raise ValueError(
+                raise BadData(
                     f"data source {self.name!r}: consumer {self.consumer} of {self.consumers} (data-parallel "
                     f"ranks x loader workers) got no record in a whole epoch: its share of "
                     f"{len(self.files.files)} file(s) holds none; write more, smaller shards or use fewer "
@@ -176,8 +177,8 @@ class SourceStream:
         record = self.files.record_at(ref.file, ref.offset)
         for _, item in self.decode(record, ref.item_offset, ReadStats()):
             return item
-        raise ValueError(f"data source {self.name!r}: no item at {self.files.files[ref.file]} byte "
-                         f"{ref.offset} item {ref.item_offset}; the data changed since the checkpoint")
+        raise BadData(f"data source {self.name!r}: no item at {self.files.files[ref.file]} byte "
+                      f"{ref.offset} item {ref.item_offset}; the data changed since the checkpoint")
 
     def unconsumed(self, pos: StreamPosition, plans: dict[int, list[Part]], consumer: int, consumers: int,
                    epochs: range) -> dict[int, list[Part]]:

@@ -21,11 +21,12 @@ from functools import cached_property
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from veomni.config.schema import ParallelConfig
+from veomni.errors import BadConfig
 from veomni.parallel.context import MeshGroups
 from veomni.parallel.row_split import RowSplit
 
 
-class LayoutError(ValueError):
+class LayoutError(BadConfig):
     """The parallel sizes do not fit the world size; the message says how to fix them."""
 
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from veomni.checkpoint.manager import CheckpointManager
 from veomni.data.resume import own_state, restore_position
+from veomni.errors import BadInput
 from veomni.train.fault.stop import RunStopped
 
 if TYPE_CHECKING:
@@ -98,7 +99,8 @@ def restore(path: Path, checkpoints: CheckpointManager, run: RunState, data: boo
     try:
         app = app_state(run, 0, 0)
         meta, rank_states = checkpoints.load(path, run.parts, run.optimizer, app, run.tied)
-    except ValueError as exc:  # a rank-state file that is not plain data: the same on every rank
+    except BadInput as exc:  # a checkpoint that does not fit this run, or a rank-state file that is not plain
+        # data: the same on every rank
         raise RunStopped(str(exc)) from None
     saved_base, base = meta.get("frozen_base"), checkpoints.layout.get("frozen_base")
     if saved_base != base:

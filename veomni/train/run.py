@@ -2,8 +2,8 @@
 
     python -m veomni.train.run RECIPE.yaml [--section.key VALUE ...]
 
-An error a restart cannot fix (``veomni.train.fault.stop.restart_cannot_fix``: bad data, config or
-checkpoint) stops the run with its message and no traceback; torchrun restarts the group once
+An error a restart cannot fix (``veomni.errors.BadInput``, raised where input is checked: bad data,
+config or checkpoint) stops the run with its message and no traceback; torchrun restarts the group once
 more, and those workers leave at once, before importing torch, on finding the message. A crash
 (a dead peer, a collective that failed) prints its traceback and restarts the group.
 """

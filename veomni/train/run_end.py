@@ -98,6 +98,7 @@ class RunEnd:
                           if k not in ("eval_loss", "eval_baseline", f"eval_loss_{self.unit}s", "eval_samples")},
             stopped=stopped, stage=os.environ.get(STAGE_ENV, ""), mfu_peak=self.peak_source,
             parameters=self.param_counts, lora=self.cfg.lora.rank > 0,
+            eval_set=bool(self.cfg.data.eval_path),
         )
 
     def write_samples(self) -> None:

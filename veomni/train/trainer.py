@@ -27,13 +27,15 @@ import torch.distributed as dist
 from veomni.adapters.lora import is_adapter_name, trainable_counts
 from veomni.adapters.peft_io import init_adapters
 from veomni.checkpoint.component_init import init_entries, load_components
-from veomni.checkpoint.lora_run import frozen_base
+from veomni.checkpoint.lora_run import frozen_base, loads_pretrained
 from veomni.checkpoint.manager import CheckpointManager
+from veomni.checkpoint.run_identity import IDENTITY_KEY, run_identity
 from veomni.config.load import config_to_dict, dump_config
 from veomni.config.schema import RunConfig
 from veomni.contract import build_config, get_model_spec, load_plugins
 from veomni.data.build_loader import run_data
 from veomni.data.feed import build_feed
+from veomni.errors import BadInput
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
@@ -87,13 +89,14 @@ class Trainer(RunEnd):
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
             layout={"world_size": self.dims.world_size, "dp_size": self.dims.dp_size,
-                    "num_workers": cfg.data.num_workers, "run_id": run_id(), "frozen_base": frozen_base(cfg)},
+                    "num_workers": cfg.data.num_workers, "run_id": run_id(), "frozen_base": frozen_base(cfg),
+                    IDENTITY_KEY: run_identity(cfg, self.model_config)},
             trainable_only=cfg.lora.rank > 0,
         )
         try:
             self.resume_path = self.checkpoints.choose_resume(cfg.checkpoint.resume,
                                                               run_id() if restart_attempt() else None)
-        except (ValueError, FileNotFoundError) as exc:  # damaged or missing: the same on every rank
+        except BadInput as exc:  # damaged or missing: the same on every rank
             raise RunStopped(str(exc)) from None
         torch.manual_seed(cfg.train.seed)
         self.param_counts: tuple[int, int] | None = None  # (trainable, all), counted on rank 0's full copy
@@ -159,7 +162,7 @@ class Trainer(RunEnd):
         ``checkpoint.init_from_hf`` (the whole model) and ``checkpoint.init`` (sub-modules); a LoRA
         run loads them at every start (its checkpoints hold only what trains), then its adapters."""
         model.init_weights()
-        if self.resume_path is None or self.cfg.lora.rank > 0:  # a LoRA checkpoint holds no base
+        if loads_pretrained(self.cfg, resuming=self.resume_path is not None):  # a LoRA checkpoint holds no base
             for line in load_components(model, init_entries(self.cfg.checkpoint), is_adapter_name):
                 logger.info(line)
         self.param_counts = trainable_counts(model)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from veomni.data.chat.template import ROLES
 from veomni.data.sources import InvalidSampleError
+from veomni.errors import BadData
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
@@ -110,7 +111,7 @@ class TemplateChat:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         problem = missing_template(tokenizer) or slow_tokenizer(tokenizer)
         if problem:
-            raise ValueError(problem)
+            raise BadData(problem)
         self.tokenizer = tokenizer
         self.marked = GENERATION_MARK.search(tokenizer.get_chat_template()) is not None
 

@@ -42,6 +42,7 @@ from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_with_targets
 from veomni.data.sources import InvalidSampleError, ReadStats, count_bad
 from veomni.data.text.packed import PackedTextDataset, check_sample_length, check_text_data
+from veomni.errors import BadConfig, BadData
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
@@ -75,7 +76,7 @@ class SampleProcessor:
                                 chat_markup(model_config, markup))
         vocab = model_config.vocab_size
         if len(tokenizer) > vocab:
-            raise ValueError(
+            raise BadConfig(
                 f"the tokenizer has {len(tokenizer)} tokens with the placeholders "
                 f"{sorted(self.chat.token_of)}, more than the LLM's vocab_size {vocab}; raise it"
             )
@@ -176,8 +177,8 @@ class MultimodalChatDataset(PackedTextDataset):
         super().__init__(cfg, split, tokenizer, dp_rank, dp_size, seed)
         for spec, files in zip(self.specs, self.files):
             if files.fmt != "webdataset":
-                raise ValueError(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
-                                 f".tar shards, got {files.fmt}")
+                raise BadData(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
+                              f".tar shards, got {files.fmt}")
         self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key, cfg.chat_markup)
                         for spec in self.specs}
 

@@ -29,6 +29,7 @@ from tokenizers import AddedToken
 
 from veomni.contract.media import ChatMarkup, MediaLayout
 from veomni.data.sources import InvalidSampleError
+from veomni.errors import BadConfig, BadData
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
@@ -63,8 +64,8 @@ def chat_markup(model_config, choice: str) -> ChatMarkup:
         return PLAIN
     markup = model_config.chat_markup() if choice == "model" else None
     if markup is None:
-        raise ValueError(f"data.chat_markup={choice!r}: expected 'plain', or 'model' for a model family that "
-                         f"declares its chat markup ({type(model_config).__name__} declares none)")
+        raise BadConfig(f"data.chat_markup={choice!r}: expected 'plain', or 'model' for a model family that "
+                        f"declares its chat markup ({type(model_config).__name__} declares none)")
     return markup
 
 
@@ -96,7 +97,7 @@ class ChatEncoder:
         self.markup = markup
         problems = layout_token_problems(tokenizer, self.layout, markup)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise BadData("; ".join(problems))
         ids = add_placeholder_tokens(tokenizer, self.layout.tokens())
         # the ids closing an answer (targets); its last one is where a generated answer stops
         self.answer_end = [tokenizer.eos_token_id] if markup.answer_end is None else self._text(markup.answer_end)

@@ -41,6 +41,7 @@ from veomni.data.graph.format import GraphData, check_graph, load_graph, read_ma
 from veomni.data.graph.partition import chunk_nodes, metis_binding, partition_nodes
 from veomni.data.graph.views import edge_weights, empty_view, partition_views, split_labels
 from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
+from veomni.errors import BadConfig, BadData
 
 STATE_FORMAT = "veomni.graph.v1"
 
@@ -56,11 +57,11 @@ class GraphDataset(ResumableDataset):
         cfg = request.cfg
         problems = config_problems(cfg, request.model_config)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise BadConfig("; ".join(problems))
         manifest = read_manifest(request.path)
         problems = model_problems(request.path, manifest, request.model_config)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise BadData("; ".join(problems))
         self.split, self.seed, self.cfg = request.split, request.seed, cfg
         self.micro_batches = max(request.micro_batches, 1)
         self.chunk_views, self.whole = _rank_views(
@@ -111,9 +112,9 @@ class GraphDataset(ResumableDataset):
     def check_state(self, state: dict[str, Any], consumers: int | None = None) -> None:
         super().check_state(state, consumers)
         if state["index"] and state["micro_batches"] != self.micro_batches:
-            raise ValueError(f"graph loader state is {state['index']} micro-batches into epoch {state['epoch']} of "
-                             f"{state['micro_batches']}, this run has train.grad_accum={self.micro_batches}; keep "
-                             "the old grad_accum, or resume from a checkpoint taken at an optimizer step")
+            raise BadConfig(f"graph loader state is {state['index']} micro-batches into epoch {state['epoch']} of "
+                            f"{state['micro_batches']}, this run has train.grad_accum={self.micro_batches}; keep "
+                            "the old grad_accum, or resume from a checkpoint taken at an optimizer step")
 
     @classmethod
     def merge_positions(cls, states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -132,7 +133,7 @@ def _prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int
     graph = load_graph(folder)
     problems = check_graph(graph)
     if problems:
-        raise ValueError("the graph cannot be trained on: " + "; ".join(problems))
+        raise BadData("the graph cannot be trained on: " + "; ".join(problems))
     edges, weights = edge_weights(graph.edge_index, graph.num_nodes, norm, graph.edge_weight)
     part = partition_nodes(graph.edge_index, graph.num_nodes, parts, method, seed)
     chunk = chunk_nodes(graph.edge_index, part, parts, chunks, method, seed)

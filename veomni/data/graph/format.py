@@ -37,6 +37,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from veomni.errors import BadData
+
 FORMAT = "veomni-graph/1"
 MANIFEST = "manifest.json"
 TENSORS = "graph.safetensors"
@@ -51,7 +53,7 @@ REBUILD_HINT = ("rewrite the folder: your own graph with veomni.data.graph.write
                 "data.prepare run)")
 
 
-class GraphFormatError(ValueError):
+class GraphFormatError(BadData):
     """A graph folder that cannot be trained on; the message lists every problem found."""
 
 

@@ -30,6 +30,8 @@ import importlib.util
 
 import torch
 
+from veomni.errors import BadConfig
+
 METHODS = ("auto", "metis", "bfs", "index")
 GROWTH_STEPS = 64
 """A ``bfs`` part grows in about this many batches (more: slightly better cuts, slower)."""
@@ -39,10 +41,10 @@ def partition_nodes(edge_index: torch.Tensor, num_nodes: int, parts: int, method
                     seed: int = 0) -> torch.Tensor:
     """Each node's partition in ``[0, parts)``, a LongTensor [num_nodes]."""
     if method not in METHODS:
-        raise ValueError(f"unknown graph partitioner {method!r}; data.graph_partitioner takes {', '.join(METHODS)}")
+        raise BadConfig(f"unknown graph partitioner {method!r}; data.graph_partitioner takes {', '.join(METHODS)}")
     if not 1 <= parts <= max(num_nodes, 1):
-        raise ValueError(f"cannot split {num_nodes} nodes into {parts} partitions: each partition needs a node "
-                         "(use fewer data-parallel ranks or a larger graph)")
+        raise BadConfig(f"cannot split {num_nodes} nodes into {parts} partitions: each partition needs a node "
+                        "(use fewer data-parallel ranks or a larger graph)")
     if parts == 1:
         return torch.zeros(num_nodes, dtype=torch.long)
     if method == "index":

@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from veomni.errors import BadConfig
 from veomni.tasks.base import IGNORE_INDEX
 
 Normalization = Literal["gcn", "mean", "sum"]
@@ -60,7 +61,7 @@ def edge_weights(edge_index: torch.Tensor, num_nodes: int, norm: Normalization,
     elif norm == "sum":
         weight = given_weight
     else:
-        raise ValueError(f"unknown neighbour normalisation {norm!r}; use 'gcn', 'mean' or 'sum'")
+        raise BadConfig(f"unknown neighbour normalisation {norm!r}; use 'gcn', 'mean' or 'sum'")
     return edge_index, weight.float()
 
 

@@ -36,6 +36,7 @@ from veomni.data.resume import check_format, every_consumer
 from veomni.data.shards import ShardFiles
 from veomni.data.sources import ReadStats, count_bad, record_text
 from veomni.data.stream import Part, Ref, SourceStream, StreamPosition
+from veomni.errors import BadConfig, BadData, MissingInput
 
 if TYPE_CHECKING:  # transformers loads in a second: imported where a tokenizer is loaded, not by every run
     from transformers import PreTrainedTokenizerBase
@@ -83,9 +84,9 @@ class PackedTextDataset(ResumableDataset):
     ) -> None:
         problems = check_sample_length(cfg)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise BadConfig("; ".join(problems))
         if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; documents need an end-of-text token")
+            raise BadData("the tokenizer has no eos_token_id; documents need an end-of-text token")
         self.cfg = cfg
         self.split = split
         self.tokenizer = tokenizer
@@ -237,7 +238,7 @@ class PackedTextDataset(ResumableDataset):
         for name, signature in self._files_signature().items():
             saved = state["files"].get(name)
             if saved is not None and list(saved) != signature:
-                raise ValueError(
+                raise BadData(
                     f"data source {name!r} changed since the checkpoint ({saved[0]} files, {saved[1]} bytes then; "
                     f"{signature[0]} files, {signature[1]} bytes now): its saved position would point at other "
                     "records. Restore the files, or give the changed data a new source name"
@@ -299,12 +300,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         or not (folder / "tokenizer.json").is_file()
         and not (folder / "tokenizer_config.json").is_file()
     ):
-        raise FileNotFoundError(f"tokenizer folder {path!r} not found (expected tokenizer.json inside)")
+        raise MissingInput(f"tokenizer folder {path!r} not found (expected tokenizer.json inside)")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {path!r} defines no eos_token")
+        raise BadData(f"tokenizer {path!r} defines no eos_token")
     return tokenizer
 
 

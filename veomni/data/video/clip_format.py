@@ -21,12 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from veomni.errors import BadData
+
 FRAMES_MEMBER = "frames.npy"
 JSON_MEMBER = "json"
 REQUIRED_FIELDS = ("caption", "frames", "height", "width")
 
 
-class CorruptClipError(ValueError):
+class CorruptClipError(BadData):
     """A clip sample that cannot be read or contradicts itself."""
 
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from veomni.errors import BadData
 from veomni.ops.video_patch import grid_positions, patch_grid, patchify
 
 Item = TypeVar("Item")
@@ -62,9 +63,9 @@ def patch_count(shape: Sequence[int], patch: tuple[int, int, int]) -> int:
 def check_fits(key: str, shape: Sequence[int], tokens: int, budget: int) -> None:
     """ValueError naming the sample when its ``tokens`` exceed the row budget."""
     if tokens > budget:
-        raise ValueError(f"sample {key!r} with latent shape {list(shape)} (C, F, H, W) is {tokens} patches, more "
-                         f"than data.tokens_per_micro_batch={budget}: raise the budget to at least {tokens}, or "
-                         "crop or shorten such samples")
+        raise BadData(f"sample {key!r} with latent shape {list(shape)} (C, F, H, W) is {tokens} patches, more "
+                      f"than data.tokens_per_micro_batch={budget}: raise the budget to at least {tokens}, or "
+                      "crop or shorten such samples")
 
 
 def best_fit_rows(samples: Iterable[Item], budget: int, cost: Callable[[Item], int],

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 
 from veomni.data.video.clip_format import Clip
+from veomni.errors import BadData
 
 VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan")
 
 
-class EncoderError(ValueError):
+class EncoderError(BadData):
     """A folder that is not the encoder it should be, or a clip or caption it cannot encode."""
 
 

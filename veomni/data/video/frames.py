@@ -38,6 +38,7 @@ from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, reg
 from veomni.data.packing import greedy_pack
 from veomni.data.sources import ReadStats, count_bad, iter_tar_samples, manifest_shard_records, resolve_files
 from veomni.data.video.clip_format import CorruptClipError, decode_clip
+from veomni.errors import BadConfig, BadData
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def crop_image(frames: np.ndarray, crop: int, rng: random.Random) -> torch.Tenso
     """One random frame's random ``crop`` x ``crop`` window as float [3, crop, crop] in [-1, 1]."""
     count, height, width, _ = frames.shape
     if height < crop or width < crop:
-        raise ValueError(f"frames of {height}x{width} are smaller than the {crop}x{crop} crop")
+        raise BadData(f"frames of {height}x{width} are smaller than the {crop}x{crop} crop")
     index, top, left = rng.randrange(count), rng.randrange(height - crop + 1), rng.randrange(width - crop + 1)
     window = np.ascontiguousarray(frames[index, top:top + crop, left:left + crop])
     return torch.from_numpy(window).permute(2, 0, 1).float() / 127.5 - 1
@@ -61,7 +62,7 @@ class FramesDataset(ResumableDataset):
         super().__init__(request.dp_rank, request.dp_size)
         problems = check_frames_data(request.cfg, request.model_config)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise BadConfig("; ".join(problems))
         _, self.files = resolve_files(request.path, "webdataset")
         self.shard_records = manifest_shard_records(request.path)
         """Records per shard file, from the manifest: what a damaged shard lost (``veomni.data.sources``)."""
@@ -96,8 +97,8 @@ class FramesDataset(ResumableDataset):
                     yield image, (epoch, index)
             self.skipped += stats.bad
             if self.train and first == 0 and not produced:
-                raise ValueError(f"consumer {consumer} of {consumers} got no usable clip in a whole epoch of "
-                                 f"{self.files[0].parent}: fewer clips than dp ranks x workers, or all corrupt")
+                raise BadData(f"consumer {consumer} of {consumers} got no usable clip in a whole epoch of "
+                              f"{self.files[0].parent}: fewer clips than dp ranks x workers, or all corrupt")
             epoch, first = epoch + 1, 0
 
     def _image(self, record: dict, epoch: int, index: int, stats: ReadStats) -> torch.Tensor | None:

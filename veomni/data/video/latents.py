@@ -53,6 +53,7 @@ from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, reg
 from veomni.data.resume import every_consumer
 from veomni.data.sources import ReadStats, count_bad, iter_records, manifest_shard_records, resolve_files, tar_samples
 from veomni.data.video.clip_packing import LatentSample, best_fit_rows, check_fits, pack_row, patch_count
+from veomni.errors import BadConfig, BadData
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class VideoLatentsDataset(ResumableDataset):
         cfg, model = request.cfg, request.model_config
         problems = model_problems(model) or self._split_problems("data path", request.path, cfg, model)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise BadConfig("; ".join(problems))
         _, self.files = resolve_files(request.path, "webdataset")
         self.shard_records = manifest_shard_records(request.path)
         """Records per shard file, from the manifest: what a damaged shard lost (``veomni.data.sources``)."""
@@ -182,7 +183,7 @@ class VideoLatentsDataset(ResumableDataset):
         try:
             tokens = patch_count(shape, self.patch)
         except ValueError as error:
-            raise ValueError(f"sample {sample.key!r}: {error}") from None
+            raise BadData(f"sample {sample.key!r}: {error}") from None
         check_fits(sample.key, shape, tokens, self.cfg.tokens_per_micro_batch)
         return tokens
 
@@ -198,9 +199,9 @@ class VideoLatentsDataset(ResumableDataset):
             reader = self._read(epoch, start, cursor)
             buffered = list(itertools.islice(reader, len(start.pending)))
             if [index for index, _, _ in buffered] != list(start.pending):
-                raise ValueError(f"resuming epoch {epoch} of {self.files[0].parent}: the records buffered at the "
-                                 f"checkpoint ({list(start.pending)}) are not where they were; the split changed "
-                                 "since, so the position cannot be found again: start the data anew")
+                raise BadData(f"resuming epoch {epoch} of {self.files[0].parent}: the records buffered at the "
+                              f"checkpoint ({list(start.pending)}) are not where they were; the split changed "
+                              "since, so the position cannot be found again: start the data anew")
             rows = best_fit_rows(reader, self.cfg.tokens_per_micro_batch, cost=lambda item: item[2],
                                  buffered=buffered)
             for row, still_buffered in rows:
@@ -217,8 +218,8 @@ class VideoLatentsDataset(ResumableDataset):
                 self._pos = Position(epoch + 1, 0, (), records_prior, bad_prior)
             if not produced and start.next_record == 0 and self.split == "train":
                 consumer, consumers = self.consumer()
-                raise ValueError(f"consumer {consumer} of {consumers} (dp ranks x data.num_workers) got no usable "
-                                 f"sample in a whole epoch of {self.files[0].parent}")
+                raise BadData(f"consumer {consumer} of {consumers} (dp ranks x data.num_workers) got no usable "
+                              f"sample in a whole epoch of {self.files[0].parent}")
             start = self._pos
 
     def position_state(self) -> dict[str, Any]:
@@ -244,21 +245,21 @@ def decode_sample(record: dict, channels: int, text_dim: int) -> LatentSample:
     key = record.get("__key__", "?")
     for member in (LATENT_MEMBER, "json"):
         if member not in record:
-            raise ValueError(f"no {member!r} member")
+            raise BadData(f"no {member!r} member")
     meta = json.loads(record["json"])
     tensors = load_safetensors(record[LATENT_MEMBER])
     latent, text = tensors.get("latent"), tensors.get("text")
     if latent is None or text is None:
-        raise ValueError(f"{LATENT_MEMBER} holds {sorted(tensors)}, not 'latent' and 'text'")
+        raise BadData(f"{LATENT_MEMBER} holds {sorted(tensors)}, not 'latent' and 'text'")
     if latent.dim() != 4 or list(latent.shape) != list(meta.get("latent_shape", [])):
-        raise ValueError(f"latent shape {list(latent.shape)} disagrees with the json's latent_shape "
-                         f"{meta.get('latent_shape')}")
+        raise BadData(f"latent shape {list(latent.shape)} disagrees with the json's latent_shape "
+                      f"{meta.get('latent_shape')}")
     if latent.shape[0] != channels:
-        raise ValueError(f"latent has {latent.shape[0]} channels, the model takes {channels}")
+        raise BadData(f"latent has {latent.shape[0]} channels, the model takes {channels}")
     if text.dim() != 2 or text.shape[1] != text_dim:
-        raise ValueError(f"text states of shape {list(text.shape)}, expected [L, {text_dim}]")
+        raise BadData(f"text states of shape {list(text.shape)}, expected [L, {text_dim}]")
     if not (latent.is_floating_point() and text.is_floating_point()):
-        raise ValueError(f"latent {latent.dtype} / text {text.dtype} must be floating point")
+        raise BadData(f"latent {latent.dtype} / text {text.dtype} must be floating point")
     return LatentSample(key, latent.float(), text.float(), meta)
 
 
@@ -278,11 +279,11 @@ def read_latent_manifest(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text())
     except (OSError, ValueError) as error:
-        raise ValueError(f"{file} cannot be read ({error}); the video_latents kind needs the manifest a latent "
-                         "builder writes (data/build_video_latents.py)") from None
+        raise BadData(f"{file} cannot be read ({error}); the video_latents kind needs the manifest a latent "
+                      "builder writes (data/build_video_latents.py)") from None
     missing = [k for k in ("latent_channels", "text_dim", "shapes", "example_keys") if k not in manifest]
     if missing:
-        raise ValueError(f"{file} lacks {missing}; rebuild the split with data/build_video_latents.py")
+        raise BadData(f"{file} lacks {missing}; rebuild the split with data/build_video_latents.py")
     return manifest
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from veomni.config.schema import ParallelConfig
+from veomni.errors import BadConfig
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -27,7 +28,7 @@ stage's parameters gathered between the two (``reshard_after_forward=False``): r
 between, the deferred weight gradients land on freed unsharded tensors and are lost."""
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(BadConfig):
     """The pipeline settings do not fit the model, the schedule or the batch; says how to fix it."""
 
 

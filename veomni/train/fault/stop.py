@@ -8,10 +8,11 @@ point; the worker entry point then writes the message to ``VEOMNI_STOP_FILE`` (a
 ``train.sh`` prints the message and exits 1. Without ``VEOMNI_STOP_FILE`` (a worker started by
 hand) the message goes to stderr and the exit status is 1.
 
-An error that one rank meets alone (a corrupt shard, a vocabulary without room for placeholders, a
-pretrained folder whose parameters do not match) cannot wait for the others: that rank writes the
-message, exits 1 so that torchrun ends the group, and the group torchrun restarts finds the
-message and exits 0 before it imports torch (``report_input_error``, ``earlier_stop``).
+An error that one rank meets alone (``veomni.errors.BadInput``: a corrupt shard, a vocabulary
+without room for placeholders, a pretrained folder whose parameters do not match) cannot wait for
+the others: that rank writes the message, exits 1 so that torchrun ends the group, and the group
+torchrun restarts finds the message and exits 0 before it imports torch (``report_input_error``,
+``earlier_stop``). Any other error keeps its traceback and restarts the group.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
+from veomni.errors import BadInput
 
 STOP_FILE_ENV = "VEOMNI_STOP_FILE"
 STOPPED_EXIT = 1
@@ -40,12 +43,11 @@ def report_stop(exc: RunStopped) -> int:
 
 
 def restart_cannot_fix(exc: BaseException) -> bool:
-    """Whether ``exc`` says the input is wrong (bad data, config or checkpoint: a ``ValueError``, a
-    missing file, too many bad records), which a restart would read again; a dead peer, a hang or a
-    lost node shows as a collective's ``RuntimeError`` or a kill instead, and those restart."""
-    from veomni.data.sources import BadDataError
-
-    return isinstance(exc, (ValueError, FileNotFoundError, BadDataError))
+    """Whether ``exc`` says the input is wrong (``veomni.errors.BadInput``: a recipe value, data, a
+    checkpoint or pretrained folder that does not fit), which a restart would read again. Any other
+    error, a ``ValueError`` a bug raises included, keeps its traceback and restarts: a dead peer, a
+    hang or a lost node shows as a collective's ``RuntimeError`` or a kill."""
+    return isinstance(exc, BadInput)
 
 
 def report_input_error(exc: BaseException) -> int:

@@ -41,9 +41,11 @@ def _scale(low: float, high: float, start: int, end: int):
 
 
 def _polyline(draw: ImageDraw.ImageDraw, points: Sequence[tuple[float, float]], colour, dots: bool) -> None:
+    """A line through ``points``, with a dot on each when ``dots``; a lone point is always a dot (a
+    line of one point draws nothing, and the legend names every series)."""
     if len(points) > 1:
         draw.line(points, fill=colour, width=2)
-    if dots:
+    if dots or len(points) == 1:
         for x, y in points:
             draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=colour)
 

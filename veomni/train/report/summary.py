@@ -75,7 +75,7 @@ class RunSummary:
     step: int
     unit: str
     eval_loss: float | None
-    """The last eval's loss (None: no eval data)."""
+    """The last eval's loss (None: no eval ran, or it had no data)."""
     baseline: Baseline | None
     training: TrainingStats | None
     wall_s: float
@@ -105,6 +105,8 @@ class RunSummary:
     """``$VEOMNI_STAGE``: the part of a multi-stage build this run is ("stage 0 of 2: ..."); "" for a whole run."""
     parameters: tuple[int, int] | None = None
     """(trainable, all) parameters of the model; None: not known on this rank."""
+    eval_set: bool = False
+    """``data.eval_path`` is set: a missing eval loss then means no eval ran yet, or its data was empty."""
     lora: bool = False
     """A LoRA run: its checkpoints hold the adapters (exported merged, and as a PEFT folder)."""
     mfu_peak: str = ""
@@ -186,7 +188,10 @@ def _wrapped(label: str, text: str) -> list[str]:
 
 def _eval_lines(s: RunSummary) -> list[str]:
     if s.eval_loss is None:
-        return ["eval loss".ljust(LABEL) + "none (no eval batches: data.eval_path is unset or empty)"]
+        why = ("no eval batches: data.eval_path is unset" if not s.eval_set
+               else f"no eval ran before the stop at step {s.step}" if s.stopped
+               else "no eval batches: the data.eval_path split gave none")
+        return ["eval loss".ljust(LABEL) + f"none ({why})"]
     base = s.baseline
     if base is None:
         return ["eval loss".ljust(LABEL) + f"{s.eval_loss:.4g}"]
