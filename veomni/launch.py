@@ -250,6 +250,8 @@ def _fail(problems: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from veomni.optim.check import optimizer_problems
+
     parser = argparse.ArgumentParser(prog="veomni.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
@@ -278,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         if not built_later:
             problems += _check_pretrained(cfg, model)
         problems += _check_lora(cfg, model)
+        if not problems:  # on the model as it trains (LoRA's adapters added)
+            problems += optimizer_problems(model, cfg.train, cfg.optim,
+                                           get_model_spec(cfg.model.arch).param_rules(model_cfg))
     problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start
         return _fail(problems)

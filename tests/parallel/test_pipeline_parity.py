@@ -22,11 +22,11 @@ from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo
+from veomni.optim import build_optimizer
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.pipeline.stages import build_pipeline
 from veomni.tasks import LanguageModelingTask
-from veomni.train.optim import build_optimizer
 from veomni.train.runners.pipeline_step import pipeline_forward_backward
 from veomni.train.step import clip_and_step
 
