@@ -250,7 +250,8 @@ def _fail(problems: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from veomni.optim.check import optimizer_problems
+    from veomni.optim.check import optimizer_problems, uses_muon
+    from veomni.optim.muon_report import muon_report_lines
 
     parser = argparse.ArgumentParser(prog="veomni.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -303,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         print("# resolved config\n" + dump_config(cfg))
         full = estimate(replace(cfg, lora=LoraConfig()), dims, args.gpus) if cfg.lora.rank > 0 else None
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device, full))
+        if uses_muon(cfg):
+            rules = get_model_spec(cfg.model.arch).param_rules(model_cfg)
+            print("\n".join(muon_report_lines(model, cfg, dims.shard_size, dims.ep, rules)))
         return 0
     if args.launch_settings:
         _write_launch_settings(Path(args.launch_settings), cfg)

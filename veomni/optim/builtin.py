@@ -8,6 +8,7 @@ from torch import nn
 
 from veomni.config.schema import OptimConfig, TrainConfig
 from veomni.optim.muon import Muon
+from veomni.optim.muon_sharded import sharded_orthogonalize
 from veomni.optim.registry import Groups, OptimizerEntry, register_optimizer
 
 
@@ -25,7 +26,8 @@ def _sgd(groups: Groups, train: TrainConfig, _optim: OptimConfig) -> torch.optim
 def _muon(groups: Groups, train: TrainConfig, optim: OptimConfig) -> torch.optim.Optimizer:
     return Muon(groups, lr=optim.muon_lr or train.lr, weight_decay=train.weight_decay, momentum=optim.muon_momentum,
                 nesterov=optim.muon_nesterov, ns_coefficients=optim.muon_ns_coefficients, eps=optim.muon_eps,
-                ns_steps=optim.muon_ns_steps, adjust_lr=optim.muon_adjust_lr, ns_dtype=optim.muon_ns_dtype)
+                ns_steps=optim.muon_ns_steps, adjust_lr=optim.muon_adjust_lr, ns_dtype=optim.muon_ns_dtype,
+                orthogonalize=sharded_orthogonalize)
 
 
 def takes_hidden_matrices(_name: str, param: nn.Parameter, hidden: bool) -> bool:

@@ -8,11 +8,16 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from veomni.config.schema import OptimConfig, TrainConfig
+from veomni.config.schema import OptimConfig, RunConfig, TrainConfig
 from veomni.contract.hooks import ParamRule
 from veomni.contract.plan import module_path_matches
 from veomni.optim.groups import clean_name, optimizer_groups
 from veomni.optim.registry import get_optimizer
+
+
+def uses_muon(cfg: RunConfig) -> bool:
+    """The run names Muon (for the run, or for a group): ``--dry-run`` then shows its owner plan."""
+    return cfg.train.optimizer == "muon" or any(g.optimizer == "muon" for g in cfg.optim.groups)
 
 
 def optimizer_problems(model: nn.Module, train: TrainConfig, optim: OptimConfig, rules: Sequence[ParamRule] = ()

@@ -10,8 +10,8 @@ The step is the arithmetic of ``torch.optim.Muon`` (same operations in the same 
 ``ns_dtype="bf16"`` the results are equal bit for bit); it adds the fp32 iteration on CPU (no fast
 bf16 matmul there), 3-D tensors, and one seam: ``orthogonalize``, which maps the step's momentum
 updates to their orthogonalised versions. On one process it runs the iteration on each tensor;
-sharded parameters (FSDP2 DTensors) need whole matrices, which a sharded layout's
-orthogonalizer gathers before the iteration.
+sharded parameters (FSDP2 DTensors) need whole matrices, which ``muon_sharded.py`` gathers to
+owner ranks by a balanced plan (``muon_plan.py``); the registered ``muon`` always installs it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def orthogonalize_tensor(update: Tensor, group: dict[str, Any]) -> Tensor:
     args = (group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
     if update.ndim == 2:
         return newton_schulz(update, *args)
+    if update.shape[0] == 0:  # a rank that holds none of the stack's experts
+        return update.to(dtype)
     return torch.stack([newton_schulz(matrix, *args) for matrix in update])
 
 
