@@ -4,7 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from veomni.config.schema import OptimConfig, ParamGroupConfig, TrainConfig
+from tests.parity_utils import tiny_model
+from veomni.adapters.lora import add_lora, is_adapter_name
+from veomni.config.schema import LoraConfig, OptimConfig, ParamGroupConfig, TrainConfig
 from veomni.contract import ParamRule
 from veomni.contract.plan import ParallelPlan
 from veomni.optim import OptimizerEntry, build_optimizer, build_scheduler, lr_multiplier, register_optimizer
@@ -111,3 +113,13 @@ def test_launcher_check_names_a_glob_that_matches_nothing_and_muon_on_a_vector()
     vector_to_muon = OptimConfig(groups=[ParamGroupConfig(pattern="norm.*", optimizer="muon")])
     assert "Muon takes 2-D matrices" in optimizer_problems(model, TrainConfig(), vector_to_muon)[0]
     assert optimizer_problems(model, TrainConfig(optimizer="muon"), OptimConfig()) == []
+
+
+def test_under_lora_muon_takes_only_the_adapters():
+    """The frozen base is in no group; the adapters' matrices (inside the blocks) go to Muon."""
+    model = add_lora(tiny_model(num_layers=1), LoraConfig(rank=2))
+    opt = build_optimizer(model, TrainConfig(optimizer="muon"))
+    muon = [p for o in opt.optimizers if type(o).__name__ == "Muon" for g in o.param_groups for p in g["params"]]
+    adapters = [p for n, p in model.named_parameters() if is_adapter_name(n)]
+    assert muon and len(muon) == len(adapters) and all(any(p is a for a in adapters) for p in muon)
+    assert all(p.requires_grad for g in opt.param_groups for p in g["params"])
