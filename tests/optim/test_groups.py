@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -123,3 +124,30 @@ def test_under_lora_muon_takes_only_the_adapters():
     adapters = [p for n, p in model.named_parameters() if is_adapter_name(n)]
     assert muon and len(muon) == len(adapters) and all(any(p is a for a in adapters) for p in muon)
     assert all(p.requires_grad for g in opt.param_groups for p in g["params"])
+
+
+def test_optimizer_set_state_dict_round_trips_muon_and_adamw():
+    def trained(steps):
+        torch.manual_seed(0)
+        model = Planned()
+        opt = build_optimizer(model, TrainConfig(optimizer="muon", lr=0.01))
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return model, opt
+
+    model, opt = trained(2)
+    fresh_model, fresh = trained(0)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))  # (as from a file: torch shares same-dtype tensors)
+    assert {type(v).__name__ for s in opt.state_dict()["state"].values() for v in s.values()} == {"Tensor"}
+    assert sorted(k for s in opt.state_dict()["state"].values() for k in s) == \
+        sorted(k for s in fresh.state_dict()["state"].values() for k in s)
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), fresh_model.parameters()):
+        assert torch.equal(a, b), name

@@ -48,10 +48,27 @@ class OptimizerSet(torch.optim.Optimizer):
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Each inner optimizer's own state dict, in order (checkpoints use DCP per part instead)."""
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        """The inner optimizers' per-parameter state, merged (their parameters are disjoint): so
+        ``state_dict()`` reads like one optimizer's, ``state`` indexed over ``param_groups``."""
+        merged: dict = {}
+        for optimizer in self.optimizers:
+            merged.update(optimizer.state)
+        return merged
+
+    @state.setter
+    def state(self, _state: dict) -> None:
+        """(``Optimizer.__init__`` assigns its own: the inner optimizers own the state.)"""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, state_dict["optimizers"], strict=True):
-            optimizer.load_state_dict(state)
+        """The inverse of ``state_dict()``: each inner optimizer its own groups and the state of the
+        parameters they number (``state_dict`` numbers parameters in order over ``param_groups``)."""
+        groups, start = list(state_dict["param_groups"]), 0
+        for optimizer in self.optimizers:
+            mine, groups = groups[:len(optimizer.param_groups)], groups[len(optimizer.param_groups):]
+            count = sum(len(g["params"]) for g in mine)
+            optimizer.load_state_dict({
+                "state": {i - start: v for i, v in state_dict["state"].items() if start <= i < start + count},
+                "param_groups": [{**g, "params": [i - start for i in g["params"]]} for g in mine]})
+            start += count
