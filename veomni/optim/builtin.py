@@ -35,7 +35,7 @@ def takes_hidden_matrices(_name: str, param: nn.Parameter, hidden: bool) -> bool
     return hidden and param.ndim in (2, 3)
 
 
-ADAMW = register_optimizer(OptimizerEntry("adamw", _adamw))
+ADAMW = register_optimizer(OptimizerEntry("adamw", _adamw, states=2))
 SGD = register_optimizer(OptimizerEntry("sgd", _sgd))
 MUON = register_optimizer(OptimizerEntry("muon", _muon, takes=takes_hidden_matrices,
-                                         fallback=lambda optim: optim.muon_fallback))
+                                         fallback=lambda optim: optim.muon_fallback, states=1))

@@ -36,6 +36,8 @@ class OptimizerEntry:
     """(parameter name, parameter, inside one of the plan's blocks) -> this optimizer takes it when
     the run names it; the rest go to ``fallback``."""
     fallback: Callable[[OptimConfig], str] | None = None
+    states: int = 0
+    """fp32 state tensors it keeps per parameter (AdamW 2, Muon 1, SGD 0): ``--dry-run``'s memory."""
     """run config -> the optimizer of the parameters ``takes`` refuses (Muon: ``optim.muon_fallback``)."""
 
 
