@@ -2,6 +2,8 @@
 its reduce-scattered DTensor gradients) and PP 2 (one Muon + AdamW pair per stage) equal one
 process by the parity rule, on the parameters after the steps."""
 
+import pytest
+
 from harness.gloo_ranks import run_distributed
 from tests.parallel.test_pipeline_parity import OPTIONS, global_steps, merged, run_pipeline_steps
 from tests.parity_utils import assert_parity, full_params, tiny_model
@@ -12,6 +14,8 @@ from veomni.parallel.apply import parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.tasks import LanguageModelingTask
 from veomni.train.step import clip_and_step, forward_backward
+
+pytestmark = pytest.mark.full  # the engine's whole step on 1 + 2 + 2 ranks: the full tier (tests/conftest.py)
 
 MUON = TrainConfig(optimizer="muon", lr=0.02, weight_decay=0.1)
 FALLBACK = OptimConfig(muon_fallback="sgd")
