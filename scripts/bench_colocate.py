@@ -75,11 +75,11 @@ from veomni.contract import build_model, get_model_spec  # noqa: E402
 from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples  # noqa: E402
 from veomni.data.text.packed import load_tokenizer  # noqa: E402
 from veomni.launch import _validate_model  # noqa: E402  (the launcher's model checks)
+from veomni.optim import build_optimizer  # noqa: E402
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize  # noqa: E402
 from veomni.parallel.media.encoder_work import watch_encoder_work  # noqa: E402
 from veomni.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from veomni.parallel.pipeline.stages import build_pipeline  # noqa: E402
-from veomni.train.optim import build_optimizer  # noqa: E402
 from veomni.train.runners.pipeline_step import pipeline_forward_backward  # noqa: E402
 from veomni.train.step import clip_and_step, forward_backward  # noqa: E402
 

@@ -271,6 +271,9 @@ def _fail(problems: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from veomni.optim.check import optimizer_problems, uses_muon
+    from veomni.optim.muon_report import muon_report_lines
+
     parser = argparse.ArgumentParser(prog="veomni.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
@@ -302,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         problems += _check_lora(cfg, model)
         if not problems:  # the model and its adapters are what the recipe says: compare the checkpoint's
             problems += _check_resume(cfg, model_cfg, model, resumed)
+        if not problems:  # on the model as it trains (LoRA's adapters added)
+            problems += optimizer_problems(model, cfg.train, cfg.optim,
+                                           get_model_spec(cfg.model.arch).param_rules(model_cfg))
     problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start
         return _fail(problems)
@@ -322,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         print("# resolved config\n" + dump_config(cfg))
         full = estimate(replace(cfg, lora=LoraConfig()), dims, args.gpus) if cfg.lora.rank > 0 else None
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device, full))
+        if uses_muon(cfg):
+            rules = get_model_spec(cfg.model.arch).param_rules(model_cfg)
+            print("\n".join(muon_report_lines(model, cfg, dims.shard_size, dims.ep, rules)))
         return 0
     if args.launch_settings:
         _write_launch_settings(Path(args.launch_settings), cfg)

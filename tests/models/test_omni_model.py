@@ -13,7 +13,7 @@ from veomni.config.schema import TrainConfig
 from veomni.contract import build_config, build_model
 from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
 from veomni.data.text.packed import load_tokenizer
-from veomni.train.optim import build_optimizer
+from veomni.optim import build_optimizer
 
 
 def _batch(config, records):

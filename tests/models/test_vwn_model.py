@@ -18,8 +18,8 @@ from veomni.contract import build_config, build_model, get_model_spec
 from veomni.contract.plan import match_modules
 from veomni.data.packing import pack_samples
 from veomni.ops.grouped_gemm import grouped_mm
+from veomni.optim import build_optimizer
 from veomni.tasks import MultiTokenLMTask, next_two_token_labels
-from veomni.train.optim import build_optimizer
 
 BACKBONE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=8, max_position_embeddings=128, family="qwen3", qk_norm=True,

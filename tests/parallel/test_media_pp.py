@@ -23,13 +23,13 @@ from veomni.config.schema import ParallelConfig, TrainConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.data.chat.media_dataset import SampleProcessor
 from veomni.data.text.packed import load_tokenizer
+from veomni.optim import build_optimizer
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.media.colocate import check_media_routing
 from veomni.parallel.media.encoder_work import watch_encoder_work
 from veomni.parallel.mesh import LayoutError, ParallelDims, build_mesh
 from veomni.parallel.pipeline.layout import PipelineConfigError
 from veomni.parallel.pipeline.stages import build_pipeline, check_pipeline_model
-from veomni.train.optim import build_optimizer
 from veomni.train.runners.pipeline_step import pipeline_forward_backward
 from veomni.train.step import clip_and_step, forward_backward
 

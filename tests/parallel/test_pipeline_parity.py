@@ -18,15 +18,15 @@ from tests.parity_utils import (
     run_steps,
     sample_lengths,
 )
-from veomni.config.schema import ParallelConfig, TrainConfig
+from veomni.config.schema import OptimConfig, ParallelConfig, TrainConfig
 from veomni.contract import build_model
 from veomni.data.packing import pack_samples
 from veomni.ops.attention import SeqInfo
+from veomni.optim import build_optimizer
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.mesh import ParallelDims, build_mesh
 from veomni.parallel.pipeline.stages import build_pipeline
 from veomni.tasks import LanguageModelingTask
-from veomni.train.optim import build_optimizer
 from veomni.train.runners.pipeline_step import pipeline_forward_backward
 from veomni.train.step import clip_and_step
 
@@ -54,18 +54,20 @@ def build(options: dict, arch: str = "llm", prepare=None):
 
 
 def run_pipeline_steps(rank: int, world: int, parallel: ParallelConfig, microbatches: int,
-                       options: dict = OPTIONS, lr: float = 0.5, arch: str = "llm", prepare=None) -> dict:
+                       options: dict = OPTIONS, lr: float = 0.5, arch: str = "llm", prepare=None,
+                       train: TrainConfig | None = None, optim: OptimConfig | None = None) -> dict:
     """The pipelined twin of ``parity_utils.run_steps``: this rank's data share (by dp rank) cut
     into ``microbatches`` micro-batches, SGD, records of this rank's stages only. ``prepare``
     edits every build of the model (before the cut; weights it sets must not depend on
-    ``init_weights``, which runs after it, as in the trainer's ``adapted_model`` builder)."""
+    ``init_weights``, which runs after it, as in the trainer's ``adapted_model`` builder). ``train``,
+    ``optim``: another optimizer than SGD (``tests/optim/test_muon_trainer.py``)."""
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     task = LanguageModelingTask()
     pipe = build_pipeline(lambda: build(options, arch, prepare), lambda m: m.init_weights(),
                           lambda m: parallelize(m, parallel, meshes, "cpu"), parallel, microbatches, meshes.pp,
                           torch.device("cpu"), task, hooks=PIPELINE_HOOKS)
-    optimizer = build_optimizer(pipe.parts, TrainConfig(optimizer="sgd", lr=lr, weight_decay=0.0))
+    optimizer = build_optimizer(pipe.parts, train or TrainConfig(optimizer="sgd", lr=lr, weight_decay=0.0), optim=optim)
     with torch.device("meta"):
         flops_model = build(options, arch)
     record = {"loss": [], "grads": [], "metrics": [], "grad_norm": []}

@@ -61,7 +61,7 @@ from veomni.checkpoint.verify import (
     size_problems,
 )
 from veomni.errors import BadCheckpoint, MissingInput
-from veomni.parallel.pipeline.stage_optimizers import StageOptimizers
+from veomni.optim.container import OptimizerSet
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ def _parts(model) -> list:
 
 
 def _optimizers(optimizer) -> list:
-    return list(optimizer.optimizers) if isinstance(optimizer, StageOptimizers) else [optimizer]
+    """Per model part, its optimizers (several: Muon and AdamW over one part)."""
+    return list(optimizer.per_part) if isinstance(optimizer, OptimizerSet) else [[optimizer]]
 
 
 def _stage_state(model, optimizer, trainable_only: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -200,7 +201,7 @@ class CheckpointManager:
     # ----- save -------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, app_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Write a checkpoint for ``step``. ``model`` is a module or this rank's list of pipeline
-        stage modules (then ``optimizer.optimizers`` holds one optimizer per stage).
+        stage modules (then ``optimizer.per_part`` holds each stage's optimizers).
         ``app_state`` is identical on all ranks (scheduler, counters); ``rank_state`` differs
         per rank (loader, RNG)."""
         self.wait()

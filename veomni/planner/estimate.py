@@ -7,7 +7,8 @@ The model is built on the meta device, so the estimate costs no memory even for 
 recipes. Memory per rank (bytes):
 
 - parameters, gradients: fp32 master copies, sharded over ``dp_shard x sp``;
-- optimizer: AdamW's two fp32 moments, sharded likewise (SGD: none); a weight EMA
+- optimizer: the registered optimizer's fp32 state tensors per parameter (AdamW 2, Muon 1, SGD 0;
+  ``OptimizerEntry.states``), sharded likewise; a weight EMA
   (``train.ema_decay``) one more fp32 copy, sharded likewise;
 - under LoRA (``lora.rank`` > 0) gradients, optimizer and EMA cover only what trains, and the
   frozen base is stored in its own dtype (bf16 on GPU); the report then shows full fine-tuning
@@ -35,6 +36,7 @@ from veomni.contract import build_model, get_model_spec
 from veomni.contract.graph_model import GraphCost
 from veomni.contract.hooks import attention_modules
 from veomni.contract.plan import flatten_plan, match_modules
+from veomni.optim import get_optimizer
 from veomni.parallel.mesh import ParallelDims
 from veomni.planner.graph_plan import graph_plan
 from veomni.planner.sequence_split import AttentionShape, sequence_split_lines
@@ -95,7 +97,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     expert_params = sum(p.numel() for _, m in match_modules(model, plan.experts) for p in m.parameters())
     not_local = expert_params * (1 - 1 / dims.ep) / max(1, len(blocks))  # per block, left on other EP ranks
     shard = dims.shard_size
-    optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
+    optimizer_states = get_optimizer(cfg.train.optimizer).states
     activations = cost.activation_bytes_per_unit(model, compute_bytes, cfg.parallel.activation_checkpointing)
     activated = cost.activated_params(model)
     graph = (graph_plan(cfg, dims, model, cost, activations)

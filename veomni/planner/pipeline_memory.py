@@ -28,6 +28,7 @@ import torch
 from veomni.config.schema import RunConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.contract.plan import match_modules
+from veomni.optim import get_optimizer
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.pipeline.layout import (
     SINGLE_STAGE_SCHEDULES,
@@ -98,7 +99,7 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     before = sum(p.numel() for n in pieces[:index] for p in model.get_submodule(n).parameters())
     after = total - before - sum(block_sizes)
     shard = dims.shard_size
-    optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
+    optimizer_states = get_optimizer(cfg.train.optimizer).states
     rows_per_mb = cfg.train.grad_accum // m
     tokens = rows_per_mb * cfg.data.tokens_per_micro_batch
     keep_whole = par.pp_schedule in SPLIT_BACKWARD_SCHEDULES or not par.reshard_after_forward

@@ -12,11 +12,11 @@ from torch import nn
 
 from veomni.config.schema import RunConfig
 from veomni.contract import ModelSpec
+from veomni.optim import build_optimizer, build_scheduler
 from veomni.parallel.mesh import ParallelDims, ParallelMeshes
 from veomni.tasks.base import EvalBatch, Task
 from veomni.train.distributed import all_reduce_values
 from veomni.train.fault.guard import StepGuard
-from veomni.train.optim import build_optimizer, build_scheduler
 from veomni.train.step import task_metric_means
 
 
@@ -54,7 +54,7 @@ class RunnerBase:
                  meshes: ParallelMeshes) -> None:
         self.parts, self.cfg, self.spec, self.task, self.meshes = parts, cfg, spec, task, meshes
         self.dims: ParallelDims = meshes.dims
-        self.optimizer = build_optimizer(parts, cfg.train, spec.param_rules(model_config))
+        self.optimizer = build_optimizer(parts, cfg.train, spec.param_rules(model_config), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.guard = StepGuard(cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
         self.tied: dict[str, list[str]] = {}
