@@ -105,10 +105,11 @@ def test_bad_records_stop_the_run_once_without_a_traceback(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(BASE.format(tokenizer=TOKENIZER).replace("corpus/", f"{tmp_path}/corpus/")
                       .replace("output_dir: out", f"output_dir: {tmp_path}/out"))
-    start = time.monotonic()
     result = train_sh(str(recipe), "--data.max_bad_fraction", "0.0", "--train.max_steps", "20",
                       "--train.max_restarts", "3")
     assert result.returncode == 1, result.stderr
-    assert time.monotonic() - start < 60, "a restart cannot fix bad data: no retries"
+    # torchrun restarts the group once; the new workers find the stop and leave before training:
+    # the trainer started once (a wall-clock bound here failed on a loaded machine, not the code)
+    assert result.stderr.count("training 20 steps from scratch") == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     assert re.search(r"\[train\.sh\] run stopped: 1 of \d+ records were bad .*docs\.jsonl", result.stderr)
