@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 from veomni.config.load import ConfigError, dump_config, load_config, locate_model_error
 from veomni.config.schema import LoraConfig, RunConfig, SourceConfig
 from veomni.contract import get_model_spec
+from veomni.contract.deprecated import PluginAPIDeprecation
 from veomni.data.build_loader import dataset_kind_name
 from veomni.data.builders import MANIFEST
 from veomni.data.kinds import get_dataset_kind
@@ -162,7 +166,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         if contract_gaps := plugin_problems(spec, model_cfg, model, cfg.parallel.pp):  # before calling any of it
             return model_cfg, model, contract_gaps
         check_model_experts(model, cfg.parallel.ep)
-        check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
+        check_pipeline_task(spec.build_task(model_cfg), cfg.parallel)  # says why first
         try:
             check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum, PIPELINE_HOOKS)
         except TooFewBlocksError as exc:  # the engine counts blocks; the spec knows the key that sets them
@@ -241,6 +245,25 @@ def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
     return [], False
 
 
+@contextmanager
+def _deprecations_said() -> Iterator[None]:
+    """Say each use of the previous release's plug-in API (``veomni/contract/deprecated.py``) once, on
+    stderr: Python hides a ``DeprecationWarning`` raised outside ``__main__``. Other warnings pass on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PluginAPIDeprecation)
+        try:
+            yield
+        finally:
+            said = set()
+            for warning in caught:
+                if not issubclass(warning.category, PluginAPIDeprecation):
+                    warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+                elif str(warning.message) not in said:
+                    said.add(str(warning.message))
+                    print(f"[launch] deprecated: {warning.message} ({warning.filename}:{warning.lineno})",
+                          file=sys.stderr)
+
+
 def _fail(problems: list[str]) -> int:
     """Report problems the recipe must fix (also in a dry run: that plan could not run) and return
     the exit status that says so."""
@@ -265,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
               "the real world size", file=sys.stderr)
         return 2
     world_size = args.world_size or args.launcher_world_size
-    try:
-        cfg = load_config(args.recipe, overrides)
-        dims = ParallelDims.resolve(cfg.parallel, world_size)
-    except (ConfigError, LayoutError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    model_cfg, model, problems = _validate_model(cfg)
+    with _deprecations_said():  # the plug-ins are imported and the task built here
+        try:
+            cfg = load_config(args.recipe, overrides)
+            dims = ParallelDims.resolve(cfg.parallel, world_size)
+        except (ConfigError, LayoutError) as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+        model_cfg, model, problems = _validate_model(cfg)
     if model is not None:  # a recipe with other problems builds nothing
         init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)
         problems += init_problems
