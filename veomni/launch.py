@@ -10,6 +10,7 @@ message says where.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import warnings
@@ -28,6 +29,12 @@ from veomni.data.builders import MANIFEST
 from veomni.data.kinds import get_dataset_kind
 from veomni.data.mixture import run_sources
 from veomni.parallel.mesh import LayoutError, ParallelDims
+
+NOTHING_BUILDS = "absent here, and nothing in the recipe builds"
+"""How a dry run names an input that a real launch would need and that no builder of the recipe
+(``data.prepare``, ``data.sources[i].prepare``, ``checkpoint.prepare``) makes, neither as one of its
+outputs nor beside them (a chat set's tokenizer, a source's held-out split): a cluster's own data or
+folders, or a recipe that does not run with its one command (tests/recipes/test_every_recipe.py)."""
 
 
 def _needs_prepare(paths: dict[str, str | None]) -> bool:
@@ -97,6 +104,10 @@ def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], list[str]]:
             return [f"{key}: {script} failed (its output is above)"], []
     missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
     if dry_run:  # a dry run builds nothing, and plans from the recipe's declared shapes
+        beside = {Path(p).parent for _, _, written in builds for p in written.values() if p}  # and what is beside
+        if unbuilt := [f"{p} ({k})" for k, p in missing.items() if not any(map(Path(p).is_relative_to, beside))]:
+            print(f"[launch] dry run: {NOTHING_BUILDS} {', '.join(unbuilt)}: planned without it; a real launch needs "
+                  "it there", file=sys.stderr)
         return [], [f"{k} ({p})" for k, p in missing.items()]
     hint = "" if builds else " (and no data.prepare builder is set)"
     return [f"{k}: path does not exist: {p}{hint if k != 'data.tokenizer' else ''}" for k, p in missing.items()], []
@@ -193,10 +204,11 @@ def _sample_problems(cfg: RunConfig, spec: Any) -> list[str]:
     return []
 
 
-def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
+def _check_pretrained(cfg: RunConfig, model: Any, dry_run: bool) -> list[str]:
     """What is wrong with ``checkpoint.init`` / ``init_from_hf`` for a fresh run, from the folders'
     config.json against the meta model's sub-modules (no weights are read); and a frozen part nothing
-    loads. A resumed run loads none of them: nothing to check."""
+    loads. A resumed run loads none of them: nothing to check. A dry run plans without the folders
+    that are absent here (a cluster's paths), naming them."""
     from veomni.checkpoint.component_init import check_init, frozen_problems, init_entries
     from veomni.checkpoint.manager import resolve_resume
 
@@ -206,7 +218,12 @@ def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
             return []
     except (ValueError, FileNotFoundError) as exc:
         return [str(exc)]
-    return check_init(model, entries) + frozen_problems(model, entries)
+    checked = entries
+    if dry_run and (absent := {path: folder for path, folder in entries.items() if not Path(folder).exists()}):
+        checked = {path: folder for path, folder in entries.items() if path not in absent}
+        print(f"[launch] dry run: {NOTHING_BUILDS} {', '.join(absent.values())} (checkpoint.init / init_from_hf): "
+              "planned without it; a real launch needs it there", file=sys.stderr)
+    return check_init(model, checked) + frozen_problems(model, entries)
 
 
 def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
@@ -222,23 +239,26 @@ def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
 
 
 def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
-    """Run ``checkpoint.prepare`` when the ``init_from_hf`` folder it builds is missing or holds a
-    builder's ``manifest.json`` (the builder keeps a current folder, rebuilds an older version's):
-    ``(problems, whether the folder is left for the real run to build)``; a dry run builds nothing."""
-    script, folder = cfg.checkpoint.prepare, cfg.checkpoint.init_from_hf
+    """Run ``checkpoint.prepare`` when a folder it builds (``init_from_hf``, else every ``checkpoint.init``
+    folder, under their common parent) is missing, or holds a builder's ``manifest.json`` (the builder
+    keeps a current folder, rebuilds an older version's): ``(problems, whether the folders are left for
+    the real run to build)``; a dry run builds nothing."""
+    script, ckpt = cfg.checkpoint.prepare, cfg.checkpoint
     if not script:
         return [], False
-    if not folder:
-        return ["checkpoint.prepare builds checkpoint.init_from_hf, which is not set"], False
-    if Path(folder).exists() and (dry_run or not (Path(folder) / MANIFEST).is_file()):
+    folders = [ckpt.init_from_hf] if ckpt.init_from_hf else list(ckpt.init.values())
+    if not folders:
+        return ["checkpoint.prepare builds checkpoint.init_from_hf, which is not set (nor checkpoint.init)"], False
+    if all(Path(f).exists() and (dry_run or not (Path(f) / MANIFEST).is_file()) for f in folders):
         return [], False
     if not Path(script).is_file():
         return [f"checkpoint.prepare: script not found: {script}"], False
+    out = folders[0] if ckpt.init_from_hf else os.path.commonpath(folders)
     if dry_run:
-        print(f"[launch] dry run: the run builds checkpoint.init_from_hf ({folder}) first with {Path(script).name}; "
-              "planned from the recipe", file=sys.stderr)
+        print(f"[launch] dry run: the run builds {out} (checkpoint.init_from_hf / init) first with "
+              f"{Path(script).name}; planned from the recipe", file=sys.stderr)
         return [], True
-    cmd = [sys.executable, script, "--out", folder]
+    cmd = [sys.executable, script, "--out", out, *map(str, ckpt.prepare_args)]
     print(f"[launch] preparing the initial weights: {' '.join(cmd)}", file=sys.stderr, flush=True)
     if subprocess.run(cmd).returncode != 0:
         return [f"checkpoint.prepare: {script} failed (its output is above)"], False
@@ -300,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)
         problems += init_problems
         if not built_later:
-            problems += _check_pretrained(cfg, model)
+            problems += _check_pretrained(cfg, model, args.dry_run)
         problems += _check_lora(cfg, model)
     problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start
