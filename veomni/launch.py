@@ -31,10 +31,11 @@ from veomni.data.mixture import run_sources
 from veomni.parallel.mesh import LayoutError, ParallelDims
 
 NOTHING_BUILDS = "absent here, and nothing in the recipe builds"
-"""How a dry run names an input that a real launch would need and that no builder of the recipe
-(``data.prepare``, ``data.sources[i].prepare``, ``checkpoint.prepare``) makes, neither as one of its
-outputs nor beside them (a chat set's tokenizer, a source's held-out split): a cluster's own data or
-folders, or a recipe that does not run with its one command (tests/recipes/test_every_recipe.py)."""
+"""How a dry run names a data input that a real launch would need and that no builder of the recipe
+(``data.prepare``, ``data.sources[i].prepare``) makes, neither as one of its outputs nor beside them
+(a chat set's tokenizer, a source's held-out split): a cluster's own data, or a recipe that does not
+run with its one command (tests/recipes/test_every_recipe.py). A missing pretrained folder that
+``checkpoint.prepare`` does not build is refused, by a dry run as by a real launch."""
 
 
 def _needs_prepare(paths: dict[str, str | None]) -> bool:
@@ -204,11 +205,10 @@ def _sample_problems(cfg: RunConfig, spec: Any) -> list[str]:
     return []
 
 
-def _check_pretrained(cfg: RunConfig, model: Any, dry_run: bool) -> list[str]:
+def _check_pretrained(cfg: RunConfig, model: Any) -> list[str]:
     """What is wrong with ``checkpoint.init`` / ``init_from_hf`` for a fresh run, from the folders'
     config.json against the meta model's sub-modules (no weights are read); and a frozen part nothing
-    loads. A resumed run loads none of them: nothing to check. A dry run plans without the folders
-    that are absent here (a cluster's paths), naming them."""
+    loads. A resumed run loads none of them: nothing to check."""
     from veomni.checkpoint.component_init import check_init, frozen_problems, init_entries
     from veomni.checkpoint.manager import resolve_resume
 
@@ -218,12 +218,7 @@ def _check_pretrained(cfg: RunConfig, model: Any, dry_run: bool) -> list[str]:
             return []
     except (ValueError, FileNotFoundError) as exc:
         return [str(exc)]
-    checked = entries
-    if dry_run and (absent := {path: folder for path, folder in entries.items() if not Path(folder).exists()}):
-        checked = {path: folder for path, folder in entries.items() if path not in absent}
-        print(f"[launch] dry run: {NOTHING_BUILDS} {', '.join(absent.values())} (checkpoint.init / init_from_hf): "
-              "planned without it; a real launch needs it there", file=sys.stderr)
-    return check_init(model, checked) + frozen_problems(model, entries)
+    return check_init(model, entries) + frozen_problems(model, entries)
 
 
 def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
@@ -320,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)
         problems += init_problems
         if not built_later:
-            problems += _check_pretrained(cfg, model, args.dry_run)
+            problems += _check_pretrained(cfg, model)
         problems += _check_lora(cfg, model)
     problems += _check_data_plan(cfg, dims)
     if problems:  # no data is built for a run that cannot start
