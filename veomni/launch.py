@@ -250,8 +250,9 @@ def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
         return [f"checkpoint.prepare: script not found: {script}"], False
     out = folders[0] if ckpt.init_from_hf else os.path.commonpath(folders)
     if dry_run:
-        print(f"[launch] dry run: the run builds {out} (checkpoint.init_from_hf / init) first with "
-              f"{Path(script).name}; planned from the recipe", file=sys.stderr)
+        key = "checkpoint.init_from_hf" if ckpt.init_from_hf else "checkpoint.init"
+        print(f"[launch] dry run: the run builds {key} ({out}) first with {Path(script).name}; planned from the "
+              "recipe", file=sys.stderr)
         return [], True
     cmd = [sys.executable, script, "--out", out, *map(str, ckpt.prepare_args)]
     print(f"[launch] preparing the initial weights: {' '.join(cmd)}", file=sys.stderr, flush=True)
