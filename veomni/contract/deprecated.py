@@ -55,16 +55,26 @@ def _takes_training(prepare: Callable[..., Any]) -> bool:
     return "training" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-def task_deprecations(task: Any) -> list[str]:
-    """What ``task`` lacks of the current ``Task`` protocol that ``CompatibleTask`` makes up for."""
+def _defined_at(obj: Any) -> tuple[str, int]:
+    """Where a warning about ``obj`` (a method, a class) points: its source line, else this module."""
+    try:
+        return inspect.getsourcefile(obj) or __file__, inspect.getsourcelines(obj)[1]
+    except (OSError, TypeError):
+        return __file__, 1
+
+
+def task_deprecations(task: Any) -> list[tuple[str, tuple[str, int]]]:
+    """What ``task`` lacks of the current ``Task`` protocol that ``CompatibleTask`` makes up for: each
+    message with the place in the family's code it is about."""
     where = f"the task {type(task).__name__}"
     found = []
     if callable(getattr(task, "prepare", None)) and not _takes_training(task.prepare):
-        found.append(f"{where}: `prepare(batch, generator)` takes no `training` keyword, so its augmentation also "
-                     "runs on eval batches; add `training: bool = True` and skip augmentation when it is False")
+        found.append((f"{where}: `prepare(batch, generator)` takes no `training` keyword, so its augmentation "
+                      "also runs on eval batches; add `training: bool = True` and skip augmentation when it is "
+                      "False", _defined_at(task.prepare)))
     if not callable(getattr(task, "output_metrics", None)):
-        found.append(f"{where} has no `output_metrics(output, target)`, so under parallel.pp its eval reports the "
-                     "loss only; add it (`{}` when the task has no metrics beyond the loss)")
+        found.append((f"{where} has no `output_metrics(output, target)`, so under parallel.pp its eval reports the "
+                      "loss only; add it (`{}` when the task has no metrics beyond the loss)", _defined_at(type(task))))
     return found
 
 
@@ -96,7 +106,7 @@ def compatible_task(task: Any, family: str) -> Any:
     """``task`` itself when it is a current one; else, with a ``PluginAPIDeprecation`` per gap, wrapped
     in ``CompatibleTask``."""
     found = task_deprecations(task) if callable(getattr(task, "prepare", None)) else []
-    for message in found:
-        warnings.warn(f"model family {family!r}: {message} (docs/adding_a_model.md, section 3); {REMOVAL}",
-                      PluginAPIDeprecation, stacklevel=3)
+    for message, (filename, lineno) in found:
+        warnings.warn_explicit(f"model family {family!r}: {message} (docs/adding_a_model.md, section 3); {REMOVAL}",
+                               PluginAPIDeprecation, filename, lineno)
     return CompatibleTask(task) if found else task
