@@ -18,8 +18,9 @@ import importlib.util
 import re
 import sys
 import tomllib
+from pathlib import Path
 
-SUPPORTED = ((2, 11), (2, 14))  # torch 2.11 up to, not including, 2.14
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Imported by the engine or the zoo at module level, so every run needs them; the rest are imported
 # where a feature uses them (wandb, TensorBoard, diffusers' folders, PyG references in tests).
 EVERY_RUN = {"transformers", "tokenizers", "safetensors", "pyyaml", "torchdata", "webdataset", "numpy", "pillow"}
@@ -33,12 +34,21 @@ def torch_fits(need_cuda: bool) -> str | None:
     except ImportError:
         return "no torch installed"
     version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
-    low, high = SUPPORTED
+    low, high = supported_torch(str(PYPROJECT))
     if not low <= version < high:
         return f"torch {torch.__version__} is outside the supported {low[0]}.{low[1]} <= torch < {high[0]}.{high[1]}"
     if need_cuda and not torch.version.cuda:
         return f"torch {torch.__version__} is not a CUDA build"
     return None
+
+
+def supported_torch(pyproject: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(lowest, first unsupported)`` minor versions from the torch requirement of ``pyproject``
+    (``torch>=2.11,<2.16``): the range lives in one place, the project's dependency list."""
+    project = tomllib.load(open(pyproject, "rb"))["project"]
+    spec = next(req for req in project["dependencies"] if _name(req) == "torch")
+    low, high = (re.search(op + r"\s*(\d+)\.(\d+)", spec) for op in (">=", "<"))
+    return (int(low[1]), int(low[2])), (int(high[1]), int(high[2]))
 
 
 def requirements(pyproject: str) -> list[str]:

@@ -5,8 +5,9 @@
 #   pinned  torch==2.13.0 from the package index goes in first and is pinned through a
 #           constraints file, so no later requirement can pull a different (multi-GB CUDA) build.
 #   system  the torch $PYTHON already has (a GPU image's CUDA build, a cluster module), any of
-#           torch 2.11 to 2.13: the venv sees $PYTHON's packages and installs only what is missing,
-#           from VEOMNI_WHEELS (a folder of wheels, no network) when set, else from the index.
+#           torch 2.11 to 2.15 (pyproject.toml's range, read by _deps.py): the venv sees $PYTHON's
+#           packages and installs only what is missing, from VEOMNI_WHEELS (a folder of wheels, no
+#           network) when set, else from the index.
 #   auto    (default) system when $PYTHON already imports a CUDA torch in that range, else pinned.
 # (Shell options are recorded here, not through $(set +o): a command substitution runs without errexit.)
 _VEOMNI_FLAGS="$-"
@@ -65,14 +66,18 @@ source "$VENV/bin/activate"
 WANT="$(sha256sum "$REPO_ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     constraints="$VENV/torch-constraint.txt"
+    # The installed distribution's version, which pip compares with: torch.__version__ may differ from
+    # it (torch 2.14.1's CUDA wheel says 2.14.1+cu130, its metadata 2.14.1), and a pin pip's view of
+    # the installed torch cannot meet fails every later install.
+    TORCH_PIN="import importlib.metadata as m; print('torch==' + m.version('torch'))"
     if [ "$TORCH_MODE" = pinned ]; then
         echo "[venv] installing torch==2.13.0, then the project (one-time, ~2 min)" >&2
         python -m pip install --quiet --upgrade pip >&2
         python -m pip install --quiet "torch==2.13.0" >&2
-        python -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+        python -c "$TORCH_PIN" > "$constraints"
         python -m pip install --quiet -c "$constraints" -e "$REPO_ROOT[dev]" >&2
     else
-        python -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+        python -c "$TORCH_PIN" > "$constraints"
         echo "[venv] using $(python -c 'import torch; print("torch", torch.__version__, "from", torch.__file__)')" >&2
         # The project itself is on PYTHONPATH (below): only the dependencies it lacks are installed,
         # from VEOMNI_WHEELS when set; one that cannot be had (offline, not among the wheels) is

@@ -10,8 +10,12 @@ message says where.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,12 +23,20 @@ from typing import Any
 from veomni.config.load import ConfigError, dump_config, load_config, locate_model_error
 from veomni.config.schema import LoraConfig, RunConfig, SourceConfig
 from veomni.contract import get_model_spec
+from veomni.contract.deprecated import PluginAPIDeprecation
 from veomni.data.build_loader import dataset_kind_name
 from veomni.data.builders import MANIFEST
 from veomni.data.kinds import get_dataset_kind
 from veomni.data.mixture import run_sources
 from veomni.errors import BadInput
 from veomni.parallel.mesh import LayoutError, ParallelDims
+
+NOTHING_BUILDS = "absent here, and nothing in the recipe builds"
+"""How a dry run names a data input that a real launch would need and that no builder of the recipe
+(``data.prepare``, ``data.sources[i].prepare``) makes, neither as one of its outputs nor beside them
+(a chat set's tokenizer, a source's held-out split): a cluster's own data, or a recipe that does not
+run with its one command (tests/recipes/test_every_recipe.py). A missing pretrained folder that
+``checkpoint.prepare`` does not build is refused, by a dry run as by a real launch."""
 
 
 def _needs_prepare(paths: dict[str, str | None]) -> bool:
@@ -94,6 +106,10 @@ def _check_data(cfg: RunConfig, dry_run: bool) -> tuple[list[str], list[str]]:
             return [f"{key}: {script} failed (its output is above)"], []
     missing = {k: p for k, p in paths.items() if p and not Path(p).exists()}
     if dry_run:  # a dry run builds nothing, and plans from the recipe's declared shapes
+        beside = {Path(p).parent for _, _, written in builds for p in written.values() if p}  # and what is beside
+        if unbuilt := [f"{p} ({k})" for k, p in missing.items() if not any(map(Path(p).is_relative_to, beside))]:
+            print(f"[launch] dry run: {NOTHING_BUILDS} {', '.join(unbuilt)}: planned without it; a real launch needs "
+                  "it there", file=sys.stderr)
         return [], [f"{k} ({p})" for k, p in missing.items()]
     hint = "" if builds else " (and no data.prepare builder is set)"
     return [f"{k}: path does not exist: {p}{hint if k != 'data.tokenizer' else ''}" for k, p in missing.items()], []
@@ -163,7 +179,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         if contract_gaps := plugin_problems(spec, model_cfg, model, cfg.parallel.pp):  # before calling any of it
             return model_cfg, model, contract_gaps
         check_model_experts(model, cfg.parallel.ep)
-        check_pipeline_task(spec.task(model_cfg), cfg.parallel)  # says why first
+        check_pipeline_task(spec.build_task(model_cfg), cfg.parallel)  # says why first
         try:
             check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum, PIPELINE_HOOKS)
         except TooFewBlocksError as exc:  # the engine counts blocks; the spec knows the key that sets them
@@ -239,27 +255,50 @@ def _check_lora(cfg: RunConfig, model: Any) -> list[str]:
 
 
 def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
-    """Run ``checkpoint.prepare`` when the ``init_from_hf`` folder it builds is missing or holds a
-    builder's ``manifest.json`` (the builder keeps a current folder, rebuilds an older version's):
-    ``(problems, whether the folder is left for the real run to build)``; a dry run builds nothing."""
-    script, folder = cfg.checkpoint.prepare, cfg.checkpoint.init_from_hf
+    """Run ``checkpoint.prepare`` when a folder it builds (``init_from_hf``, else every ``checkpoint.init``
+    folder, under their common parent) is missing, or holds a builder's ``manifest.json`` (the builder
+    keeps a current folder, rebuilds an older version's): ``(problems, whether the folders are left for
+    the real run to build)``; a dry run builds nothing."""
+    script, ckpt = cfg.checkpoint.prepare, cfg.checkpoint
     if not script:
         return [], False
-    if not folder:
-        return ["checkpoint.prepare builds checkpoint.init_from_hf, which is not set"], False
-    if Path(folder).exists() and (dry_run or not (Path(folder) / MANIFEST).is_file()):
+    folders = [ckpt.init_from_hf] if ckpt.init_from_hf else list(ckpt.init.values())
+    if not folders:
+        return ["checkpoint.prepare builds checkpoint.init_from_hf, which is not set (nor checkpoint.init)"], False
+    if all(Path(f).exists() and (dry_run or not (Path(f) / MANIFEST).is_file()) for f in folders):
         return [], False
     if not Path(script).is_file():
         return [f"checkpoint.prepare: script not found: {script}"], False
+    out = folders[0] if ckpt.init_from_hf else os.path.commonpath(folders)
     if dry_run:
-        print(f"[launch] dry run: the run builds checkpoint.init_from_hf ({folder}) first with {Path(script).name}; "
-              "planned from the recipe", file=sys.stderr)
+        key = "checkpoint.init_from_hf" if ckpt.init_from_hf else "checkpoint.init"
+        print(f"[launch] dry run: the run builds {key} ({out}) first with {Path(script).name}; planned from the "
+              "recipe", file=sys.stderr)
         return [], True
-    cmd = [sys.executable, script, "--out", folder]
+    cmd = [sys.executable, script, "--out", out, *map(str, ckpt.prepare_args)]
     print(f"[launch] preparing the initial weights: {' '.join(cmd)}", file=sys.stderr, flush=True)
     if subprocess.run(cmd).returncode != 0:
         return [f"checkpoint.prepare: {script} failed (its output is above)"], False
     return [], False
+
+
+@contextmanager
+def _deprecations_said() -> Iterator[None]:
+    """Say each use of the previous release's plug-in API (``veomni/contract/deprecated.py``) once, on
+    stderr: Python hides a ``DeprecationWarning`` raised outside ``__main__``. Other warnings pass on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PluginAPIDeprecation)
+        try:
+            yield
+        finally:
+            said = set()
+            for warning in caught:
+                if not issubclass(warning.category, PluginAPIDeprecation):
+                    warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+                elif str(warning.message) not in said:
+                    said.add(str(warning.message))
+                    print(f"[launch] deprecated: {warning.message} ({warning.filename}:{warning.lineno})",
+                          file=sys.stderr)
 
 
 def _fail(problems: list[str]) -> int:
@@ -289,13 +328,14 @@ def main(argv: list[str] | None = None) -> int:
               "the real world size", file=sys.stderr)
         return 2
     world_size = args.world_size or args.launcher_world_size
-    try:
-        cfg = load_config(args.recipe, overrides)
-        dims = ParallelDims.resolve(cfg.parallel, world_size)
-    except (ConfigError, LayoutError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    model_cfg, model, problems = _validate_model(cfg)
+    with _deprecations_said():  # the plug-ins are imported and the task built here
+        try:
+            cfg = load_config(args.recipe, overrides)
+            dims = ParallelDims.resolve(cfg.parallel, world_size)
+        except (ConfigError, LayoutError) as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+        model_cfg, model, problems = _validate_model(cfg)
     if model is not None:  # a recipe with other problems builds nothing
         resumed, resume_errors = _resume_point(cfg)
         init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from veomni.contract import build_model, get_model_spec, load_plugins, register_model
+from veomni.contract.deprecated import PluginAPIDeprecation
 from veomni.contract.plugin_check import plugin_problems
 from veomni.launch import main as launch_main
 
@@ -58,16 +59,29 @@ def test_a_task_without_a_member_is_refused(toy, member):
     assert len(problems) == 1 and f"`{member}`" in problems[0] and "docs/adding_a_model.md" in problems[0]
 
 
-def test_a_prepare_that_cannot_tell_eval_from_training_is_refused(toy):
+def test_a_previous_release_task_passes_the_check_and_runs_adapted_with_a_warning(toy):
+    """``prepare`` without ``training`` and no ``output_metrics`` (the previous release's task): not
+    refused, even under pipelines, but adapted by ``ModelSpec.build_task``, each gap named."""
     spec, config, model = toy
 
-    class OldStylePrepare(type(spec.task(config))):
-        def prepare(self, batch, generator=None):
-            return batch
+    class PreviousRelease(type(spec.task(config))):
+        output_metrics = None  # not callable: the member is absent
 
-    gap = dataclasses.replace(spec, task=lambda cfg: OldStylePrepare(cfg.input_noise))
-    problems = plugin_problems(gap, config, model, pp=1)
-    assert len(problems) == 1 and "`prepare` takes no `training` keyword" in problems[0]
+        def prepare(self, batch, generator=None):
+            return {**batch, "generator": generator}
+
+    old = dataclasses.replace(spec, task=lambda cfg: PreviousRelease(cfg.input_noise), blocks_option="num_blocks")
+    assert plugin_problems(old, config, model, pp=1) == [] and plugin_problems(old, config, model, pp=2) == []
+    with pytest.warns(PluginAPIDeprecation) as caught:
+        task = old.build_task(config)
+    said = " ".join(str(w.message) for w in caught)
+    assert "takes no `training` keyword" in said and "no `output_metrics" in said and "section 3" in said
+    batch = {"x": torch.ones(2, 3), "y": torch.ones(2, 1)}
+    assert task.prepare(batch, "g", training=False)["generator"] == "g"
+    assert task.output_metrics(torch.ones(2, 1), torch.ones(2, 1)) == {}
+    assert task.count_loss_units(batch) == 2  # the rest is the task's own
+    current = spec.build_task(config)
+    assert type(current) is type(spec.task(config)), "a current task is not wrapped"
 
 
 def test_output_loss_is_needed_only_under_pipelines(toy):

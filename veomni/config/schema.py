@@ -302,9 +302,13 @@ class CheckpointConfig:
     init_from_hf: str | None = None
     """Hugging Face folder to initialise the whole model from when not resuming."""
     prepare: str | None = None
-    """Builder of ``init_from_hf``: the launcher runs ``python SCRIPT --out FOLDER`` before its checks when
-    the folder is missing or holds a builder's ``manifest.json`` (which the builder keeps when current),
-    e.g. ``data/build_qwen_vl_random.py``; a dry run builds nothing and says so for a missing folder."""
+    """Builder of ``init_from_hf`` (else of the ``init`` folders, ``FOLDER`` being their common parent):
+    the launcher runs ``python SCRIPT --out FOLDER [prepare_args]`` before its checks when a folder is
+    missing or holds a builder's ``manifest.json`` (which the builder keeps when current), e.g.
+    ``data/build_qwen_vl_random.py``; a dry run builds nothing and says so for a missing folder."""
+    prepare_args: list[str] = field(default_factory=list)
+    """Extra arguments for ``checkpoint.prepare`` (``[qwen3_tiny]``: which folder
+    ``data/build_random_pretrained.py`` writes)."""
     init: dict[str, str] = field(default_factory=dict)
     """Sub-module path -> local pretrained folder loaded into it when not resuming, after the seeded
     init (``llm: /ckpt/Qwen3-0.6B``, ``encoders.image: /ckpt/qwen2vl-vision``): a Hugging Face /

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
+from veomni.contract.deprecated import compatible_task
 from veomni.contract.hooks import CostModel, ParamRule, SampleWriter, TrainableModel
 
 if TYPE_CHECKING:
@@ -95,6 +96,12 @@ class ModelSpec:
             raise TypeError(f"model family {self.name!r}: build() returned {type(model).__name__}, which is not an "
                             "nn.Module with parallel_plan() and init_weights() (veomni.contract.TrainableModel)")
         return model
+
+    def build_task(self, config: Any) -> Task:
+        """``task(config)`` as the engine calls it: a task written against the previous release (no
+        ``training`` keyword on ``prepare``, no ``output_metrics``) is adapted, with a deprecation
+        warning (``veomni/contract/deprecated.py``)."""
+        return compatible_task(self.task(config), self.name)
 
 
 _MODELS: dict[str, ModelSpec] = {}

@@ -11,7 +11,6 @@ names the member, the object that lacks it and the section of the docs that desc
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import torch
@@ -25,18 +24,13 @@ from veomni.tasks.base import BatchContract
 
 DOC = "docs/adding_a_model.md"
 TASK_MEMBERS = ("prepare", "count_loss_units", "baseline_stats", "baseline_loss")
-PIPELINE_TASK_MEMBERS = ("output_loss", "output_metrics")
+PIPELINE_TASK_MEMBERS = ("output_loss",)  # a task without output_metrics is adapted (contract/deprecated.py)
 MODEL_MEMBERS = ("parallel_plan", "init_weights")
 COST_MEMBERS = ("batch_flops", "sample_flops", "activation_bytes_per_unit", "activated_params", "report_lines")
 
 
 def _missing(owner: Any, names: tuple[str, ...]) -> list[str]:
     return [name for name in names if not callable(getattr(owner, name, None))]
-
-
-def _takes_keyword(function: Any, name: str) -> bool:
-    parameters = inspect.signature(function).parameters
-    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _option_exists(config: Any, dotted: str) -> bool:
@@ -66,9 +60,6 @@ def task_problems(spec: ModelSpec, task: Any, pp: int) -> list[str]:
     for name in _missing(task, TASK_MEMBERS + (PIPELINE_TASK_MEMBERS if pipelined else ())):
         problems.append(f"{where} has no `{name}`, which the engine calls{' under parallel.pp' if pipelined else ''}"
                         f": see the task table in {DOC}, section 3")
-    if callable(getattr(task, "prepare", None)) and not _takes_keyword(task.prepare, "training"):
-        problems.append(f"{where}: `prepare` takes no `training` keyword (False for eval batches, so that "
-                        f"augmentation runs on training batches only): see the task table in {DOC}, section 3")
     if pipelined and contract.target is None:
         problems.append(f"parallel.pp={pp}: {where} declares no `contract.target` for the last stage's "
                         f"output_loss: see {DOC}, 'What it does not give for free'")

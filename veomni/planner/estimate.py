@@ -115,7 +115,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         total_params=total,
         activated_params=activated,
         flops_per_unit=flops_per_unit,
-        unit=spec.task(model_cfg).contract.unit,
+        unit=spec.build_task(model_cfg).contract.unit,
         trainable_params=trainable,
         params_gb=(4 * trainable + frozen_bytes * (total - trainable)) / shard / GiB,
         grads_gb=4 * trainable / shard / GiB,

@@ -84,7 +84,7 @@ class Trainer(RunEnd):
         load_plugins(cfg.model.plugins)
         self.spec = get_model_spec(cfg.model.arch)
         self.model_config = build_config(cfg.model.arch, cfg.model.options)
-        self.task = task or self.spec.task(self.model_config)
+        self.task = task or self.spec.build_task(self.model_config)
         self.unit = self.task.contract.unit
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,

@@ -6,7 +6,7 @@ touches ``torch.distributed``: FSDP, checkpoints, resume and metrics come from t
 See docs/adding_a_model.md.
 """
 
-from veomni.contract import ModelSpec, register_model
+from veomni.plugin_api import ModelSpec, register_model
 
 from . import data  # noqa: F401  (registers the toy_regression dataset kind)
 from .config import ToyRegressorConfig

@@ -23,9 +23,7 @@ from typing import Any
 
 import torch
 
-from veomni.config.schema import DataConfig
-from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
-from veomni.data.packing import greedy_pack
+from veomni.plugin_api import DataConfig, DatasetKind, DatasetRequest, ResumableDataset, greedy_pack, register_dataset
 
 
 def load_rows(path: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veomni.contract.plan import ParallelPlan
+from veomni.plugin_api import ParallelPlan
 
 from .config import ToyRegressorConfig
 

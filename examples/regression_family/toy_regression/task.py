@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from veomni.tasks.base import Baseline, BatchContract, LossOutput
+from veomni.plugin_api import Baseline, BatchContract, LossOutput
 
 REGRESSION_CONTRACT = BatchContract(unit="sample", sequence_fields=("x", "y"), stage_input="x", target="y")
 
