@@ -241,6 +241,16 @@ def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
     return [], False
 
 
+def _say_model_source(cfg: RunConfig) -> None:
+    """Which model options came from the ``init_from_hf`` folder's config.json, and which the recipe sets."""
+    from veomni.config.pretrained import folder_keys
+
+    from_folder, from_recipe = folder_keys(cfg)
+    if from_folder:
+        print(f"[launch] model section from {cfg.checkpoint.init_from_hf}/config.json (arch {cfg.model.arch}); "
+              f"the recipe sets {', '.join(from_recipe) or 'nothing'}", file=sys.stderr)
+
+
 def _fail(problems: list[str]) -> int:
     """Report problems the recipe must fix (also in a dry run: that plan could not run) and return
     the exit status that says so."""
@@ -271,10 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    init_problems, built_later = _prepare_init(cfg, args.dry_run)  # first: the model section may come from it
+    if init_problems:
+        return _fail(init_problems)
+    if cfg.checkpoint.prepare and not built_later:  # (re)built: read the model section from the folder as it is
+        try:
+            cfg = load_config(args.recipe, overrides)
+        except ConfigError as exc:
+            return _fail([str(exc)])
+    _say_model_source(cfg)
     model_cfg, model, problems = _validate_model(cfg)
-    if model is not None:  # a recipe with other problems builds nothing
-        init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)
-        problems += init_problems
+    if model is not None:  # a recipe with other problems is checked no further
         if not built_later:
             problems += _check_pretrained(cfg, model)
         problems += _check_lora(cfg, model)
