@@ -2,7 +2,8 @@
 
 A sample is a webdataset record: a chat ``json`` member (``{"messages": [...], ...}``, see
 docs/data.md) and one member per media item, whose suffix names the modality (``png`` -> image,
-the model config's ``media_kinds()``, see ``veomni.contract.media``). Each item goes through its
+the model config's ``media_kinds()``, see ``veomni.contract.media``); or a jsonl line naming its
+media files, read as the record it stands for (``media_jsonl.py``). Each item goes through its
 modality's processor (patches for an
 image), the text is tokenized with every marker expanded to one placeholder token per encoder
 feature (``veomni.data.chat.template``), and samples are packed greedily under
@@ -30,12 +31,14 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from veomni.config.schema import DataConfig
 from veomni.contract.media import BadMediaMember, MediaItem, MediaLayout, MediaModelConfig, collate_items
+from veomni.data.chat.media_jsonl import jsonl_record
 from veomni.data.chat.template import ChatEncoder, EncodedChat, chat_markup, layout_token_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
@@ -69,6 +72,7 @@ class SampleProcessor:
         self.json_key = json_key
         self.layout = model_config.media_layout()
         kinds = {**self.modalities, **self.layout.forms}  # every kind of item: the modalities and their forms
+        self.kinds = kinds
         self.processors = {name: kind.processor for name, kind in kinds.items()}
         self.kind_of_field = {f: name for name, kind in kinds.items() for f in kind.fields}
         self.chat = ChatEncoder(tokenizer, {name: kind.placeholder for name, kind in kinds.items()}, self.layout,
@@ -174,12 +178,10 @@ class MultimodalChatDataset(PackedTextDataset):
         model_config: Any,
     ) -> None:
         super().__init__(cfg, split, tokenizer, dp_rank, dp_size, seed)
-        for spec, files in zip(self.specs, self.files):
-            if files.fmt != "webdataset":
-                raise ValueError(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
-                                 f".tar shards, got {files.fmt}")
         self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key, cfg.chat_markup)
                         for spec in self.specs}
+        self.jsonl_folder = {spec.name: jsonl_folder(spec.path) for spec in self.specs
+                             if self.formats[spec.name] == "jsonl"}
 
     def _items(self, record: dict, spec: SourceSpec, first_offset: int,
                stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
@@ -196,14 +198,19 @@ class MultimodalChatDataset(PackedTextDataset):
     def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> ChatSample | None:
         """The processed sample, or None (counted as bad) when a media item does not decode or
         the sample cannot fit a row."""
-        key, url = record.get("__key__"), record.get("__url__", "?")
+        process = self.process[spec.name]
+        folder = self.jsonl_folder.get(spec.name)
+        key, url = (None, spec.path) if folder is not None else (record.get("__key__"), record.get("__url__", "?"))
         try:
-            sample = self.process[spec.name](record)
+            if folder is not None:  # a jsonl line naming its files: read as the shard record it stands for
+                record = jsonl_record(record, folder, process.kinds, process.json_key)
+                key = record["__key__"]
+            sample = process(record)
         except InvalidSampleError as error:
             raise InvalidSampleError(f"{url}: {error}") from error
-        except Exception as error:  # noqa: BLE001 - a corrupt media file must not stop the run
+        except Exception as error:  # noqa: BLE001 - a corrupt or missing media file must not stop the run
             logger.warning(
-                "%s: sample %s skipped: a media item does not decode (%s: %s)",
+                "%s: sample %s skipped: a media item does not read or decode (%s: %s)",
                 url,
                 key,
                 type(error).__name__,
@@ -225,6 +232,11 @@ class MultimodalChatDataset(PackedTextDataset):
             count_bad(stats, url, self.cfg.max_bad_fraction)
             return None
         return sample
+
+
+def jsonl_folder(path: str) -> Path:
+    """The folder a jsonl source's relative media paths start from: the jsonl file's own."""
+    return Path(path) if Path(path).is_dir() else Path(path).parent
 
 
 def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
