@@ -1,5 +1,6 @@
 """``checkpoint.init_from_hf`` is checked in the launcher, dry run and real run alike: a folder whose
-``config.json`` differs from the recipe in a field that keeps every weight shape (rope theta, RMSNorm
+``config.json`` differs from a value the recipe states (the rest is taken from the folder,
+``test_model_from_folder.py``) in a field that keeps every weight shape (rope theta, RMSNorm
 eps, tied embeddings, rope scaling, MoE top-k normalisation, ...) would load without error and give
 other logits, so it is refused naming the field and both values; an option our model does not
 compute (a rope type, attention dropout, sliding layers) is refused rather than dropped."""
@@ -68,7 +69,8 @@ DIFFERENCES = [
     ("tied-embeddings", transformers.Qwen3Config, dict(DENSE, tie_word_embeddings=False),
      ["--model.tie_embeddings", "true"],
      r"tie_embeddings: recipe True, folder False"),
-    ("rope-scaling", transformers.Qwen3Config, dict(DENSE, rope_parameters=LLAMA3_ROPE), ["--model.rope_scaling", "null"],
+    ("rope-scaling", transformers.Qwen3Config, dict(DENSE, rope_parameters=LLAMA3_ROPE),
+     ["--model.rope_scaling", "null"],
      r"rope_scaling: recipe None, folder \{.*'rope_type': 'llama3'"),
     ("rope-scaling-unsupported", transformers.Qwen3Config,
      dict(DENSE, rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}), [],

@@ -39,6 +39,7 @@ import torch
 from veomni.config.schema import DataConfig
 from veomni.contract.media import BadMediaMember, MediaItem, MediaLayout, MediaModelConfig, collate_items
 from veomni.data.chat.media_jsonl import jsonl_record
+from veomni.data.chat.record_check import check_chat_jsonl
 from veomni.data.chat.template import ChatEncoder, EncodedChat, chat_markup, layout_token_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
@@ -246,7 +247,8 @@ def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
 
 def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
     """The text kind's checks, then room in the LLM's vocabulary for the tokenizer with one placeholder
-    token per modality added (the tokenizer and the model config suffice: a worker would meet it first)."""
+    token per modality added (the tokenizer and the model config suffice: a worker would meet it first),
+    then every jsonl record and the media files it names (``record_check.py``)."""
     problems = check_text_data(cfg, model_config)
     if problems:
         return problems
@@ -260,8 +262,10 @@ def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
         return [str(error)]
     markers = [*layout.tokens(), *markup.tokens()]
     problems = layout_token_problems(tokenizer, layout, markup)
-    if problems or len(tokenizer) <= model_config.vocab_size:
+    if problems:
         return problems
+    if len(tokenizer) <= model_config.vocab_size:
+        return check_chat_jsonl(cfg, {**model_config.media_kinds(), **layout.forms})
     return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "
             f"tokenizer ({cfg.tokenizer}) holds {len(tokenizer)} tokens with them; raise model.llm.vocab_size to at "
             f"least {len(tokenizer)}"]

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from veomni.data.chat.conversation import SHAREGPT_ROLES
+from veomni.data.chat.conversation import SHAREGPT_ROLES, conversation_messages
 from veomni.data.sources import InvalidSampleError
 
 
@@ -65,6 +65,7 @@ def record_media(obj: Any, kinds: Mapping[str, MediaKindLike], key: str) -> tupl
     if both:
         raise InvalidSampleError(f"sample {key!r}: {both[0]} files are named both in content parts and in "
                                  f"'{both[0]}s': use one of the two")
+    conversation_messages({"messages": messages}, key)  # roles, string contents, an answer: as chat_text checks
     return messages, {name: listed[name] or inline[name] for name in kinds}
 
 
