@@ -10,10 +10,10 @@ free field such as ``max_position_embeddings``) is kept. ``model.arch`` may be l
 whose adapter reads the folder's ``model_type`` / ``_class_name`` is taken. A folder that also holds
 a tokenizer is ``data.tokenizer`` when the recipe names none.
 
-Nothing is filled when the key is unset, the folder is absent (a dry run plans from the recipe,
-the launcher names the folder), it holds safetensors in our own names, or no family reads it (the
-launcher's ``checkpoint.init_from_hf`` check then says why); a recipe ``arch`` of another family is
-left to that check too.
+Nothing is filled when the key is unset, the folder is absent (the launcher names it; one that
+``checkpoint.prepare`` builds is read after the build), it holds safetensors in our own names, or no
+family reads it (the launcher's ``checkpoint.init_from_hf`` check then says why); a recipe ``arch``
+of another family is left to that check too.
 """
 
 from __future__ import annotations

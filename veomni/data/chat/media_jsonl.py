@@ -16,7 +16,7 @@ must end with one of its kind's member suffixes (an image ``png`` / ``jpg`` / ``
 Qwen-VL video ``npz`` as ``video.npz`` members hold). ``jsonl_record`` turns a record into the
 webdataset record the shards hold (the chat ``json`` member and one member per file, numbered in
 marker order), so ``SampleProcessor`` reads both alike: the same processing, the same rows.
-``record_media`` is the part the launcher's pre-pass shares (``media_check.py``): the messages and
+``record_media`` is the part the launcher's pre-pass shares (``record_check.py``): the messages and
 the files a record names, without reading them.
 """
 
