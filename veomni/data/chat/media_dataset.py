@@ -217,7 +217,7 @@ class MultimodalChatDataset(PackedTextDataset):
                 type(error).__name__,
                 error,
             )
-            count_bad(stats, url, self.cfg.max_bad_fraction)
+            count_bad(stats, url, self.max_bad_fraction)
             return None
         if len(sample.chat.ids) > self.cfg.max_seq_len or sample.cost > self.cfg.tokens_per_micro_batch:
             logger.warning(
@@ -230,7 +230,7 @@ class MultimodalChatDataset(PackedTextDataset):
                 self.cfg.max_seq_len,
                 self.cfg.tokens_per_micro_batch,
             )
-            count_bad(stats, url, self.cfg.max_bad_fraction)
+            count_bad(stats, url, self.max_bad_fraction)
             return None
         return sample
 

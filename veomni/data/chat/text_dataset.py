@@ -107,13 +107,13 @@ class ChatTextDataset(PackedTextDataset):
             chat = self.chat.encode(messages, key)
         except InvalidSampleError as error:
             logger.warning("%s: skipped, counted as bad: %s", origin, error)
-            count_bad(stats, origin, self.cfg.max_bad_fraction)
+            count_bad(stats, origin, self.max_bad_fraction)
             return None
         fitted = chat.fit(self.cfg.max_seq_len)
         if fitted is None:
             logger.warning("%s: sample %r skipped, counted as bad: its first assistant turn ends at token %d, past "
                            "data.max_seq_len=%d", origin, key, chat.turn_ends[0], self.cfg.max_seq_len)
-            count_bad(stats, origin, self.cfg.max_bad_fraction)
+            count_bad(stats, origin, self.max_bad_fraction)
         return fitted
 
 
