@@ -65,6 +65,7 @@ def test_a_rank_with_more_than_its_share_of_bad_records_does_not_stop_the_run(co
 def test_the_run_stops_every_rank_alike_on_the_runs_share(corpus):
     stopped = run_distributed(_train, 2, corpus, 0.25)
     assert stopped[0] == stopped[1], stopped
-    found = re.search(r"(\d+) of (\d+) records read by the run's data-parallel ranks were bad \(([\d.]+)% > "
-                      r"data.max_bad_fraction 25.0%\)", stopped[0])
+    found = re.search(r"(\d+) of (\d+) records were bad \(([\d.]+)% > data.max_bad_fraction 25.0%\), summed over "
+                      r"the run's 2 data-parallel rank\(s\); worst file (.*) \((\d+) bad", stopped[0])
     assert found and int(found[1]) >= BAD and float(found[3]) > 25, stopped
+    assert found[4].startswith(str(corpus / "corpus")) and int(found[5]) > 0, stopped  # the rank reading a.jsonl

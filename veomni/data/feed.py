@@ -52,7 +52,7 @@ class DataFeed:
         self.reorder = reorder
         self.max_bad_fraction = max_bad_fraction
         self._counts: Counter = Counter()
-        self._read = [0, 0, 0]  # this rank's newest READ_COUNTS
+        self._read: list[Any] = [0, 0, 0, "", 0]  # this rank's newest READ_COUNTS
 
     def next_step(self) -> list[dict[str, Any]]:
         """This rank's micro-batches of the next step."""
@@ -73,7 +73,7 @@ class DataFeed:
         if not mixed and self.max_bad_fraction is None:
             return metrics
         values = [float(counts[name]) for name in self.sources] if mixed else []
-        read = [float(v) for v in self._read] if self.max_bad_fraction is not None else []
+        read = [float(v) for v in self._read[:3]] if self.max_bad_fraction is not None else []
         totals = self.reduce(values + read, group=self.dp_group, device=self.device)
         if read:
             metrics["bad_records"] = self._check_bad(*totals[len(values):])
@@ -86,9 +86,14 @@ class DataFeed:
         ranks = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
         judged = records >= MIN_RECORDS_FOR_EARLY_CHECK or passes >= ranks
         if records and judged and bad / records > self.max_bad_fraction:
-            raise BadDataError(f"{bad:.0f} of {records:.0f} records read by the run's data-parallel ranks were bad "
-                               f"({bad / records:.1%} > data.max_bad_fraction {self.max_bad_fraction:.1%}); the "
-                               "ranks' logs name the files and records")
+            worst = [tuple(self._read[3:])]
+            if ranks > 1:  # every rank is here at the same step: name the run's worst file on each
+                worst = [None] * ranks
+                dist.all_gather_object(worst, tuple(self._read[3:]), group=self.dp_group)
+            file, count = max(worst, key=lambda found: found[1])
+            raise BadDataError(f"{bad:.0f} of {records:.0f} records were bad ({bad / records:.1%} > "
+                               f"data.max_bad_fraction {self.max_bad_fraction:.1%}), summed over the run's "
+                               f"{ranks} data-parallel rank(s); worst file {file} ({count} bad in its current pass)")
         return bad
 
     def pending_state(self) -> list[list[Any]]:

@@ -108,6 +108,7 @@ class PackedTextDataset(ResumableDataset):
         """Every old consumer's state after a layout change, resolved into a start when iterated."""
         self._end = replace(fresh, sources=tuple(StreamPosition(epoch=1) for _ in self.specs))
         self._plans: dict[str, dict[int, list[Part]]] = {}
+        self._live: list[SourceStream] = []  # the streams being read (their pass's counts)
 
     @property
     def max_bad_fraction(self) -> float:
@@ -116,12 +117,16 @@ class PackedTextDataset(ResumableDataset):
         all but ``ALL_BAD`` bad: it would yield no batch for that check to see."""
         return max(ALL_BAD, self.cfg.max_bad_fraction) if self.run_counts_bad else self.cfg.max_bad_fraction
 
-    def read_counts(self) -> list[int]:
-        """``[records read, bad records, 1 once a pass is finished else 0]`` of this consumer's sources
-        so far, as its position counts them (``StreamPosition``)."""
+    def read_counts(self) -> list[Any]:
+        """``[records read, bad records, 1 once a pass is finished else 0, the file of the current passes
+        with the most bad records, their count]`` of this consumer's sources so far, as its position
+        counts them (``StreamPosition``)."""
         sources = self._pos.sources
+        worst = max((stream.stats.bad_by_file.most_common(1)[0] for stream in self._live
+                     if stream.stats.bad_by_file), key=lambda found: found[1], default=("", 0))
         return [sum(s.records_prior_epochs + s.records_in_epoch for s in sources),
-                sum(s.bad_prior_epochs + s.bad_in_epoch for s in sources), int(max(s.epoch for s in sources) > 0)]
+                sum(s.bad_prior_epochs + s.bad_in_epoch for s in sources), int(max(s.epoch for s in sources) > 0),
+                *worst]
 
     @property
     def bytes_read(self) -> int:
@@ -164,7 +169,7 @@ class PackedTextDataset(ResumableDataset):
     def _samples(self, start: Position) -> Iterator[tuple[Drawn, Position, Position]]:
         """This consumer's samples from ``start`` on, mixed by weight, each with the positions before
         and after it."""
-        streams = self._streams(*self.consumer())
+        streams = self._live = self._streams(*self.consumer())
         iters = [stream.items(pos) for stream, pos in zip(streams, start.sources)]
         positions, counts = list(start.sources), list(start.counts)
         peeked: list[tuple[Any, StreamPosition, Ref] | None] = [None] * len(streams)
