@@ -111,4 +111,5 @@ def test_bad_records_stop_the_run_once_without_a_traceback(tmp_path):
     assert result.returncode == 1, result.stderr
     assert time.monotonic() - start < 60, "a restart cannot fix bad data: no retries"
     assert "Traceback" not in result.stderr, result.stderr
-    assert re.search(r"\[train\.sh\] run stopped: 1 of \d+ records were bad .*docs\.jsonl", result.stderr)
+    assert re.search(r"\[train\.sh\] run stopped: \d+ of \d+ records were bad .*summed over the run's 2 data-parallel "
+                     r"rank\(s\); worst file .*corpus/train", result.stderr)

@@ -77,8 +77,9 @@ class DataFeed:
         totals = self.reduce(values + read, group=self.dp_group, device=self.device)
         if read:
             metrics["bad_records"] = self._check_bad(*totals[len(values):])
-        drawn = sum(totals[:len(values)]) or 1.0
-        return metrics | {f"mix_{name}": total / drawn for name, total in zip(self.sources, totals)}
+        mix = totals[:len(values)]
+        drawn = sum(mix) or 1.0
+        return metrics | {f"mix_{name}": total / drawn for name, total in zip(self.sources, mix)}
 
     def _check_bad(self, records: float, bad: float, passes: float) -> float:
         """``bad``, once the run has read enough to judge (or every rank ended a pass) and is within its

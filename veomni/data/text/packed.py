@@ -118,13 +118,13 @@ class PackedTextDataset(ResumableDataset):
         return max(ALL_BAD, self.cfg.max_bad_fraction) if self.run_counts_bad else self.cfg.max_bad_fraction
 
     def read_counts(self) -> list[Any]:
-        """``[records read, bad records, 1 once a pass is finished else 0, the file of the current passes
-        with the most bad records, their count]`` of this consumer's sources so far, as its position
-        counts them (``StreamPosition``)."""
+        """``[records passed on, the bad among them, 1 once a pass is finished else 0, the file of the
+        current passes with the most bad records, their count]`` of this consumer's sources so far, as
+        its position counts them (``StreamPosition``: a window's records up to ``taken``)."""
         sources = self._pos.sources
         worst = max((stream.stats.bad_by_file.most_common(1)[0] for stream in self._live
                      if stream.stats.bad_by_file), key=lambda found: found[1], default=("", 0))
-        return [sum(s.records_prior_epochs + s.records_in_epoch for s in sources),
+        return [sum(s.records_prior_epochs + s.records_in_epoch + s.taken for s in sources),  # as bad_in_epoch counts
                 sum(s.bad_prior_epochs + s.bad_in_epoch for s in sources), int(max(s.epoch for s in sources) > 0),
                 *worst]
 
