@@ -71,3 +71,22 @@ def test_the_run_stops_every_rank_alike_on_the_runs_share(corpus):
                       r"the run's 2 data-parallel rank\(s\); worst file (.*) \((\d+) bad", stopped[0])
     assert found and int(found[1]) >= BAD and float(found[3]) > 25, stopped
     assert found[4].startswith(str(corpus / "corpus")) and int(found[5]) > 0, stopped  # the rank reading a.jsonl
+
+
+def test_each_batch_counts_the_records_its_bad_ones_are_among(tmp_path):
+    """``READ_COUNTS`` of every micro-batch: the records passed on so far and the bad among them, counted
+    alike (positions count a window's records from its start, its bad ones as they are passed on)."""
+    from tests.trainer_utils import TOKENIZER
+    from veomni.data.build_loader import build_dataloader
+    from veomni.data.text.packed import READ_COUNTS, load_tokenizer
+
+    _corpus(tmp_path / "corpus")
+    cfg = tiny_run_config(tmp_path).data
+    cfg.train_path, cfg.shuffle = str(tmp_path / "corpus" / "a.jsonl"), False
+    loader = build_dataloader(cfg, "train", load_tokenizer(str(TOKENIZER)), 0, 1, 0)
+    loader.dataset.run_counts_bad = True
+    batches = iter(loader)
+    counts = [next(batches)[READ_COUNTS][:3] for _ in range(4)]
+    # the file alternates bad and good lines, a bad one first: of n records passed on, ceil(n / 2) are bad
+    assert all(records and bad == (records + 1) // 2 for records, bad, _ in counts), counts
+    assert counts[-1][2] == 1 and counts[-1][1] >= BAD, counts  # a pass of the file is done: its bad lines counted
