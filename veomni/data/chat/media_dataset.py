@@ -211,7 +211,7 @@ class MultimodalChatDataset(PackedTextDataset):
             raise InvalidSampleError(f"{url}: {error}") from error
         except Exception as error:  # noqa: BLE001 - a corrupt or missing media file must not stop the run
             logger.warning(
-                "%s: sample %s skipped: a media item does not read or decode (%s: %s)",
+                "%s: sample %s skipped: a media item does not decode or is missing (%s: %s)",
                 url,
                 key,
                 type(error).__name__,
