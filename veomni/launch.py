@@ -13,9 +13,6 @@ import argparse
 import os
 import subprocess
 import sys
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from typing import Any
 from veomni.config.load import ConfigError, dump_config, load_config, locate_model_error
 from veomni.config.schema import LoraConfig, RunConfig, SourceConfig
 from veomni.contract import get_model_spec
-from veomni.contract.deprecated import PluginAPIDeprecation
+from veomni.contract.deprecated import deprecations_said
 from veomni.data.build_loader import dataset_kind_name
 from veomni.data.builders import MANIFEST
 from veomni.data.kinds import get_dataset_kind
@@ -282,23 +279,14 @@ def _prepare_init(cfg: RunConfig, dry_run: bool) -> tuple[list[str], bool]:
     return [], False
 
 
-@contextmanager
-def _deprecations_said() -> Iterator[None]:
-    """Say each use of the previous release's plug-in API (``veomni/contract/deprecated.py``) once, on
-    stderr: Python hides a ``DeprecationWarning`` raised outside ``__main__``. Other warnings pass on."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PluginAPIDeprecation)
-        try:
-            yield
-        finally:
-            said = set()
-            for warning in caught:
-                if not issubclass(warning.category, PluginAPIDeprecation):
-                    warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-                elif str(warning.message) not in said:
-                    said.add(str(warning.message))
-                    print(f"[launch] deprecated: {warning.message} ({warning.filename}:{warning.lineno})",
-                          file=sys.stderr)
+def _say_model_source(cfg: RunConfig) -> None:
+    """Which model options came from the ``init_from_hf`` folder's config.json, and which the recipe sets."""
+    from veomni.config.pretrained import folder_keys
+
+    from_folder, from_recipe = folder_keys(cfg)
+    if from_folder:
+        print(f"[launch] model section from {cfg.checkpoint.init_from_hf}/config.json (arch {cfg.model.arch}); "
+              f"the recipe sets {', '.join(from_recipe) or 'nothing'}", file=sys.stderr)
 
 
 def _fail(problems: list[str]) -> int:
@@ -328,18 +316,26 @@ def main(argv: list[str] | None = None) -> int:
               "the real world size", file=sys.stderr)
         return 2
     world_size = args.world_size or args.launcher_world_size
-    with _deprecations_said():  # the plug-ins are imported and the task built here
+    with deprecations_said():  # the plug-ins are imported and the task built here
         try:
             cfg = load_config(args.recipe, overrides)
             dims = ParallelDims.resolve(cfg.parallel, world_size)
         except (ConfigError, LayoutError) as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
+        init_problems, built_later = _prepare_init(cfg, args.dry_run)  # first: the model section may come from it
+        if init_problems:
+            return _fail(init_problems)
+        if cfg.checkpoint.prepare and not built_later:  # (re)built: read the model section from the folder as it is
+            try:
+                cfg = load_config(args.recipe, overrides)
+            except ConfigError as exc:
+                return _fail([str(exc)])
+        _say_model_source(cfg)
         model_cfg, model, problems = _validate_model(cfg)
-    if model is not None:  # a recipe with other problems builds nothing
+    if model is not None:  # a recipe with other problems is checked no further
         resumed, resume_errors = _resume_point(cfg)
-        init_problems, built_later = ([], False) if problems else _prepare_init(cfg, args.dry_run)
-        problems += resume_errors + init_problems
+        problems += resume_errors
         if not built_later:
             problems += _check_pretrained(cfg, model, resumed)
         problems += _check_lora(cfg, model)

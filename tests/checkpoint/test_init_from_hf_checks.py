@@ -1,5 +1,6 @@
 """``checkpoint.init_from_hf`` is checked in the launcher, dry run and real run alike: a folder whose
-``config.json`` differs from the recipe in a field that keeps every weight shape (rope theta, RMSNorm
+``config.json`` differs from a value the recipe states (the rest is taken from the folder,
+``test_model_from_folder.py``) in a field that keeps every weight shape (rope theta, RMSNorm
 eps, tied embeddings, rope scaling, MoE top-k normalisation, ...) would load without error and give
 other logits, so it is refused naming the field and both values; an option our model does not
 compute (a rope type, attention dropout, sliding layers) is refused rather than dropped."""
@@ -62,12 +63,14 @@ def test_a_matching_folder_passes(workdir, tmp_path, config_class, kwargs, flags
 DIFFERENCES = [
     # (id, config class, its kwargs, recipe flags, regex of the refusal)
     ("rope-theta", transformers.Qwen3Config, dict(DENSE, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
-     [], r"rope_theta: recipe 1000000\.0, folder 10000\.0"),
-    ("rms-norm-eps", transformers.Qwen3Config, dict(DENSE, rms_norm_eps=1e-5), [],
+     ["--model.rope_theta", "1e6"], r"rope_theta: recipe 1000000\.0, folder 10000\.0"),
+    ("rms-norm-eps", transformers.Qwen3Config, dict(DENSE, rms_norm_eps=1e-5), ["--model.rms_norm_eps", "1e-6"],
      r"rms_norm_eps: recipe 1e-06, folder 1e-05"),
-    ("tied-embeddings", transformers.Qwen3Config, dict(DENSE, tie_word_embeddings=False), [],
+    ("tied-embeddings", transformers.Qwen3Config, dict(DENSE, tie_word_embeddings=False),
+     ["--model.tie_embeddings", "true"],
      r"tie_embeddings: recipe True, folder False"),
-    ("rope-scaling", transformers.Qwen3Config, dict(DENSE, rope_parameters=LLAMA3_ROPE), [],
+    ("rope-scaling", transformers.Qwen3Config, dict(DENSE, rope_parameters=LLAMA3_ROPE),
+     ["--model.rope_scaling", "null"],
      r"rope_scaling: recipe None, folder \{.*'rope_type': 'llama3'"),
     ("rope-scaling-unsupported", transformers.Qwen3Config,
      dict(DENSE, rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}), [],
@@ -81,9 +84,10 @@ DIFFERENCES = [
      dict(DENSE, layer_types=["sliding_attention", "full_attention"], sliding_window=16), [],
      r"layer_types \['sliding_attention'\] are not supported"),
     ("activation", transformers.Qwen3Config, dict(DENSE, hidden_act="gelu"), [], r"hidden_act='gelu'"),
-    ("family", transformers.LlamaConfig, {k: v for k, v in DENSE.items()}, [],
+    ("family", transformers.LlamaConfig, {k: v for k, v in DENSE.items()}, ["--model.qk_norm", "true"],
      r"qk_norm: recipe True, folder False; family: recipe 'qwen3', folder 'llama'"),
-    ("moe-topk-norm", transformers.Qwen3MoeConfig, dict(MOE, norm_topk_prob=False), MOE_FLAGS,
+    ("moe-topk-norm", transformers.Qwen3MoeConfig, dict(MOE, norm_topk_prob=False),
+     [*MOE_FLAGS, "--model.norm_topk_prob", "true"],
      r"norm_topk_prob: recipe True, folder False"),
     ("moe-top-k", transformers.Qwen3MoeConfig, dict(MOE, num_experts_per_tok=1), MOE_FLAGS,
      r"num_experts_per_tok: recipe 2, folder 1"),

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from veomni.contract import HFAdapter, get_model_spec, hf_adapter_for_model_type, spec_for_hf_model_type
-from veomni.errors import BadCheckpoint, BadConfig, MissingInput
+from veomni.contract import get_model_spec, spec_for_hf_model_type
+from veomni.contract.hf_folder import CONFIG_FILE, read_config_json, read_hf_config
+from veomni.errors import BadConfig, MissingInput
 
-CONFIG_FILE = "config.json"
 TRANSFORMERS_WEIGHTS = "model"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -38,34 +38,6 @@ def load_hf_pretrained(path: str | os.PathLike) -> tuple[str, Any, dict[str, tor
     spec = spec_for_hf_model_type(read_config_json(folder)[0])
     _, config = read_hf_config(folder)
     return spec.name, config, spec.hf_adapter.state_dict_from_hf(read_safetensors(folder), config)
-
-
-def read_config_json(folder: Path) -> tuple[str, dict[str, Any]]:
-    """``(architecture, contents)`` of ``folder/config.json``: the architecture is its ``model_type``
-    (transformers) or ``_class_name`` (diffusers). FileNotFoundError / ValueError say what is missing."""
-    config_file = folder / CONFIG_FILE
-    if not config_file.is_file():
-        raise MissingInput(f"{folder} has no {CONFIG_FILE}; is it a Hugging Face model folder?")
-    contents = json.loads(config_file.read_text())
-    architecture = contents.get("model_type") or contents.get("_class_name")
-    if not architecture:
-        raise BadCheckpoint(f"{config_file} has neither model_type (transformers) nor _class_name (diffusers): "
-                            "which architecture it holds is unknown")
-    return architecture, contents
-
-
-def read_hf_config(folder: Path) -> tuple[HFAdapter, Any]:
-    """``(adapter, our config)`` of a Hugging Face / diffusers folder from ``config.json`` alone (no
-    weights read), by the adapter registered for its architecture. A transformers config is read
-    through ``AutoConfig`` (which fills in the defaults ``save_pretrained`` leaves out), a diffusers
-    one is handed to the adapter as its dict."""
-    import transformers
-
-    architecture, contents = read_config_json(folder)
-    adapter = hf_adapter_for_model_type(architecture)
-    if "model_type" in contents:
-        contents = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    return adapter, adapter.config_from_hf(contents)
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

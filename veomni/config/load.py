@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from veomni.config.hints import suggest
+from veomni.config.pretrained import FolderModel, fill_from_folder, read_folder_model
 from veomni.config.ranges import check_ranges
 from veomni.config.schema import ModelConfig, RunConfig
 from veomni.config.types import ConfigError, coerce, dict_entry_type, list_entry_dataclass
@@ -190,16 +191,21 @@ def _origins(node: _Value, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _model_field_types(arch: str, where: str, plugins: list[str], plugins_where: str) -> dict[str, Any]:
-    """Field name -> type of the registered model's config dataclass (after importing the
-    ``model.plugins`` packages, which register the families). A plugin that does not import is
-    blamed on where ``model.plugins`` was set (a recipe line or the command line), not on ``arch``."""
-    from veomni.contract import get_model_spec, load_plugins
+def _load_plugins(plugins: list[str], plugins_where: str) -> None:
+    """Import the ``model.plugins`` packages, which register the families. A plugin that does not
+    import is blamed on where ``model.plugins`` was set (a recipe line or the command line)."""
+    from veomni.contract import load_plugins
 
     try:
         load_plugins(plugins)
     except ImportError as exc:
         raise ConfigError(f"{plugins_where}: {exc}") from None
+
+
+def _model_field_types(arch: str, where: str) -> dict[str, Any]:
+    """Field name -> type of the registered model's config dataclass (plugins loaded)."""
+    from veomni.contract import get_model_spec
+
     try:
         spec = get_model_spec(arch)
     except ValueError as exc:
@@ -228,6 +234,7 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
 
     cfg = RunConfig()
     section_types = typing.get_type_hints(RunConfig)
+    model_node = _Value({}, str(path), tree.base_dir)
     for section, node in tree.value.items():
         if section not in section_types:
             hint = suggest(section, list(section_types))
@@ -235,7 +242,7 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
         if not node.is_mapping:
             raise ConfigError(f"{node.origin}: section '{section}' must be a mapping of keys")
         if section == "model":
-            _fill_model(cfg.model, node)
+            model_node = node  # filled last: the model section may come from checkpoint.init_from_hf
         else:
             _fill_section(getattr(cfg, section), section, node)
     for section, name in PATH_KEYS:  # defaults and values never set: relative to the cwd
@@ -243,21 +250,28 @@ def load_config(recipe: str | os.PathLike, overrides: list[str] | None = None) -
         setattr(section_obj, name, _absolute(getattr(section_obj, name)))
     origins = _origins(tree)
     cfg.model.origins = {key: origin for key, origin in origins.items() if key.startswith("model.")}
+    folder = _fill_model(cfg.model, model_node, cfg.checkpoint.init_from_hf)
+    if folder is not None:
+        fill_from_folder(cfg, folder)
     check_ranges(cfg, origins)
     return cfg
 
 
-def _fill_model(model: ModelConfig, node: _Value) -> None:
+def _fill_model(model: ModelConfig, node: _Value, init_from_hf: str | None) -> FolderModel | None:
     """The open section: ``arch`` and ``plugins``, then the registered model's config fields. What a
     ``dict`` field holds (``model.encoders.image``) is the model config's own business: its
-    ``validate`` checks it."""
+    ``validate`` checks it. Returns the ``init_from_hf`` folder's model (``veomni.config.pretrained``),
+    whose family is the arch when the recipe names none."""
     arch_node = node.value.get("arch")
-    if arch_node is not None:
-        model.arch = coerce(arch_node.value, str, f"{arch_node.origin}: model.arch")
     plugins_node = node.value.get("plugins")
     model.plugins = _plugins(plugins_node)
-    fields = _model_field_types(model.arch, arch_node.origin if arch_node else "model.arch", model.plugins,
-                                plugins_node.origin if plugins_node else "model.plugins (default)")
+    _load_plugins(model.plugins, plugins_node.origin if plugins_node else "model.plugins (default)")
+    folder = read_folder_model(init_from_hf)
+    if arch_node is not None:
+        model.arch = coerce(arch_node.value, str, f"{arch_node.origin}: model.arch")
+    elif folder is not None:
+        model.arch = folder.arch
+    fields = _model_field_types(model.arch, arch_node.origin if arch_node else "model.arch")
     for name, child in node.value.items():
         if name in ("arch", "plugins"):
             continue
@@ -265,6 +279,7 @@ def _fill_model(model: ModelConfig, node: _Value) -> None:
             hint = f"for model arch '{model.arch}'{suggest(name, ['arch', 'plugins', *fields], 'model')}"
             raise ConfigError(f"{child.origin}: unknown key 'model.{name}' {hint}")
         model.options[name] = _build_value(child, fields[name], f"model.{name}")
+    return folder
 
 
 def _fill_section(section_obj: Any, section: str, node: _Value, path_fields: frozenset[str] | None = None) -> None:

@@ -58,7 +58,7 @@ class DataConfig:
     ``Assistant: ...<eos>``) or ``model`` (the model family's own, e.g. Qwen-VL's ``<|im_start|>``)."""
     tokenizer: str = ""
     """Folder loadable by ``transformers.AutoTokenizer.from_pretrained`` (offline); needed only
-    by dataset kinds that read text."""
+    by dataset kinds that read text. Unset: the ``checkpoint.init_from_hf`` folder, if it holds one."""
     vae: str = ""
     """``video_clips`` kind: folder of the frozen diffusers VAE (``AutoencoderKL`` or
     ``AutoencoderKLWan``) that encodes each clip on the fly."""
@@ -300,7 +300,9 @@ class CheckpointConfig:
     async_save: bool = False
     save_final: bool = True
     init_from_hf: str | None = None
-    """Hugging Face folder to initialise the whole model from when not resuming."""
+    """Hugging Face folder to initialise the whole model from when not resuming. Every model option the
+    recipe does not set is read from its ``config.json`` (``veomni/config/pretrained.py``), and its
+    tokenizer is ``data.tokenizer`` when that is unset."""
     prepare: str | None = None
     """Builder of ``init_from_hf`` (else of the ``init`` folders, ``FOLDER`` being their common parent):
     the launcher runs ``python SCRIPT --out FOLDER [prepare_args]`` before its checks when a folder is

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -110,3 +112,22 @@ def compatible_task(task: Any, family: str) -> Any:
         warnings.warn_explicit(f"model family {family!r}: {message} (docs/adding_a_model.md, section 3); {REMOVAL}",
                                PluginAPIDeprecation, filename, lineno)
     return CompatibleTask(task) if found else task
+
+
+@contextmanager
+def deprecations_said() -> Iterator[None]:
+    """Around the launcher's checks: say each use of the previous release's plug-in API once, on
+    stderr (Python hides a ``DeprecationWarning`` raised outside ``__main__``). Other warnings pass on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PluginAPIDeprecation)
+        try:
+            yield
+        finally:
+            said = set()
+            for warning in caught:
+                if not issubclass(warning.category, PluginAPIDeprecation):
+                    warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+                elif str(warning.message) not in said:
+                    said.add(str(warning.message))
+                    print(f"[launch] deprecated: {warning.message} ({warning.filename}:{warning.lineno})",
+                          file=sys.stderr)

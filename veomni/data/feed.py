@@ -6,7 +6,11 @@ then yields single samples, and this module gives the reordering the family's co
 micro-batch says how many of its samples each source gave (``SOURCE_COUNTS``); that is removed
 here before the task sees the batch and summed over the data-parallel ranks (by the trainer's
 ``reduce``) into the realised mixture ``mix_<source>`` (the share of the step's samples), reported
-when a run mixes sources. A data concern, so it sits with the dataset kinds it feeds from.
+when a run mixes sources. Bad records are acted on the same way: each micro-batch carries its
+consumer's counts (``READ_COUNTS``), and the step sums them over the data-parallel ranks, reports
+``bad_records`` and stops every rank alike once the run's bad share passes ``data.max_bad_fraction``
+(one rank's share of the data may be worse than the whole's). A data concern, so it sits with the
+dataset kinds it feeds from.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from veomni.config.schema import RunConfig
 from veomni.contract import build_model
 from veomni.data.group_reorder import GroupReorder, balance_group_size, balance_groups
 from veomni.data.mixture import run_sources
-from veomni.data.text.packed import SOURCE_COUNTS, Drawn, PackedTextDataset
+from veomni.data.sources import MIN_RECORDS_FOR_EARLY_CHECK, BadDataError
+from veomni.data.text.packed import READ_COUNTS, SOURCE_COUNTS, Drawn, PackedTextDataset
 from veomni.parallel.mesh import ParallelMeshes
 
 logger = logging.getLogger(__name__)
@@ -35,33 +40,62 @@ ReduceValues = Callable[..., list[float]]
 
 class DataFeed:
     def __init__(self, next_step: Callable[[], list[dict]], sources: list[str], dp_group: Any,
-                 device: torch.device, reduce: ReduceValues, reorder: GroupReorder | None = None) -> None:
+                 device: torch.device, reduce: ReduceValues, reorder: GroupReorder | None = None,
+                 max_bad_fraction: float | None = None) -> None:
+        """``max_bad_fraction``: the run's bad share that stops it, summed over the ranks; None when the
+        loader's consumers check their own."""
         self._next_step = next_step
         self.sources = sources
         self.dp_group = dp_group
         self.device = device
         self.reduce = reduce
         self.reorder = reorder
+        self.max_bad_fraction = max_bad_fraction
         self._counts: Counter = Counter()
+        self._read: list[Any] = [0, 0, 0, "", 0]  # this rank's newest READ_COUNTS
 
     def next_step(self) -> list[dict[str, Any]]:
         """This rank's micro-batches of the next step."""
         batches = self._next_step()
         for batch in batches:
             self._counts.update(batch.pop(SOURCE_COUNTS, {}))
+            self._read = batch.pop(READ_COUNTS, self._read)
         return batches
 
     def step_metrics(self) -> dict[str, float]:
         """``mix_<source>``: each source's share of the samples of the steps since the last call, over
-        every data-parallel rank (one all-reduce; none when the run reads one source); the balancing
-        estimates of this rank's group."""
+        every data-parallel rank (none when the run reads one source); ``bad_records``: the run's, summed
+        over the ranks, which stops it past ``max_bad_fraction``; the balancing estimates of this rank's
+        group. One all-reduce, or none."""
         counts, self._counts = self._counts, Counter()
         metrics = dict(self.reorder.last) if self.reorder is not None else {}
-        if len(self.sources) < 2:
+        mixed = len(self.sources) >= 2
+        if not mixed and self.max_bad_fraction is None:
             return metrics
-        totals = self.reduce([float(counts[name]) for name in self.sources], group=self.dp_group, device=self.device)
-        drawn = sum(totals) or 1.0
-        return metrics | {f"mix_{name}": total / drawn for name, total in zip(self.sources, totals)}
+        values = [float(counts[name]) for name in self.sources] if mixed else []
+        read = [float(v) for v in self._read[:3]] if self.max_bad_fraction is not None else []
+        totals = self.reduce(values + read, group=self.dp_group, device=self.device)
+        if read:
+            metrics["bad_records"] = self._check_bad(*totals[len(values):])
+        mix = totals[:len(values)]
+        drawn = sum(mix) or 1.0
+        return metrics | {f"mix_{name}": total / drawn for name, total in zip(self.sources, mix)}
+
+    def _check_bad(self, records: float, bad: float, passes: float) -> float:
+        """``bad``, once the run has read enough to judge (or every rank ended a pass) and is within its
+        limit; every rank gets the same sums, so every rank stops alike."""
+        ranks = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
+        judged = records >= MIN_RECORDS_FOR_EARLY_CHECK or passes >= ranks
+        if records and judged and bad / records > self.max_bad_fraction:
+            worst = [tuple(self._read[3:])]
+            if ranks > 1:  # every rank is here at the same step: name the run's worst file on each
+                worst = [None] * ranks
+                dist.all_gather_object(worst, tuple(self._read[3:]), group=self.dp_group)
+            file, count = max(worst, key=lambda found: found[1])
+            raise BadDataError(f"{bad:.0f} of {records:.0f} records were bad ({bad / records:.1%} > "
+                               f"data.max_bad_fraction {self.max_bad_fraction:.1%}), summed over the run's "
+                               f"{ranks} data-parallel rank(s); worst file {file} ({count} bad in its current pass)")
+        return bad
 
     def pending_state(self) -> list[list[Any]]:
         """Samples drawn from the loader but not trained yet (the balancing window); [] without balancing."""
@@ -72,13 +106,20 @@ def build_feed(cfg: RunConfig, loader: Any, meshes: ParallelMeshes, spec: Any, d
                pending: list[list[Any]], reduce: ReduceValues) -> DataFeed:
     """The run's feed: plain, or balanced (``data.balance``) with the restored window ``pending``;
     ``reduce`` sums values over a group (the trainer's ``all_reduce_values``)."""
+    dataset = loader.dataset
+    # the run sums bad records where batches carry their consumer's counts: not a balanced feed's
+    # samples packed here from loader workers, whose positions this process's dataset does not see
+    run_counts = isinstance(dataset, PackedTextDataset) and not (cfg.data.balance and cfg.data.num_workers)
+    if run_counts:
+        dataset.run_counts_bad = True
+    limit = cfg.data.max_bad_fraction if run_counts else None
     reorder = balanced_feed(cfg, loader, meshes, spec, pending) if cfg.data.balance else None
     sources = [source.name for source in run_sources(cfg.data, "train")]
     if reorder is not None:
-        return DataFeed(reorder.next_step, sources, meshes.dp.get_group(), device, reduce, reorder)
+        return DataFeed(reorder.next_step, sources, meshes.dp.get_group(), device, reduce, reorder, limit)
     it = iter(loader)
     return DataFeed(lambda: [next(it) for _ in range(cfg.train.grad_accum)], sources, meshes.dp.get_group(), device,
-                    reduce)
+                    reduce, max_bad_fraction=limit)
 
 
 def balanced_feed(cfg: RunConfig, loader: Any, meshes: ParallelMeshes, spec: Any,

@@ -87,6 +87,8 @@ class SourceStream:
     """Epochs whose plan is given (after a layout change), not derived from the consumer index."""
     end: StreamPosition = field(default_factory=lambda: StreamPosition(epoch=1))
     """Where a finished one-pass (eval) stream stands."""
+    stats: ReadStats = field(default_factory=ReadStats)
+    """The counts of the pass being read (which files held the bad records)."""
 
     def plan(self, epoch: int) -> list[Part]:
         """This consumer's pieces of ``epoch``: shard order shuffled per epoch for training."""
@@ -130,7 +132,7 @@ class SourceStream:
         pos = start
         while True:
             plan = self.plan(pos.epoch)
-            stats = ReadStats(pos.records_in_epoch, pos.bad_in_epoch)
+            stats = self.stats = ReadStats(pos.records_in_epoch, pos.bad_in_epoch)
             produced = False
             reader = self.records_from(plan, pos.piece, pos.offset, stats)
             skip, item_offset = pos.taken, pos.item_offset

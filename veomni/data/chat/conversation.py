@@ -6,8 +6,8 @@ other layout teaches a format it never sees when it answers.
 
 Input: OpenAI-style ``{"messages": [{"role": ..., "content": ...}]}`` or ShareGPT
 ``{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]}``; roles are
-``system``, ``user``, ``assistant``, contents are strings, and at least one turn is the
-assistant's. Anything else is an ``InvalidSampleError`` naming the sample.
+``system``, ``user``, ``assistant``, contents are strings (a user's or assistant's not empty), and
+at least one turn is the assistant's. Anything else is an ``InvalidSampleError`` naming the sample.
 
 Templates are judged by the text they render, never by how its pieces tokenize: the whole
 conversation is rendered once and tokenized once (what is trained on), and the loss targets are
@@ -66,6 +66,8 @@ def conversation_messages(obj: Any, key: str) -> list[dict[str, str]]:
                                      f"expected one of {sorted(roles)}")
         if not isinstance(turn.get(content_key), str):
             raise InvalidSampleError(f"sample {key!r}: turn {index} ({role}) needs a string {content_key!r}")
+        if role != "system" and not turn[content_key].strip():
+            raise InvalidSampleError(f"sample {key!r}: turn {index} ({role}) has an empty {content_key!r}")
         messages.append({"role": role, "content": turn[content_key]})
     if not any(m["role"] == "assistant" for m in messages):
         raise InvalidSampleError(f"sample {key!r}: no assistant turn, so nothing to train on")

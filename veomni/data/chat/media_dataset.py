@@ -2,7 +2,8 @@
 
 A sample is a webdataset record: a chat ``json`` member (``{"messages": [...], ...}``, see
 docs/data.md) and one member per media item, whose suffix names the modality (``png`` -> image,
-the model config's ``media_kinds()``, see ``veomni.contract.media``). Each item goes through its
+the model config's ``media_kinds()``, see ``veomni.contract.media``); or a jsonl line naming its
+media files, read as the record it stands for (``media_jsonl.py``). Each item goes through its
 modality's processor (patches for an
 image), the text is tokenized with every marker expanded to one placeholder token per encoder
 feature (``veomni.data.chat.template``), and samples are packed greedily under
@@ -30,19 +31,22 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from veomni.config.schema import DataConfig
 from veomni.contract.media import BadMediaMember, MediaItem, MediaLayout, MediaModelConfig, collate_items
+from veomni.data.chat.media_jsonl import jsonl_record
+from veomni.data.chat.record_check import check_chat_jsonl
 from veomni.data.chat.template import ChatEncoder, EncodedChat, chat_markup, layout_token_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_with_targets
 from veomni.data.sources import InvalidSampleError, ReadStats, count_bad
 from veomni.data.text.packed import PackedTextDataset, check_sample_length, check_text_data
-from veomni.errors import BadConfig, BadData
+from veomni.errors import BadConfig
 
 if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
@@ -70,6 +74,7 @@ class SampleProcessor:
         self.json_key = json_key
         self.layout = model_config.media_layout()
         kinds = {**self.modalities, **self.layout.forms}  # every kind of item: the modalities and their forms
+        self.kinds = kinds
         self.processors = {name: kind.processor for name, kind in kinds.items()}
         self.kind_of_field = {f: name for name, kind in kinds.items() for f in kind.fields}
         self.chat = ChatEncoder(tokenizer, {name: kind.placeholder for name, kind in kinds.items()}, self.layout,
@@ -175,12 +180,10 @@ class MultimodalChatDataset(PackedTextDataset):
         model_config: Any,
     ) -> None:
         super().__init__(cfg, split, tokenizer, dp_rank, dp_size, seed)
-        for spec, files in zip(self.specs, self.files):
-            if files.fmt != "webdataset":
-                raise BadData(f"data source {spec.name!r} ({spec.path}): samples with media must be webdataset "
-                              f".tar shards, got {files.fmt}")
         self.process = {spec.name: SampleProcessor(tokenizer, model_config, spec.text_key, cfg.chat_markup)
                         for spec in self.specs}
+        self.jsonl_folder = {spec.name: jsonl_folder(spec.path) for spec in self.specs
+                             if self.formats[spec.name] == "jsonl"}
 
     def _items(self, record: dict, spec: SourceSpec, first_offset: int,
                stats: ReadStats) -> Iterator[tuple[int, ChatSample]]:
@@ -197,20 +200,25 @@ class MultimodalChatDataset(PackedTextDataset):
     def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> ChatSample | None:
         """The processed sample, or None (counted as bad) when a media item does not decode or
         the sample cannot fit a row."""
-        key, url = record.get("__key__"), record.get("__url__", "?")
+        process = self.process[spec.name]
+        folder = self.jsonl_folder.get(spec.name)
+        key, url = (None, spec.path) if folder is not None else (record.get("__key__"), record.get("__url__", "?"))
         try:
-            sample = self.process[spec.name](record)
+            if folder is not None:  # a jsonl line naming its files: read as the shard record it stands for
+                record = jsonl_record(record, folder, process.kinds, process.json_key)
+                key = record["__key__"]
+            sample = process(record)
         except InvalidSampleError as error:
             raise InvalidSampleError(f"{url}: {error}") from error
-        except Exception as error:  # noqa: BLE001 - a corrupt media file must not stop the run
+        except Exception as error:  # noqa: BLE001 - a corrupt or missing media file must not stop the run
             logger.warning(
-                "%s: sample %s skipped: a media item does not decode (%s: %s)",
+                "%s: sample %s skipped: a media item does not decode or is missing (%s: %s)",
                 url,
                 key,
                 type(error).__name__,
                 error,
             )
-            count_bad(stats, url, self.cfg.max_bad_fraction)
+            count_bad(stats, url, self.max_bad_fraction)
             return None
         if len(sample.chat.ids) > self.cfg.max_seq_len or sample.cost > self.cfg.tokens_per_micro_batch:
             logger.warning(
@@ -223,9 +231,14 @@ class MultimodalChatDataset(PackedTextDataset):
                 self.cfg.max_seq_len,
                 self.cfg.tokens_per_micro_batch,
             )
-            count_bad(stats, url, self.cfg.max_bad_fraction)
+            count_bad(stats, url, self.max_bad_fraction)
             return None
         return sample
+
+
+def jsonl_folder(path: str) -> Path:
+    """The folder a jsonl source's relative media paths start from: the jsonl file's own."""
+    return Path(path) if Path(path).is_dir() else Path(path).parent
 
 
 def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
@@ -235,7 +248,8 @@ def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
 
 def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
     """The text kind's checks, then room in the LLM's vocabulary for the tokenizer with one placeholder
-    token per modality added (the tokenizer and the model config suffice: a worker would meet it first)."""
+    token per modality added (the tokenizer and the model config suffice: a worker would meet it first),
+    then every jsonl record and the media files it names (``record_check.py``)."""
     problems = check_text_data(cfg, model_config)
     if problems:
         return problems
@@ -249,8 +263,10 @@ def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
         return [str(error)]
     markers = [*layout.tokens(), *markup.tokens()]
     problems = layout_token_problems(tokenizer, layout, markup)
-    if problems or len(tokenizer) <= model_config.vocab_size:
+    if problems:
         return problems
+    if len(tokenizer) <= model_config.vocab_size:
+        return check_chat_jsonl(cfg, {**model_config.media_kinds(), **layout.forms})
     return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "
             f"tokenizer ({cfg.tokenizer}) holds {len(tokenizer)} tokens with them; raise model.llm.vocab_size to at "
             f"least {len(tokenizer)}"]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from veomni.config.schema import DataConfig
 from veomni.data.chat.conversation import ChatTokens, TemplateChat, conversation_messages
+from veomni.data.chat.record_check import check_chat_jsonl
 from veomni.data.chat.template_probe import chat_template_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
@@ -108,18 +109,20 @@ class ChatTextDataset(PackedTextDataset):
             return self.chat.fit(messages, key, self.cfg.max_seq_len)
         except InvalidSampleError as error:
             logger.warning("%s: skipped, counted as bad: %s", origin, error)
-            count_bad(stats, origin, self.cfg.max_bad_fraction)
+            count_bad(stats, origin, self.max_bad_fraction)
             return None
 
 
 def check_chat_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """The text kind's checks, then the tokenizer's chat template (before any worker starts)."""
+    """The text kind's checks, the tokenizer's chat template, then every jsonl record (before any worker
+    starts: ``record_check.py``)."""
     problems = check_text_data(cfg, model_config)
     if problems:
         return problems
     from transformers import AutoTokenizer
 
-    return chat_template_problems(AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True))
+    return (chat_template_problems(AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True))
+            or check_chat_jsonl(cfg, None))
 
 
 def _build_chat_text(request: DatasetRequest) -> ChatTextDataset:

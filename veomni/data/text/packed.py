@@ -47,6 +47,9 @@ STATE_FORMAT = "veomni.packed_text.v2"
 SOURCE_COUNTS = "source_counts"
 """Batch key: ``{source name: samples of this micro-batch drawn from it}`` (the trainer reports the
 realised mixture from it and removes it before the task sees the batch)."""
+ALL_BAD = 0.999
+READ_COUNTS = "read_counts"
+"""Batch key: its consumer's ``read_counts()``, while the run counts bad records (removed by the feed)."""
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,32 @@ class PackedTextDataset(ResumableDataset):
         super().__init__(dp_rank, dp_size, fresh)
         self.unpacked = False
         """Yield single drawn samples instead of packed micro-batches (set by a balancing feed)."""
+        self.run_counts_bad = False
+        """The run, not this consumer, acts on ``data.max_bad_fraction`` (set by the trainer's feed, which
+        sums every rank's counts, ``READ_COUNTS``): the consumer's own check then never stops it."""
         self._merged: list[dict[str, Any]] | None = None
         """Every old consumer's state after a layout change, resolved into a start when iterated."""
         self._end = replace(fresh, sources=tuple(StreamPosition(epoch=1) for _ in self.specs))
         self._plans: dict[str, dict[int, list[Part]]] = {}
+        self._live: list[SourceStream] = []  # the streams being read (their pass's counts)
+
+    @property
+    def max_bad_fraction(self) -> float:
+        """The bad share of this consumer's records that stops it: ``data.max_bad_fraction``, or, while
+        the run checks the sum over its ranks (``run_counts_bad``), only a consumer whose records are
+        all but ``ALL_BAD`` bad: it would yield no batch for that check to see."""
+        return max(ALL_BAD, self.cfg.max_bad_fraction) if self.run_counts_bad else self.cfg.max_bad_fraction
+
+    def read_counts(self) -> list[Any]:
+        """``[records passed on, the bad among them, 1 once a pass is finished else 0, the file of the
+        current passes with the most bad records, their count]`` of this consumer's sources so far, as
+        its position counts them (``StreamPosition``: a window's records up to ``taken``)."""
+        sources = self._pos.sources
+        worst = max((stream.stats.bad_by_file.most_common(1)[0] for stream in self._live
+                     if stream.stats.bad_by_file), key=lambda found: found[1], default=("", 0))
+        return [sum(s.records_prior_epochs + s.records_in_epoch + s.taken for s in sources),  # as bad_in_epoch counts
+                sum(s.bad_prior_epochs + s.bad_in_epoch for s in sources), int(max(s.epoch for s in sources) > 0),
+                *worst]
 
     @property
     def bytes_read(self) -> int:
@@ -115,7 +140,7 @@ class PackedTextDataset(ResumableDataset):
         tokenized, ``eos`` appended, cut into ``max_seq_len`` chunks; nothing (counted) for a bad record."""
         text = record_text(record, self.formats[spec.name], spec.text_key)
         if text is None:
-            count_bad(stats, _record_origin(record, spec), self.cfg.max_bad_fraction)
+            count_bad(stats, _record_origin(record, spec), self.max_bad_fraction)
             return iter(())
         if not text:
             return iter(())
@@ -137,7 +162,7 @@ class PackedTextDataset(ResumableDataset):
             SourceStream(spec.name, files, lambda record, offset, stats, spec=spec: self._items(record, spec, offset,
                                                                                                  stats),
                          consumer, consumers, self.seed, train, self.cfg.shuffle,
-                         self.cfg.shuffle_window if train else 1, self.cfg.max_bad_fraction,
+                         self.cfg.shuffle_window if train else 1, self.max_bad_fraction,
                          dict(self._plans.get(spec.name, {})))
             for spec, files in zip(self.specs, self.files)
         ]
@@ -145,7 +170,7 @@ class PackedTextDataset(ResumableDataset):
     def _samples(self, start: Position) -> Iterator[tuple[Drawn, Position, Position]]:
         """This consumer's samples from ``start`` on, mixed by weight, each with the positions before
         and after it."""
-        streams = self._streams(*self.consumer())
+        streams = self._live = self._streams(*self.consumer())
         iters = [stream.items(pos) for stream, pos in zip(streams, start.sources)]
         positions, counts = list(start.sources), list(start.counts)
         peeked: list[tuple[Any, StreamPosition, Ref] | None] = [None] * len(streams)
@@ -197,6 +222,8 @@ class PackedTextDataset(ResumableDataset):
         batch = self._pack([d.item for d in drawn])
         if self.split == "train":
             batch[SOURCE_COUNTS] = {spec.name: sum(d.source == i for d in drawn) for i, spec in enumerate(self.specs)}
+            if self.run_counts_bad:
+                batch[READ_COUNTS] = self.read_counts()
         return batch
 
     def units(self, drawn: Drawn) -> int:
