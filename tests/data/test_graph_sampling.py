@@ -19,7 +19,7 @@ from tests.parity_utils import assert_grads_parity, assert_parity, assert_scalar
 from veomni.data.graph.sampling import NeighbourSampler
 from veomni.data.graph.views import edge_weights, split_labels
 from veomni.errors import BadConfig
-from veomni.ops.graph import apply_block_sampling
+from veomni.parallel.graph.aggregation import apply_block_sampling
 from veomni.tasks import NodeClassificationTask
 
 

@@ -39,14 +39,11 @@ for it; the layers slice their own rows (residual, root weight) to the aggregate
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-
-from veomni.contract.graph_model import message_passing_modules
-from veomni.contract.plan import ParallelPlan
 
 
 def aggregate(rows: torch.Tensor, edge_index: torch.Tensor, edge_weight: torch.Tensor, targets: int,
@@ -136,21 +133,3 @@ class BlockAggregation(nn.Module):
             raise RuntimeError(f"message-passing layer {self.index} received {h.shape[0]} rows, its block has "
                                f"{sources} source nodes")
         return _aggregate_edges(h, graph, key, targets)
-
-
-def replace_aggregations(model: nn.Module, plan: ParallelPlan, make: Callable[[int], nn.Module], why: str) -> int:
-    """Put ``make(i)`` in place of the ``NeighbourAggregation`` of the i-th message-passing module
-    the plan names (``why``: who replaces it, for the error); returns how many."""
-    modules = message_passing_modules(model, plan.message_passing)
-    for index, (name, module) in enumerate(modules):
-        if not isinstance(module.aggregate, NeighbourAggregation):
-            raise TypeError(f"{type(model).__name__}: {name} ({type(module).__name__}) holds a "
-                            f"{type(module.aggregate).__name__} as `aggregate`, not the veomni.ops.graph."
-                            f"NeighbourAggregation {why} replaces; declare the injection point in the layer")
-        module.aggregate = make(index)
-    return len(modules)
-
-
-def apply_block_sampling(model: nn.Module, plan: ParallelPlan) -> int:
-    """Make every message-passing module read its layer's block of a sampled mini-batch."""
-    return replace_aggregations(model, plan, BlockAggregation, "sampled training")

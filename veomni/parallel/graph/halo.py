@@ -36,8 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.contract.plan import ParallelPlan
-from veomni.ops.graph import aggregate, has_stale_edges, replace_aggregations, sparse_adjacency
+from veomni.ops.graph import aggregate, has_stale_edges, sparse_adjacency
 from veomni.parallel.comm_counter import COMM_COUNTER
+from veomni.parallel.graph.aggregation import replace_aggregations
 
 logger = logging.getLogger(__name__)
 
