@@ -19,6 +19,10 @@ output, and for GCN and SAGE a residual ``h + relu(conv(h))`` (ResGCN, Li et al.
 of 8 to 64 layers train; GCNII needs none (its initial residual and identity mapping play that
 part). A GCNII layer's state is ``[n, 2, d]`` = (h, h0) so that a pipeline stage boundary passes
 one tensor; GCN and SAGE states are ``[n, d]``.
+
+On a sampled mini-batch (``veomni/data/graph/sampling.py``) a layer's targets are the first
+``m`` of its ``n`` input rows and ``aggregate`` returns ``m`` rows, so each layer slices its own
+rows (residual, root weight, h0) to the aggregate's length: a no-op on a whole graph or view.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ class GCNLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, graph: Mapping[str, Any]) -> torch.Tensor:
         x = F.dropout(h, self.dropout, self.training)
-        return h + F.relu(self.lin(self.aggregate(x, graph)))
+        agg = self.aggregate(x, graph)
+        return h[:agg.shape[0]] + F.relu(self.lin(agg))
 
 
 class SAGELayer(nn.Module):
@@ -76,7 +81,9 @@ class SAGELayer(nn.Module):
 
     def forward(self, h: torch.Tensor, graph: Mapping[str, Any]) -> torch.Tensor:
         x = F.dropout(h, self.dropout, self.training)
-        return h + F.relu(self.lin_l(self.aggregate(x, graph)) + self.lin_r(x))
+        agg = self.aggregate(x, graph)
+        m = agg.shape[0]
+        return h[:m] + F.relu(self.lin_l(agg) + self.lin_r(x[:m]))
 
 
 class GCNIILayer(nn.Module):
@@ -96,7 +103,9 @@ class GCNIILayer(nn.Module):
     def forward(self, state: torch.Tensor, graph: Mapping[str, Any]) -> torch.Tensor:
         h, h0 = state.unbind(1)
         x = F.dropout(h, self.dropout, self.training)
-        mixed = (1 - self.alpha) * self.aggregate(x, graph) + self.alpha * h0
+        agg = self.aggregate(x, graph)
+        h0 = h0[:agg.shape[0]]
+        mixed = (1 - self.alpha) * agg + self.alpha * h0
         out = torch.addmm(mixed, mixed, self.weight, beta=1 - self.beta, alpha=self.beta)
         return torch.stack([F.relu(out), h0], dim=1)
 

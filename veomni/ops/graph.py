@@ -28,6 +28,12 @@ them) is a dict of tensors:
 
 Exactness: a whole view (one chunk, no stale edges) makes ``aggregate`` the full-graph sum, so a
 single process, graph parallelism and a one-chunk pipeline all compute the same thing.
+
+A *sampled* mini-batch (``veomni/data/graph/sampling.py``) is instead a stack of blocks, one per
+layer: layer ``l`` reads ``block_sizes[l]`` source rows and yields ``block_sizes[l + 1]`` target
+rows (its targets are the first rows of its sources, as in DGL and PyG), along the edges
+``block{l}_edge_index`` / ``block{l}_edge_weight``. ``BlockAggregation`` is the injection point
+for it; the layers slice their own rows (residual, root weight) to the aggregate's length.
 """
 
 from __future__ import annotations
@@ -98,7 +104,32 @@ class NeighbourAggregation(nn.Module):
                                "its neighbours need the engine's aggregation (veomni.parallel.graph.halo."
                                "apply_graph_parallel), which the trainer installs for models whose plan names "
                                "message_passing modules")
-        n = h.shape[0]
-        # torch.compile traces no sparse tensor: a compiled layer gathers messages, which it fuses
-        adjacency = None if torch.compiler.is_compiling() else sparse_adjacency(graph, "edge_index", n, n)
-        return aggregate(h, graph["edge_index"], graph["edge_weight"], n, adjacency)
+        return _aggregate_edges(h, graph, "edge_index", h.shape[0])
+
+
+def _aggregate_edges(h: torch.Tensor, graph: Mapping[str, Any], key: str, targets: int) -> torch.Tensor:
+    # torch.compile traces no sparse tensor: a compiled layer gathers messages, which it fuses
+    adjacency = None if torch.compiler.is_compiling() else sparse_adjacency(graph, key, h.shape[0], targets)
+    return aggregate(h, graph[key], graph[key.replace("index", "weight")], targets, adjacency)
+
+
+class BlockAggregation(nn.Module):
+    """The injection point for sampled mini-batches: layer ``index`` sums along its own block's
+    edges, from the ``block_sizes[index]`` rows it receives to the ``block_sizes[index + 1]``
+    target rows it returns (see the module docstring)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, h: torch.Tensor, graph: Mapping[str, Any]) -> torch.Tensor:
+        key = f"block{self.index}_edge_index"
+        if key not in graph:
+            raise RuntimeError(f"message-passing layer {self.index} needs {key!r}: the mini-batch holds "
+                               f"{int(graph['block_sizes'].numel()) - 1 if 'block_sizes' in graph else 0} blocks; "
+                               "sample as many hops (data fanouts) as the model has message-passing layers")
+        sources, targets = (int(n) for n in graph["block_sizes"][self.index:self.index + 2])
+        if h.shape[0] != sources:
+            raise RuntimeError(f"message-passing layer {self.index} received {h.shape[0]} rows, its block has "
+                               f"{sources} source nodes")
+        return _aggregate_edges(h, graph, key, targets)

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from veomni.contract.graph_model import message_passing_modules
 from veomni.contract.plan import ParallelPlan
-from veomni.ops.graph import NeighbourAggregation, aggregate, has_stale_edges, sparse_adjacency
+from veomni.ops.graph import aggregate, has_stale_edges, sparse_adjacency
 from veomni.parallel.comm_counter import COMM_COUNTER
+from veomni.parallel.graph.aggregation import replace_aggregations
 
 logger = logging.getLogger(__name__)
 
@@ -156,11 +156,4 @@ def _deliver(table: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> tor
 def apply_graph_parallel(model: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup | None) -> int:
     """Install a ``GraphAggregation`` (exchanging over ``group``; None: one partition) in every
     message-passing module; returns how many."""
-    modules = message_passing_modules(model, plan.message_passing)
-    for name, module in modules:
-        if not isinstance(module.aggregate, NeighbourAggregation):
-            raise TypeError(f"{type(model).__name__}: {name} ({type(module).__name__}) holds a "
-                            f"{type(module.aggregate).__name__} as `aggregate`, not the veomni.ops.graph."
-                            "NeighbourAggregation graph parallelism replaces; declare the injection point in the layer")
-        module.aggregate = GraphAggregation(group)
-    return len(modules)
+    return replace_aggregations(model, plan, lambda index: GraphAggregation(group), "graph parallelism")

@@ -1,0 +1,121 @@
+"""Neighbour sampling: mini-batches of target nodes with sampled multi-hop neighbourhoods.
+
+The standard recipe for graphs too large to train on whole (GraphSAGE, PyG's ``NeighborLoader``,
+DGL's ``MultiLayerNeighborSampler``): each step takes a mini-batch of target nodes, samples up to
+``fanouts[0]`` in-neighbours of each (hop 1, as PyG's ``num_neighbors[0]``), then up to
+``fanouts[1]`` in-neighbours of every node reached so far, and so on; ``-1`` keeps the whole
+neighbourhood. The result is one *block* (message-flow graph) per layer, input layer first: block
+``l`` maps the ``block_sizes[l]`` source nodes to the ``block_sizes[l + 1]`` destination nodes,
+destinations first among the sources (so a layer's own rows are a prefix of its input), and the
+last block's destinations are the targets. ``veomni.ops.graph.BlockAggregation`` consumes them at
+the layers' aggregation point.
+
+Edge weights come from the whole graph's normalisation (``views.edge_weights``: GCN's symmetric
+one uses full-graph degrees), scaled by ``degree / sampled`` per destination: an unbiased estimate
+of the full-graph aggregate (for the mean, exactly the mean over the sampled neighbours). With
+every fanout at -1 a mini-batch's targets get exactly their full-graph outputs and gradients.
+
+Reproducible and resumable: the order of the targets is drawn per epoch, and the neighbours per
+mini-batch, each from a generator seeded by (seed, epoch[, index]); the state is (epoch, position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from veomni.errors import BadConfig
+
+_MIX = 1_000_003
+
+
+def _generator(*keys: int) -> torch.Generator:
+    seed = 0
+    for key in keys:
+        seed = (seed * _MIX + key) % (2**63 - 1)
+    return torch.Generator().manual_seed(seed)
+
+
+class NeighbourSampler:
+    """Mini-batches of ``targets`` with their sampled blocks (see the module docstring).
+
+    ``edge_index``/``edge_weight``: the whole graph's normalised edges (source, destination);
+    ``fields``: per-node tensors [N, ...] gathered for the input nodes (``x``) or the targets
+    (``labels`` and every other field).
+    """
+
+    def __init__(self, edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, targets: torch.Tensor,
+                 fields: dict[str, torch.Tensor], batch_size: int, fanouts: list[int], seed: int = 0) -> None:
+        if batch_size < 1:
+            raise BadConfig(f"sampling batch_size is {batch_size}; give a positive number of target nodes")
+        if not fanouts or any(f == 0 or f < -1 for f in fanouts):
+            raise BadConfig(f"sampling fanouts {fanouts}: give one per message-passing layer, each a positive "
+                            "number of neighbours or -1 for all of them")
+        src, dst = edge_index[0].long(), edge_index[1].long()
+        order = torch.argsort(dst, stable=True)
+        self.source, self.weight = src[order], edge_weight[order].float()
+        self.degree = torch.bincount(dst, minlength=num_nodes)
+        self.start = torch.cumsum(self.degree, 0) - self.degree
+        self.num_nodes, self.targets, self.fields = num_nodes, targets.long(), fields
+        self.batch_size, self.fanouts, self.seed = batch_size, list(fanouts), seed
+        self.epoch, self.position = 0, 0
+
+    def __len__(self) -> int:
+        return -(-self.targets.numel() // self.batch_size)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The rest of this epoch's mini-batches, from the saved position; then the next epoch."""
+        order = self.targets[torch.randperm(self.targets.numel(), generator=_generator(self.seed, self.epoch))]
+        while self.position < len(self):
+            index = self.position
+            batch = order[index * self.batch_size:(index + 1) * self.batch_size]
+            self.position += 1
+            yield self.mini_batch(batch, _generator(self.seed, self.epoch, index + 1))
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def mini_batch(self, targets: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The blocks around ``targets`` and the fields the model and the loss read."""
+        nodes, blocks = targets, []
+        for fanout in self.fanouts:
+            nodes, edge_index, edge_weight = self._hop(nodes, fanout, generator)
+            blocks.append((nodes.numel(), edge_index, edge_weight))
+        blocks.reverse()
+        batch = {name: value[nodes] if name == "x" else value[targets] for name, value in self.fields.items()}
+        batch.update(nodes=nodes, targets=targets,
+                     block_sizes=torch.tensor([size for size, _, _ in blocks] + [targets.numel()]))
+        for layer, (_, edge_index, edge_weight) in enumerate(blocks):
+            batch[f"block{layer}_edge_index"], batch[f"block{layer}_edge_weight"] = edge_index, edge_weight
+        return batch
+
+    def _hop(self, dst: torch.Tensor, fanout: int,
+             generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(source nodes, destinations first; local edges; weights) of one block into ``dst``."""
+        degree = self.degree[dst]
+        owner = torch.repeat_interleave(torch.arange(dst.numel()), degree)
+        rank = torch.arange(owner.numel()) - torch.repeat_interleave(torch.cumsum(degree, 0) - degree, degree)
+        edge = self.start[dst][owner] + rank
+        taken = degree
+        if fanout != -1:
+            # a random order within each destination's in-edges, then its first `fanout` of them
+            shuffled = torch.argsort(torch.rand(edge.numel(), generator=generator))
+            shuffled = shuffled[torch.argsort(owner[shuffled], stable=True)]
+            keep = rank < fanout  # rank is the position within the destination's run, unchanged by the shuffle
+            edge, owner = edge[shuffled][keep], owner[keep]
+            taken = degree.clamp(max=fanout)
+        source = self.source[edge]
+        new = torch.unique(source)
+        seen = torch.zeros(self.num_nodes, dtype=torch.bool)
+        seen[dst] = True
+        nodes = torch.cat([dst, new[~seen[new]]])
+        local = torch.full((self.num_nodes,), -1, dtype=torch.long)
+        local[nodes] = torch.arange(nodes.numel())
+        scale = degree.double() / taken.clamp(min=1).double()
+        weight = (self.weight[edge].double() * scale[owner]).float()
+        return nodes, torch.stack([local[source], owner]), weight
