@@ -5,13 +5,15 @@ key formulas and contracts (an M-RoPE axis lost, a bias in the combine weights, 
 each with the fast-tier tests expected to fail on it. This script copies the repository's files
 (tracked and untracked, not ignored) into a temporary folder once, then per mutation: replaces the
 exact original text by the planted one in the copy, runs only that entry's tests there, and restores
-the file. The working tree is never written to. It reports caught / missed per mutation and the catch
-rate, and exits 1 if any mutation is missed, if its tests do not pass unmutated (``--baseline``), or if
-an original text is no longer found exactly once (the list must follow the code it plants into).
+the file. The working tree is never written to. A mutation is caught when every test listed for it
+fails (each listed test claims to guard against it). It reports caught / missed per mutation, the
+tests that passed with the bug planted, and the catch rate, and exits 1 if any mutation is missed,
+if its tests do not pass unmutated (``--baseline``), or if an original text is no longer found
+exactly once (the list must follow the code it plants into).
 
-    python scripts/mutate.py                       # the whole list
-    python scripts/mutate.py mrope-width-as-height # some entries, by id
-    python scripts/mutate.py --baseline            # also check that the listed tests pass unmutated
+    python scripts/mutate.py                                 # the whole list
+    python scripts/mutate.py mrope-width-turns-with-height   # some entries, by id
+    python scripts/mutate.py --baseline                      # also check that the listed tests pass unmutated
 
 Docs: docs/testing.md, "Planted bugs".
 """
@@ -96,23 +98,30 @@ def _copy_tree(dest: Path) -> None:
             shutil.copy2(source, dest / name)
 
 
-def _pytest(tree: Path, nodes: tuple[str, ...]) -> tuple[int, float, str]:
+def _pytest(tree: Path, nodes: tuple[str, ...]) -> tuple[int, float, list[str]]:
+    """Run ``nodes`` in ``tree``: pytest's exit code (-1 on a timeout), seconds, and its FAILED/ERROR lines."""
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "WANDB_MODE": "disabled", "PYTHONDONTWRITEBYTECODE": "1"}  # no stale bytecode of a planted file
     start = time.monotonic()
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *nodes],
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *nodes],
                                 cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return -1, time.monotonic() - start, f"timed out after {TIMEOUT_S} s"
-    lines = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return result.returncode, time.monotonic() - start, (lines[0] if lines else result.stdout.strip()[-300:])
+        return -1, time.monotonic() - start, [f"timed out after {TIMEOUT_S} s"]
+    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return result.returncode, time.monotonic() - start, failed or [result.stdout.strip()[-300:]]
 
 
-def _verdict(code: int) -> str:
-    """pytest's exit code: 1 a test failed (caught), 0 all passed (missed), -1 timed out (caught: a
-    hang is a visible failure), 2 interrupted or a collection error, 3-5 a broken invocation."""
-    return {0: "MISSED", 1: "caught", -1: "caught (timeout)", 2: "caught (collection error)"}.get(code, "ERROR")
+def _missed_by(code: int, nodes: tuple[str, ...], failed: list[str]) -> list[str]:
+    """The listed tests that passed with the bug planted: every listed test must catch it (a failing
+    parametrisation counts for its test); a timeout counts as caught by all, a broken run by none."""
+    if code == -1:
+        return []
+    if code not in (0, 1):
+        return list(nodes)
+    names = [line.split()[1] for line in failed if len(line.split()) > 1]
+    return [node for node in nodes if not any(name == node or name.startswith((node + "[", node + "::"))
+                                              for name in names)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,32 +140,34 @@ def main(argv: list[str] | None = None) -> int:
         print("the mutation list does not fit the code:\n  " + "\n  ".join(broken), file=sys.stderr)
         return 1
     start = time.monotonic()
-    failed = 0
+    failed_ids = 0
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         tree = Path(tmp)
         _copy_tree(tree)
         if args.baseline:
             nodes = tuple(dict.fromkeys(n for m in chosen for n in m.tests))
-            code, seconds, detail = _pytest(tree, nodes)
+            code, seconds, failed = _pytest(tree, nodes)
             print(f"baseline: {len(nodes)} tests unmutated, exit {code}, {seconds:.0f} s")
             if code != 0:
-                print(f"  the listed tests fail without any mutation: {detail}", file=sys.stderr)
+                print("  the listed tests fail without any mutation:\n  " + "\n  ".join(failed), file=sys.stderr)
                 return 1
         for m in chosen:
             path = tree / m.file
             original = path.read_text()
             path.write_text(original.replace(m.original, m.replacement))
             try:
-                code, seconds, detail = _pytest(tree, m.tests)
+                code, seconds, failed = _pytest(tree, m.tests)
             finally:
                 path.write_text(original)
-            verdict = _verdict(code)
-            failed += not verdict.startswith("caught")
-            print(f"{verdict:<26} {m.id:<34} {seconds:5.0f} s  {detail if verdict != 'MISSED' else m.why}",
-                  flush=True)
-    caught = len(chosen) - failed
+            missed = _missed_by(code, m.tests, failed)
+            failed_ids += bool(missed)
+            verdict = f"MISSED by {len(missed)}/{len(m.tests)}" if missed else f"caught by {len(m.tests)}"
+            print(f"{verdict:<16} {m.id:<34} {seconds:4.0f} s  {failed[0][:150]}", flush=True)
+            for node in missed:
+                print(f"    passed with the bug planted: {node} ({m.why})", flush=True)
+    caught = len(chosen) - failed_ids
     print(f"catch rate: {caught}/{len(chosen)} ({100 * caught / len(chosen):.0f}%) in {time.monotonic() - start:.0f} s")
-    return 1 if failed else 0
+    return 1 if failed_ids else 0
 
 
 if __name__ == "__main__":
