@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import json
 
+import diffusers
+import peft
 import pytest
 import torch
+import transformers
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-diffusers = pytest.importorskip("diffusers")
-
-from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig  # noqa: E402
-from models.omni.config import OmniConfig  # noqa: E402
-from models.omni.model import OmniModel  # noqa: E402
-from veomni.adapters.lora import add_lora, init_lora  # noqa: E402
-from veomni.adapters.peft_io import export_peft, load_peft  # noqa: E402
-from veomni.config.schema import LoraConfig  # noqa: E402
-from veomni.contract import get_model_spec, load_plugins  # noqa: E402
+from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig
+from models.omni.config import OmniConfig
+from models.omni.model import OmniModel
+from veomni.adapters.lora import add_lora, init_lora
+from veomni.adapters.peft_io import export_peft, load_peft
+from veomni.config.schema import LoraConfig
+from veomni.contract import get_model_spec, load_plugins
 
 DIT = DiTConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=3, out_channels=5,
                 text_dim=24, freq_dim=32, ffn_dim=64, num_layers=2)

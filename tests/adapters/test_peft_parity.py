@@ -6,16 +6,15 @@ expert, PEFT's ``target_parameters``), fp32."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
+import transformers
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
-from veomni.adapters.lora import add_lora, init_lora, merge_lora  # noqa: E402
-from veomni.adapters.peft_io import export_peft, load_peft  # noqa: E402
-from veomni.config.schema import LoraConfig  # noqa: E402
-from veomni.contract import get_model_spec, load_plugins  # noqa: E402
+from veomni.adapters.lora import add_lora, init_lora, merge_lora
+from veomni.adapters.peft_io import export_peft, load_peft
+from veomni.config.schema import LoraConfig
+from veomni.contract import get_model_spec, load_plugins
 
 TOKENS = 12
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
