@@ -117,7 +117,7 @@ def _missed_by(code: int, nodes: tuple[str, ...], failed: list[str]) -> list[str
     parametrisation counts for its test); a timeout counts as caught by all, a broken run by none."""
     if code == -1:
         return []
-    if code not in (0, 1):
+    if code not in (0, 1):  # 2: interrupted or a collection error, 3-5: no such test, a bad invocation
         return list(nodes)
     names = [line.split()[1] for line in failed if len(line.split()) > 1]
     return [node for node in nodes if not any(name == node or name.startswith((node + "[", node + "::"))
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(original)
             missed = _missed_by(code, m.tests, failed)
             failed_ids += bool(missed)
-            verdict = f"MISSED by {len(missed)}/{len(m.tests)}" if missed else f"caught by {len(m.tests)}"
+            verdict = (f"ERROR: pytest exit {code}" if code not in (-1, 0, 1) else
+                       f"MISSED by {len(missed)}/{len(m.tests)}" if missed else f"caught by {len(m.tests)}")
             print(f"{verdict:<16} {m.id:<34} {seconds:4.0f} s  {failed[0][:150]}", flush=True)
             for node in missed:
                 print(f"    passed with the bug planted: {node} ({m.why})", flush=True)
