@@ -6,19 +6,14 @@ Two tiers (docs/testing.md, "Tiers and the time budget"): a test module marked
 trainer runs, recipe checks) belongs to the full tier; everything else (unit and parity tests) is
 the fast tier a developer runs with ``bash scripts/test.sh --fast``. The end of every run prints
 each tier's time against its budget, so a slow newcomer shows up in the run that added it.
+Skips of anything but GPU-only tests are reported by ``tests/skip_report.py``, registered here."""
 
-A skip is expected only of GPU-only tests (marked ``cuda``) on a machine without one. Any other skip
-(a module skipped on a missing package, a test that skips itself) is counted in the run's closing line
-as "skipped outside the GPU-only tests" and listed with its reason; with ``VEOMNI_STRICT_SKIPS=1``
-(``scripts/test.sh`` sets it unless told otherwise) it fails the run, so a test that proves interop
-cannot vanish unnoticed (issue 47)."""
-
-import os
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from tests import skip_report
 from tests.omni_utils import build_vqa
 from veomni.contract import load_plugins
 
@@ -29,14 +24,12 @@ BUDGET_S = {"fast": 300, "full": 1200 - 300}
 
 _spent: dict[str, float] = defaultdict(float)
 _counted: dict[str, int] = defaultdict(int)
-_stray_skips: list[pytest.TestReport | pytest.CollectReport] = []
-STRAY_SKIPS = "skipped outside the GPU-only tests"
-"""The closing line's name for skips of anything but ``cuda``-marked tests."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: the full tier (whole runs, multi-rank trainers, recipes); "
                                        "bash scripts/test.sh --fast leaves it out")
+    config.pluginmanager.register(skip_report, "veomni-skip-report")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -44,27 +37,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _spent[tier] += report.duration
     if report.when == "call":
         _counted[tier] += 1
-    if report.skipped and "cuda" not in report.keywords:
-        _stray_skips.append(report)
-
-
-def pytest_collectreport(report: pytest.CollectReport) -> None:
-    if report.skipped:  # a whole module skipped at import (``pytest.importorskip``, a module-level skip)
-        _stray_skips.append(report)
-
-
-def _skip_reason(report) -> str:
-    longrepr = report.longrepr
-    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
-
-
-def _strict_skips() -> bool:
-    return os.environ.get("VEOMNI_STRICT_SKIPS", "0") == "1"
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _stray_skips and _strict_skips() and exitstatus == 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -75,12 +47,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_sep("-", "test tiers")
         for line in lines:
             terminalreporter.write_line(line)
-    if _stray_skips:
-        terminalreporter.stats[STRAY_SKIPS] = list(_stray_skips)  # counted in the closing line
-        terminalreporter.write_sep("-", STRAY_SKIPS + (" (VEOMNI_STRICT_SKIPS=1: the run fails)"
-                                                       if _strict_skips() else ""))
-        for report in _stray_skips:
-            terminalreporter.write_line(f"{report.nodeid}: {_skip_reason(report)}")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A run that skips anything but a GPU-only (``cuda``-marked) test says so in its closing line, lists
 it with its reason, and fails under ``VEOMNI_STRICT_SKIPS=1`` (what ``scripts/test.sh`` sets): an
 interop test skipped on a missing package cannot pass unnoticed (issue 47). Runs pytest on three
-planted test files in a subprocess with this suite's ``tests/conftest.py`` as a plugin."""
+planted test files in a subprocess with ``tests/skip_report.py`` as its plugin."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_skips_outside_gpu_tests_are_named_counted_and_fail_strict_runs(tmp_path
     for name, text in PLANTED.items():
         (tmp_path / name).write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO), "VEOMNI_STRICT_SKIPS": "1"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q"],
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.skip_report", "-p", "no:cacheprovider", "-q"],
                             cwd=tmp_path, env=env, capture_output=True, text=True)
     closing = result.stdout.strip().splitlines()[-1]
     assert "1 passed, 3 skipped, 2 skipped outside the GPU-only tests in" in closing, result.stdout
