@@ -5,13 +5,15 @@ Two tiers (docs/testing.md, "Tiers and the time budget"): a test module marked
 ``pytestmark = pytest.mark.full`` (whole training runs through ``scripts/train.sh``, multi-rank
 trainer runs, recipe checks) belongs to the full tier; everything else (unit and parity tests) is
 the fast tier a developer runs with ``bash scripts/test.sh --fast``. The end of every run prints
-each tier's time against its budget, so a slow newcomer shows up in the run that added it."""
+each tier's time against its budget, so a slow newcomer shows up in the run that added it.
+Skips of anything but GPU-only tests are reported by ``tests/skip_report.py``, registered here."""
 
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from tests import skip_report
 from tests.omni_utils import build_vqa
 from veomni.contract import load_plugins
 
@@ -27,6 +29,7 @@ _counted: dict[str, int] = defaultdict(int)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: the full tier (whole runs, multi-rank trainers, recipes); "
                                        "bash scripts/test.sh --fast leaves it out")
+    config.pluginmanager.register(skip_report, "veomni-skip-report")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

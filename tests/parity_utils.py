@@ -139,7 +139,15 @@ def assert_grads_parity(got: dict, want: dict, what: str, ulps: float = PARITY_U
 
 
 def assert_records_close(ref: dict, got: dict, ulps: float = PARITY_ULPS) -> None:
-    """Two ``run_steps`` records (losses, loss terms, gradients, parameters, buffers) agree by the rule."""
+    """Two ``run_steps`` records (losses, loss terms, gradients, parameters, buffers) agree by the
+    rule; a record with another number of steps, or without a parameter or buffer of the reference,
+    is refused (a run that stopped early must not pass on the steps it did make)."""
+    for key in ("loss", "metrics", "grads"):
+        assert len(got[key]) == len(ref[key]), (
+            f"{key}: {len(got[key])} steps recorded vs {len(ref[key])} in the reference")
+    for key in ("params", "buffers"):
+        missing = sorted(ref.get(key, {}).keys() - got.get(key, {}).keys())
+        assert not missing, f"{key}: {missing} of the reference not recorded"
     for step, (a, b) in enumerate(zip(ref["loss"], got["loss"])):
         assert_scalar_parity(b, a, f"step {step}: loss", ulps)
     for step, (ma, mb) in enumerate(zip(ref["metrics"], got["metrics"])):

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import json
 
+import diffusers
+import peft
 import pytest
 import torch
+import transformers
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-diffusers = pytest.importorskip("diffusers")
-
-from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig  # noqa: E402
-from models.omni.config import OmniConfig  # noqa: E402
-from models.omni.model import OmniModel  # noqa: E402
-from veomni.adapters.lora import add_lora, init_lora  # noqa: E402
-from veomni.adapters.peft_io import export_peft, load_peft  # noqa: E402
-from veomni.config.schema import LoraConfig  # noqa: E402
-from veomni.contract import get_model_spec, load_plugins  # noqa: E402
+from models.dit.config import ARCHITECTURE_FIELDS, DiTConfig
+from models.omni.config import OmniConfig
+from models.omni.model import OmniModel
+from tests.parity_utils import assert_parity
+from veomni.adapters.lora import add_lora, init_lora
+from veomni.adapters.peft_io import export_peft, load_peft
+from veomni.config.schema import LoraConfig
+from veomni.contract import get_model_spec, load_plugins
 
 DIT = DiTConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=3, out_channels=5,
                 text_dim=24, freq_dim=32, ffn_dim=64, num_layers=2)
@@ -83,12 +83,12 @@ def test_dit_adapters_load_onto_diffusers_wan_with_our_outputs(tmp_path):
     assert "blocks.0.attn1.to_out.0" in targets and "blocks.1.ffn.net.2" in targets  # diffusers' names
     theirs = peft.PeftModel.from_pretrained(reference, str(folder)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(theirs(*inputs).sample, out, atol=1e-5, rtol=0)
+        assert_parity(theirs(*inputs).sample, out, "peft on diffusers' Wan")
 
     fresh = _dit_from(_wan(), lora)  # and back: the folder into our model gives the same outputs
     assert load_peft(fresh, folder, _spec("dit").hf_adapter, DIT, lora) == len(targets)
     with torch.no_grad():
-        torch.testing.assert_close(fresh.forward_video(*inputs), out, atol=1e-5, rtol=0)
+        assert_parity(fresh.forward_video(*inputs), out, "the folder back in our DiT")
 
 
 @pytest.mark.parametrize("target", ["patch_embedding", "proj_out"])
@@ -135,7 +135,7 @@ def test_vlm_llm_adapters_export_from_model_llm_and_load_onto_transformers(tmp_p
                                      for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"))
     theirs = peft.PeftModel.from_pretrained(hf, str(folder)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(theirs(ids[None]).logits[0], out, atol=1e-5, rtol=0)
+        assert_parity(theirs(ids[None]).logits[0], out, "peft on transformers' LLM")
 
     torch.manual_seed(0)
     fresh = _vlm(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).eval(), lora)

@@ -6,16 +6,16 @@ expert, PEFT's ``target_parameters``), fp32."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
+import transformers
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
-from veomni.adapters.lora import add_lora, init_lora, merge_lora  # noqa: E402
-from veomni.adapters.peft_io import export_peft, load_peft  # noqa: E402
-from veomni.config.schema import LoraConfig  # noqa: E402
-from veomni.contract import get_model_spec, load_plugins  # noqa: E402
+from tests.parity_utils import assert_parity
+from veomni.adapters.lora import add_lora, init_lora, merge_lora
+from veomni.adapters.peft_io import export_peft, load_peft
+from veomni.config.schema import LoraConfig
+from veomni.contract import get_model_spec, load_plugins
 
 TOKENS = 12
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -70,12 +70,12 @@ def test_exported_adapters_load_into_peft_with_our_outputs(moe, tmp_path):
     reference = peft.PeftModel.from_pretrained(hf, str(folder)).eval()
     with torch.no_grad():
         theirs = reference(ids[None]).logits[0]
-    torch.testing.assert_close(ours_out, theirs, atol=1e-5, rtol=0)
+    assert_parity(ours_out, theirs, "our adapted logits vs peft's")
 
     load_plugins(["models"])
     plain = get_model_spec("llm").instantiate(cfg).eval()
     plain.load_state_dict(merge_lora(ours.state_dict(), ours))
-    torch.testing.assert_close(_logits(plain, ids), ours_out, atol=1e-5, rtol=0)
+    assert_parity(_logits(plain, ids), ours_out, "merged vs adapted logits")
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -94,7 +94,7 @@ def test_a_folder_peft_made_loads_into_ours_with_its_outputs(moe, tmp_path):
     lora = LoraConfig(rank=4, alpha=8.0, targets=targets + (["experts"] if moe else []))
     ours, adapter, cfg = _ours(_hf_model(moe), lora)  # the same random base (seeded), a fresh copy
     assert load_peft(ours, tmp_path / "made", adapter, cfg, lora) == len(targets) * 2 + (4 if moe else 0)
-    torch.testing.assert_close(_logits(ours, ids), theirs, atol=1e-5, rtol=0)
+    assert_parity(_logits(ours, ids), theirs, "peft's folder in our model")
 
 
 def test_a_folder_of_another_rank_is_refused_by_name(tmp_path):

@@ -1,12 +1,12 @@
 """LoRA on a whole Qwen2.5-VL against ``peft`` on transformers' ``Qwen2_5_VLForConditionalGeneration``:
 adapters on the LLM's attention and MLP and on the vision tower's blocks, exported as one PEFT
 folder through the family's own adapter (module names mapped by ``state_dict_to_hf``), loaded by
-``peft.PeftModel.from_pretrained`` with our logits on a row of two images and a video (fp32, 1e-5);
+``peft.PeftModel.from_pretrained`` with our logits on a row of two images and a video (fp32, the parity rule);
 and a folder ``peft`` made on the transformers model loads into ours with its logits."""
 
 from __future__ import annotations
 
-import pytest
+import peft
 import torch
 
 from tests.models.test_qwen_vl_hf_parity import _assert_same, _hf_logits, _hf_model, _our_logits, _samples
@@ -15,8 +15,6 @@ from veomni.adapters.peft_io import export_peft, load_peft
 from veomni.checkpoint.hf_io import load_hf_pretrained
 from veomni.config.schema import LoraConfig
 from veomni.contract import get_model_spec
-
-peft = pytest.importorskip("peft")
 
 TARGETS = ["llm.layers.*.attn.q_proj", "llm.layers.*.attn.v_proj", "llm.layers.*.mlp.down_proj",
            "encoders.image.blocks.*.attn.qkv"]

@@ -26,6 +26,7 @@ from tests.omni_utils import (
     tiny_qwen_vl_chat,
     write_shard,
 )
+from tests.parity_utils import assert_parity
 from veomni.checkpoint.hf_io import load_hf_pretrained
 from veomni.config.schema import DataConfig
 from veomni.contract import build_config, get_model_spec
@@ -157,4 +158,4 @@ def test_loader_rows_give_transformers_logits(tmp_path):
             kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
         with torch.no_grad():
             want = reference(input_ids=ids[None], **kwargs).logits[0]
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert_parity(got, want, f"sample {i} logits")

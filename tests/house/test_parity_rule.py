@@ -93,3 +93,12 @@ def test_a_zero_reference_admits_only_zero():
     assert_parity(zeros.clone(), zeros, "padding gradient")
     with pytest.raises(AssertionError):
         assert_parity(torch.tensor([0.0, 1e-6, 0.0, 0.0]), zeros, "padding gradient")
+
+
+@pytest.mark.parametrize("key", ["loss", "metrics", "grads"])
+def test_a_record_with_fewer_steps_fails(record, key):
+    """``zip`` would pair the steps both runs made and pass a run that stopped early (issue 47)."""
+    short = copy.deepcopy(record)
+    short[key] = short[key][:-1]
+    with pytest.raises(AssertionError, match=f"{key}: 0 steps recorded vs 1 in the reference"):
+        assert_records_close(record, short)

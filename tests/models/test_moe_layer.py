@@ -91,6 +91,36 @@ def test_balance_and_z_losses_follow_their_definitions():
     assert moe.last_load.tolist() == torch.bincount(idx.flatten(), minlength=6).tolist()
 
 
+@pytest.mark.parametrize("overrides", [{"router_scoring": "sigmoid", "routed_scaling_factor": 2.5},
+                                       {"norm_topk_prob": False}], ids=["sigmoid-normed", "softmax-raw"])
+def test_balancing_bias_chooses_experts_but_never_weighs_them(overrides):
+    """DeepSeek-V3's auxiliary-loss-free rule, written out here from the scores: the bias is added to
+    the scores only to pick the top-k experts; the combine weights are the unbiased scores of the
+    picked experts (normalised over them if asked, times the routed scale). The bias is large enough
+    to change many tokens' choice, so a bias that leaked into the weights, or was left out of the
+    choice, changes the output far beyond rounding (issue 47)."""
+    moe = _moe(router_bias_update_rate=0.01, **overrides)
+    moe.router.expert_bias.copy_(torch.tensor([0.6, -0.4, 0.0, 0.3, -0.2, 0.1]))
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(3))
+    logits = x @ moe.router.weight.T
+    scores = torch.sigmoid(logits) if moe.router.scoring == "sigmoid" else torch.softmax(logits, -1)
+    chosen = torch.topk(scores + moe.router.expert_bias, 2, dim=-1).indices
+    assert (chosen.sort(-1).values != torch.topk(scores, 2, -1).indices.sort(-1).values).any(-1).sum() >= 10
+    weights = scores.gather(1, chosen)
+    if moe.router.norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights * moe.router.scale
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(2):
+            gate, up = (moe.experts.gate_up_proj[chosen[t, j]] @ x[t]).chunk(2)
+            want[t] += weights[t, j] * (moe.experts.down_proj[chosen[t, j]] @ (F.silu(gate) * up))
+    _, _, idx, got_weights = moe.router(x)
+    assert torch.equal(idx, chosen)
+    assert_parity(got_weights, weights, "combine weights")
+    assert_parity(moe(x), want, "moe(x) with a balancing bias")
+
+
 def test_bias_update_moves_towards_the_mean_load():
     moe = _moe(router_bias_update_rate=0.01)
     delta = moe.update_bias(torch.tensor([10.0, 0, 5, 5, 5, 5]))

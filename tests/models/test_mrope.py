@@ -1,5 +1,6 @@
-"""Multimodal RoPE and the Qwen-VL config's checks: text positions rotate as 1-D RoPE, the block
-split follows ``mrope_section``, and each impossible combination is refused naming its field."""
+"""Multimodal RoPE and the Qwen-VL config's checks: text positions rotate as 1-D RoPE, each axis
+alone turns only its section, positions with three distinct axes equal transformers', and each
+impossible combination is refused naming its field."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
 
 from models.llm import DecoderLM, LLMConfig
 from models.llm import hf_adapter as llm_adapter
 from models.omni import OmniModel, QwenVLConfig
+from tests.parity_utils import assert_parity
 from veomni.ops.rope import mrope_cos_sin, rope_cos_sin, rope_inv_freq
 
 LLM = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -21,17 +25,45 @@ TOWER = dict(patch_size=2, hidden_size=16, num_layers=2, num_heads=2, intermedia
 IDS = dict(image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
 
 
-def test_text_positions_rotate_as_1d_rope_and_sections_pick_axes() -> None:
+def test_text_positions_rotate_as_1d_rope() -> None:
     inv_freq = rope_inv_freq(16, 10000.0)
     positions = torch.arange(7)
     want = rope_cos_sin(positions, inv_freq, torch.float32)
     got = mrope_cos_sin(positions[:, None].expand(-1, 3), inv_freq, (2, 3, 3), torch.float32)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    # only the h axis moves: only the h block of slots (2..4, and its rotate-half copy) changes
-    moved = torch.tensor([[0, 5, 0]])
-    cos, _ = mrope_cos_sin(moved, inv_freq, (2, 3, 3), torch.float32)
-    changed = (cos[0] != 1).nonzero().flatten().tolist()
-    assert changed == [2, 3, 4, 10, 11, 12]
+
+
+@pytest.mark.parametrize("axis, slots", [(0, [0, 1, 8, 9]), (1, [2, 3, 4, 10, 11, 12]),
+                                         (2, [5, 6, 7, 13, 14, 15])], ids=["t", "h", "w"])
+def test_each_axis_alone_turns_only_its_section(axis, slots) -> None:
+    """One axis moved, the others at 0: only that axis's block of slots (and its rotate-half copy)
+    turns, by that axis's position; a section reading another axis turns nothing here or turns
+    the wrong block (issue 47: moving only h passed a width block that read t)."""
+    inv_freq = rope_inv_freq(16, 10000.0)
+    moved = torch.zeros(1, 3, dtype=torch.long)
+    moved[0, axis] = 5
+    cos, sin = mrope_cos_sin(moved, inv_freq, (2, 3, 3), torch.float32)
+    assert (cos[0] != 1).nonzero().flatten().tolist() == slots
+    angles = 5 * torch.cat((inv_freq, inv_freq))[slots]
+    assert_parity(cos[0, slots], angles.cos(), "cos of the moved block")
+    assert_parity(sin[0, slots], angles.sin(), "sin of the moved block")
+
+
+@pytest.mark.parametrize("head_dim, theta, section", [(16, 10.0, [2, 3, 3]), (128, 1e6, [16, 24, 24])],
+                         ids=["tiny", "qwen2.5-vl-7b"])
+def test_cos_sin_equal_transformers_for_distinct_t_h_w(head_dim, theta, section) -> None:
+    """Positions whose three axes all differ (a video's later frames, far into a row) against
+    transformers' ``Qwen2_5_VLRotaryEmbedding``, at a tiny and at Qwen2.5-VL-7B's head layout."""
+    config = transformers.Qwen2_5_VLTextConfig(
+        hidden_size=head_dim * 2, num_attention_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": theta, "mrope_section": section})
+    reference = Qwen2_5_VLRotaryEmbedding(config)
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 3000, (50, 3), generator=gen)
+    want = reference(torch.zeros(1, dtype=torch.float32), positions.T[:, None])
+    got = mrope_cos_sin(positions, rope_inv_freq(head_dim, theta), section, torch.float32)
+    for ours, theirs, what in zip(got, want, ("cos", "sin")):
+        assert_parity(ours, theirs[0], what)
 
 
 def test_llm_position_shapes() -> None:

@@ -15,7 +15,9 @@ our attention's sample masks ([T, T] and [T, text] booleans, absent on a GPU's v
 cost the LLM 1.10x and the DiT 1.13x; the DiT's per-token modulation copies cost 1.27x."""
 OPS_FACTOR = 1.05
 """Ours at most this times the reference's aten ops (forward + backward) per block: LLM 0.95x,
-DiT 1.00x; the DiT's per-token modulation gathers cost 1.06x."""
+DiT 0.95x (torch 2.13). A whole op path that slipped back (a norm unfused, a kernel split) shows
+here; a single gather does not (the FFN's gate gathered back per token: +2 of 396 ops), which
+the saved-bytes (1.16x) and ``index_put`` guards catch (``tests/mutations.toml``)."""
 PAIRS = {"llm": qwen3_pair, "dit": wan_pair}
 
 

@@ -6,8 +6,11 @@ group. A CPU run cannot show that by running, since gloo serves everything here;
 is record every collective (a dispatch mode sees each ``c10d`` op with its tensors and group)
 and check the device types of its tensors against what that group would serve on a GPU:
 ``veomni.train.distributed.process_group_backend(cuda)`` for the groups that inherit the
-default's backend. On a GPU the run's own tensors are CUDA and its host-side values stay on the
-CPU, so the group must serve both; every recorded collective is checked against that pair.
+default's backend. Each recorded tensor's device type is checked against what its group serves;
+on a GPU the run's own tensors are CUDA and its host-side values stay on the CPU, and this run
+cannot tell them apart, so a tensor recorded on the CPU needs both served. Planted records (a CUDA
+tensor over a CPU-only group next to a CPU one over the same group) show that the check reads
+devices, not only backends (issue 47).
 
 The runs cover the trainer and its services (step, guard, data feed with a balanced mixture,
 checkpoints, stragglers, baseline, eval), a pipeline (pp=2) and the VLM with balanced encoders
@@ -33,7 +36,6 @@ from veomni.config.schema import ParallelConfig
 from veomni.train.distributed import process_group_backend
 from veomni.train.trainer import Trainer
 
-ON_A_GPU = {"cpu", "cuda"}  # the devices a GPU run hands to collectives: its own and the host's
 DEFAULT = "(the default group's)"
 
 
@@ -79,10 +81,14 @@ def backend_serves(backend: str) -> set[str]:
     return set(dist.BackendConfig(dist.Backend(backend)).get_device_backend_map())
 
 
-def _as_on_a_gpu(backend: str, gpu_default: str) -> str:
-    """The backend a group recorded on this CPU run has on a GPU: groups that inherit the
-    default's get the GPU default; a group created with its own backend keeps it."""
-    return gpu_default if backend == DEFAULT else backend
+def as_on_a_gpu(records, gpu_default: str) -> list[tuple[str, str, set[str], str]]:
+    """The records of this CPU run as a GPU run would make them: groups that inherit the default's
+    backend get the GPU default (a group created with its own backend keeps it), and each tensor
+    recorded on the CPU may be either device there (the run's own tensors move to CUDA, its
+    host-side values stay on the CPU; this run cannot tell them apart), so it needs both served."""
+    return [(op, gpu_default if backend == DEFAULT else backend,
+             devices | ({"cuda"} if "cpu" in devices else set()), caller)
+            for op, backend, devices, caller in records]
 
 
 def _run(rank, world, tmp, case):
@@ -101,10 +107,12 @@ def _run(rank, world, tmp, case):
     return recorder.records
 
 
-def _unserved(records, gpu_default: str) -> list[str]:
-    return sorted({f"{op} at {caller}: {sorted(devices)} over a group that would be {backend!r}"
-                   for op, recorded, devices, caller in records
-                   if not ON_A_GPU <= backend_serves(backend := _as_on_a_gpu(recorded, gpu_default))})
+def unserved(records) -> list[str]:
+    """Each collective whose tensors include a device type its group's backend does not serve,
+    naming the op, its caller, the unserved devices and the backend."""
+    return sorted({f"{op} at {caller}: {sorted(missing)} tensors over a group that would be {backend!r}"
+                   for op, backend, devices, caller in records
+                   if (missing := devices - backend_serves(backend))})
 
 
 @pytest.fixture(scope="module", params=["trainer", "pipeline", "vlm"])
@@ -115,12 +123,23 @@ def records(request, tmp_path_factory) -> list:
 
 def test_every_collective_meets_a_device_its_group_serves_on_a_gpu(records):
     assert len(records) > 20, "the run made too few collectives to say anything"
-    gpu_default = process_group_backend(torch.device("cuda"))
-    assert _unserved(records, gpu_default) == []
+    assert unserved(as_on_a_gpu(records, process_group_backend(torch.device("cuda")))) == []
 
 
 def test_an_nccl_only_group_would_be_caught(records):
-    """The backend main had before the fix (``nccl`` alone) fails this check on the same records,
-    naming the call sites of the host-side collectives."""
-    unserved = _unserved(records, "nccl")
-    assert unserved and all("over a group that would be 'nccl'" in line for line in unserved)
+    """The backend main had before the fix (``nccl`` alone) fails this check on the same records
+    for the reason it failed on the GPU: CPU tensors; a collective without tensors needs nothing."""
+    lines = unserved(as_on_a_gpu(records, "nccl"))
+    assert lines and all("['cpu'] tensors over a group that would be 'nccl'" in line for line in lines)
+    assert unserved([("c10d.barrier", "nccl", set(), "planted")]) == []
+
+
+def test_the_check_reads_each_tensors_device(records):
+    """Real records of a GPU-shaped run plus planted ones on a group created as ``cpu:gloo`` (serves
+    the CPU only): the same group passes a CPU tensor and fails a CUDA one, naming that collective
+    alone; so a wrong-device tensor is caught whatever the backend's other devices (issue 47)."""
+    op = records[0][0]
+    gpu_run = as_on_a_gpu(records, process_group_backend(torch.device("cuda")))
+    planted = [(op, "cpu:gloo", {"cpu"}, "host.py:1"), (op, "cpu:gloo", {"cuda"}, "model.py:2")]
+    assert unserved(gpu_run + planted) == [f"{op} at model.py:2: ['cuda'] tensors over a group that would be "
+                                           "'cpu:gloo'"]

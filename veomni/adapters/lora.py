@@ -66,10 +66,6 @@ class LoRALinear(nn.Linear):
         low_rank = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
         return F.linear(x, self.weight, self.bias) + self.scaling * low_rank
 
-    def delta_weight(self) -> torch.Tensor:
-        """``scaling * B A``: what merging adds to ``weight``."""
-        return self.scaling * (self.lora_B.float() @ self.lora_A.float())
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
 
