@@ -38,6 +38,13 @@ class DiTConfig:
     rope_max_seq_len: int = 1024
     """Longest patch grid axis diffusers precomputes RoPE for; we compute RoPE on the fly, so it
     only matters to a diffusers model loading our export."""
+    image_dim: int | None = None
+    """Width of the image encoder states (Wan2.1 I2V: 1280, CLIP ViT-H/14's penultimate layer);
+    None: no image branch (text-to-video). Projected to the model width and attended to by every
+    cross-attention through its own key/value projections (``added_kv_proj_dim``)."""
+    added_kv_proj_dim: int | None = None
+    """Input width of cross-attention's image key/value projections: set exactly when ``image_dim``
+    is, and equal to the model width (they read the projected image states)."""
     # ----- training-only (free of a pretrained folder) -----
     init_std: float = 0.02
     objective: str = "flow"
@@ -83,6 +90,7 @@ class DiTConfig:
                              f"and width), got {self.attention_head_dim}")
         if self.freq_dim % 2:
             raise ValueError(f"freq_dim must be even (cos and sin halves), got {self.freq_dim}")
+        self._validate_image_branch()
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r} is not supported; Wan's is one of {QK_NORMS}")
         if self.objective not in OBJECTIVES:
@@ -93,6 +101,17 @@ class DiTConfig:
             raise ValueError(f"shift_base_tokens must be >= 0 (0: no resolution shift), got {self.shift_base_tokens}")
         if not 0.0 <= self.text_dropout < 1.0:
             raise ValueError(f"text_dropout must be in [0, 1), got {self.text_dropout}")
+
+    def _validate_image_branch(self) -> None:
+        if self.image_dim is not None and (not isinstance(self.image_dim, int) or self.image_dim <= 0):
+            raise ValueError(f"image_dim must be a positive int or null (no image branch), got {self.image_dim!r}")
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise ValueError(f"image_dim={self.image_dim!r} and added_kv_proj_dim={self.added_kv_proj_dim!r}: "
+                             "set both (image-to-video) or neither (text-to-video)")
+        if self.added_kv_proj_dim is not None and self.added_kv_proj_dim != self.hidden_size:
+            raise ValueError(f"added_kv_proj_dim={self.added_kv_proj_dim} must equal the model width "
+                             f"num_attention_heads x attention_head_dim = {self.hidden_size}: the image key/value "
+                             "projections read the image states projected to that width")
 
 
 TRAINING_FIELDS = ("init_std", "objective", "logit_mean", "logit_std", "shift", "shift_base_tokens", "text_dropout",

@@ -43,21 +43,44 @@ class DiTModel(nn.Module):
         sample = index.clamp(min=0)
         temb, modulation = self.condition_embedder.time(batch["timesteps"])
         text = self.condition_embedder.text_embedder(batch["text_states"])
+        image, image_cu_seqlens = self._image_states(batch)
         cos, sin = rope_3d_cos_sin(batch["positions"], self.config.attention_head_dim)
         seq = SeqInfo(batch["cu_seqlens"], batch["max_seqlen"])
-        x = self.patch_embedding(noisy)
+        x = self.patch_embedding(self._model_input(noisy))
         for block in self.blocks:
-            x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq)
+            x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq, image, image_cu_seqlens)
         shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)
         h = modulate(layer_norm_fp32(x, eps=self.config.eps), scale, shift, sample).to(x.dtype)
         return self.proj_out(h) * (index >= 0)[:, None].to(x.dtype)
 
-    def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor,
-                      encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """diffusers' calling convention: latents [B, C, F, H, W], timestep [B], text states
-        [B, L, text_dim] -> prediction [B, C_out, F, H, W]."""
+    def _model_input(self, noisy: torch.Tensor) -> torch.Tensor:
+        if noisy.shape[-1] != self.config.patch_dim:
+            raise ValueError(f"the model takes {self.config.patch_dim} values per token (in_channels="
+                             f"{self.config.in_channels} x patch {list(self.config.patch_size)}), the row gives "
+                             f"{noisy.shape[-1]}: an image-to-video row appends its 'condition' tokens (the frame "
+                             "mask and the first frame's latent) to the noisy ones, a text-to-video row none")
+        return noisy
+
+    def _image_states(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every sample's image states projected to the model width, and their boundaries."""
+        embedder = self.condition_embedder.image_embedder
+        if embedder is None:
+            return None, None
+        if "image_states" not in batch:
+            raise ValueError(f"image_dim={self.config.image_dim}: the model cross-attends to image encoder states, "
+                             "but the row has no 'image_states' / 'image_cu_seqlens' (a text-to-video sample "
+                             "gives zero image states)")
+        return embedder(batch["image_states"]), batch["image_cu_seqlens"]
+
+    def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
+        """diffusers' calling convention: latents [B, C, F, H, W] (image-to-video: the noisy latent
+        and the condition concatenated on channels, as ``WanImageToVideoPipeline`` passes them),
+        timestep [B], text states [B, L, text_dim], image states [B, L_img, image_dim] ->
+        prediction [B, C_out, F, H, W]."""
         patch = self.config.patch_size
-        batch = pack_latents(list(latents), list(encoder_hidden_states), timestep, patch)
+        images = None if encoder_hidden_states_image is None else list(encoder_hidden_states_image)
+        batch = pack_latents(list(latents), list(encoder_hidden_states), timestep, patch, images)
         return torch.stack(unpack_tokens(self(batch["latents"], batch), batch, patch))
 
     def parallel_plan(self) -> ParallelPlan:

@@ -13,6 +13,10 @@ fixes the token layout). A row packs the patch tokens of several images and clip
   ``timesteps`` [n] (the model's timestep input, 0..1000).
 
 The model is called as ``model(batch["noisy"], batch)`` and returns its prediction [T, P].
+A row may carry ``condition`` [T, Q] (a sequence field of the raw row: an image-to-video
+model's conditioning channels, e.g. Wan2.1 I2V's frame mask and first-frame latent): ``prepare``
+appends it to the noisy tokens, so ``noisy`` is [T, P + Q] (diffusers' channel concatenation,
+token by token) while ``target`` stays [T, P].
 
 **Rectified flow** (the convention of Wan, SD3 and diffusers' ``FlowMatchEulerDiscreteScheduler``):
 ``x_t = (1 - t) x_0 + t ε`` for t in [0, 1], data at t = 0 and pure noise at t = 1; the model
@@ -117,7 +121,10 @@ class DiffusionTask:
         b = noise_scale.float()[per_token].to(x0.device)[:, None]
         mask = real[:, None].to(x0.dtype)
         out = dict(batch)
+        condition = out.pop("condition", None)
         out["noisy"] = (a * x0 + b * noise) * mask
+        if condition is not None:
+            out["noisy"] = torch.cat([out["noisy"], condition.to(x0.dtype) * mask], dim=-1)
         out["target"] = ((noise - x0) if self.objective == "flow" else noise) * mask
         out["timesteps"] = timesteps.float().to(x0.device)
         out["text_states"] = _drop_text(batch["text_states"], batch["text_cu_seqlens"], drop)
