@@ -55,6 +55,11 @@ class DiTConfig:
     shift_base_tokens: int = 0
     text_dropout: float = 0.1
     """Probability of training a sample unconditionally (zero text states), for guidance."""
+    first_frame_probability: float = 0.0
+    """Probability that a clip sample (more than one latent frame) trains conditioned on its first
+    frame, Wan2.2 TI2V style: the clean first-frame latent replaces the noisy one, its tokens take
+    timestep 0 and leave the loss. Drawn per sample, so one row mixes T2V and I2V samples; needs a
+    temporal patch of 1 (a token then holds one latent frame)."""
     text_len: int = 512
     """Nominal caption length (text tokens) the cost model assumes for ``--dry-run``."""
 
@@ -101,6 +106,12 @@ class DiTConfig:
             raise ValueError(f"shift_base_tokens must be >= 0 (0: no resolution shift), got {self.shift_base_tokens}")
         if not 0.0 <= self.text_dropout < 1.0:
             raise ValueError(f"text_dropout must be in [0, 1), got {self.text_dropout}")
+        if not 0.0 <= self.first_frame_probability <= 1.0:
+            raise ValueError(f"first_frame_probability must be in [0, 1], got {self.first_frame_probability}")
+        if self.first_frame_probability > 0 and self.patch_size[0] != 1:
+            raise ValueError(f"first_frame_probability={self.first_frame_probability} needs patch_size[0] == 1 (a "
+                             f"token of one latent frame, so the first frame's tokens hold nothing else), got "
+                             f"patch_size={list(self.patch_size)}")
 
     def _validate_image_branch(self) -> None:
         if self.image_dim is not None and (not isinstance(self.image_dim, int) or self.image_dim <= 0):
@@ -115,7 +126,7 @@ class DiTConfig:
 
 
 TRAINING_FIELDS = ("init_std", "objective", "logit_mean", "logit_std", "shift", "shift_base_tokens", "text_dropout",
-                   "text_len")
+                   "first_frame_probability", "text_len")
 """Fields that do not change what loaded weights compute (the HF adapter's ``free_fields``)."""
 ARCHITECTURE_FIELDS = tuple(f.name for f in fields(DiTConfig) if f.name not in TRAINING_FIELDS)
 """The fields that are ``WanTransformer3DModel`` init arguments."""

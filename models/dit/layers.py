@@ -183,9 +183,11 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, modulation: torch.Tensor, sample_index: torch.Tensor, text: torch.Tensor,
                 text_cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: SeqInfo,
-                image: torch.Tensor | None = None, image_cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                image: torch.Tensor | None = None, image_cu_seqlens: torch.Tensor | None = None,
+                table_index: torch.Tensor | None = None) -> torch.Tensor:
+        """``table_index`` [T]: each token's row of ``modulation`` (default: its sample's)."""
         per_sample = self.scale_shift_table.float() + modulation.float()
-        index = sample_index.clamp(min=0)
+        index = sample_index.clamp(min=0) if table_index is None else table_index
         shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = per_sample.unbind(1)  # [n, D] tables
 
         h = modulate(layer_norm_fp32(x, eps=self.eps), scale, shift, index).to(x.dtype)

@@ -40,18 +40,30 @@ class DiTModel(nn.Module):
 
     def forward(self, noisy: torch.Tensor, batch: dict) -> torch.Tensor:
         index = batch["sample_index"]
-        sample = index.clamp(min=0)
-        temb, modulation = self.condition_embedder.time(batch["timesteps"])
+        timesteps, table_index = self._timestep_tables(batch)
+        temb, modulation = self.condition_embedder.time(timesteps)
         text = self.condition_embedder.text_embedder(batch["text_states"])
         image, image_cu_seqlens = self._image_states(batch)
         cos, sin = rope_3d_cos_sin(batch["positions"], self.config.attention_head_dim)
         seq = SeqInfo(batch["cu_seqlens"], batch["max_seqlen"])
         x = self.patch_embedding(self._model_input(noisy))
         for block in self.blocks:
-            x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq, image, image_cu_seqlens)
+            x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq, image, image_cu_seqlens,
+                      table_index)
         shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)
-        h = modulate(layer_norm_fp32(x, eps=self.config.eps), scale, shift, sample).to(x.dtype)
+        h = modulate(layer_norm_fp32(x, eps=self.config.eps), scale, shift, table_index).to(x.dtype)
         return self.proj_out(h) * (index >= 0)[:, None].to(x.dtype)
+
+    def _timestep_tables(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The timesteps the modulation tables are computed for, and each token's row in them: its
+        sample's, or, with first-frame conditioning (``first_frame_probability`` > 0), a second row
+        per sample at timestep 0 for its ``clean`` tokens (Wan2.2 TI2V's per-token timesteps, the
+        first frame's tokens at 0), so a row still computes n + n timestep embeddings, not T."""
+        sample = batch["sample_index"].clamp(min=0)
+        if self.config.first_frame_probability <= 0 or "clean" not in batch:
+            return batch["timesteps"], sample
+        timesteps = batch["timesteps"]
+        return torch.cat([timesteps, torch.zeros_like(timesteps)]), sample + len(timesteps) * batch["clean"].long()
 
     def _model_input(self, noisy: torch.Tensor) -> torch.Tensor:
         if noisy.shape[-1] != self.config.patch_dim:

@@ -8,7 +8,7 @@ points, with captions of different lengths. Each sample's noise, timestep and ca
 drawn once, for that sample alone, so a row of all samples (one process) and the rows of each
 data-parallel rank hold the same diffusion inputs; the loss, every gradient and the parameters
 after two SGD steps must agree. Wan2.1 image-to-video (rows of I2V and T2V samples) is checked
-under FSDP 2 and SP 2.
+under FSDP 2 and SP 2, first-frame conditioning under SP 2.
 """
 
 import pytest
@@ -33,6 +33,8 @@ TINY_DIT = dict(num_layers=2, num_attention_heads=4, attention_head_dim=8, ffn_d
 # Wan2.1 I2V's layout: image states through their own cross-attention keys/values, the frame mask
 # and first-frame latent as extra input channels (4 + 4 + 4); its rows mix I2V and T2V samples
 TINY_I2V = {**TINY_DIT, "in_channels": 12, "image_dim": 10, "added_kv_proj_dim": 32}
+# Wan2.2 TI2V-style first-frame conditioning, drawn per sample: rows mix conditioned and plain clips
+TINY_FIRST_FRAME = {**TINY_DIT, "first_frame_probability": 0.5}
 # (frames, height, width) of latent samples: images (1 frame) and clips, mixed sizes
 SHAPES = [[(3, 4, 4), (1, 6, 4), (2, 4, 6)], [(1, 4, 4), (3, 6, 6), (2, 2, 4), (1, 2, 4)]]
 
@@ -62,7 +64,7 @@ def prepared_sample(shape, seed, task, config=TINY_DIT):
 
 def concat_rows(rows):
     """Prepared single-sample rows -> one packed row (sample indices renumbered)."""
-    fields = ("latents", "positions", "noisy", "target", "grid", "text_states", "timesteps")
+    fields = ("latents", "positions", "noisy", "target", "clean", "grid", "text_states", "timesteps")
     fields += ("image_states",) if "image_states" in rows[0] else ()
     out = {k: torch.cat([r[k] for r in rows]) for k in fields}
     out["sample_index"] = torch.cat([torch.full((len(r["latents"]),), i) for i, r in enumerate(rows)])
@@ -141,19 +143,23 @@ def test_dit_parallel_matches_single_process(reference, world, parallel, dp_worl
 
 
 @pytest.fixture(scope="module")
-def i2v_reference():
-    return run_distributed(_run, 1, ParallelConfig(), 1, SHAPES, False, TINY_I2V)[0]
+def conditioned_references():
+    return {name: run_distributed(_run, 1, ParallelConfig(), 1, SHAPES, False, config)[0]
+            for name, config in (("i2v", TINY_I2V), ("first-frame", TINY_FIRST_FRAME))}
 
 
-@pytest.mark.parametrize("world, parallel, dp_world", [
-    (2, ParallelConfig(dp_shard=2), 2),
-    (2, ParallelConfig(sp=2), 1),
-], ids=["fsdp2", "sp2"])
-def test_image_to_video_dit_parallel_matches_single_process(i2v_reference, world, parallel, dp_world):
-    """Rows of image- and text-to-video samples: image states stay whole-row fields (every rank
-    holds the row's), the condition channels run along the row inside ``noisy``."""
-    for got in run_distributed(_run, world, parallel, dp_world, SHAPES, False, TINY_I2V):
-        assert_records_close(i2v_reference, got)
+@pytest.mark.parametrize("name, config, world, parallel, dp_world", [
+    ("i2v", TINY_I2V, 2, ParallelConfig(dp_shard=2), 2),
+    ("i2v", TINY_I2V, 2, ParallelConfig(sp=2), 1),
+    ("first-frame", TINY_FIRST_FRAME, 2, ParallelConfig(sp=2), 1),
+], ids=["i2v-fsdp2", "i2v-sp2", "first-frame-sp2"])
+def test_image_conditioned_dit_parallel_matches_single_process(conditioned_references, name, config, world, parallel,
+                                                               dp_world):
+    """Rows of image- and text-to-video samples. Wan2.1 I2V: image states stay whole-row fields
+    (every rank holds the row's), the condition channels run along the row inside ``noisy``.
+    First-frame conditioning: ``clean`` runs along the row, the timestep-0 tables are whole-row."""
+    for got in run_distributed(_run, world, parallel, dp_world, SHAPES, False, config):
+        assert_records_close(conditioned_references[name], got)
 
 
 def test_compiled_dit_under_fsdp2_matches_one_eager_process(tmp_path):
