@@ -62,6 +62,9 @@ class DiTConfig:
     temporal patch of 1 (a token then holds one latent frame)."""
     text_len: int = 512
     """Nominal caption length (text tokens) the cost model assumes for ``--dry-run``."""
+    image_len: int = 257
+    """Nominal image encoder tokens per sample the cost model assumes for ``--dry-run`` of an
+    image-to-video model (Wan2.1 I2V: CLIP ViT-H/14's 257, the class token and 16 x 16 patches)."""
 
     def __post_init__(self) -> None:
         self.patch_size = tuple(self.patch_size)  # YAML and config.json give lists
@@ -86,7 +89,7 @@ class DiTConfig:
         if len(self.patch_size) != 3 or any(not isinstance(p, int) or p <= 0 for p in self.patch_size):
             raise ValueError(f"patch_size must be three positive ints (t, h, w), got {list(self.patch_size)}")
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
-                     "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len"):
+                     "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len", "image_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -126,7 +129,7 @@ class DiTConfig:
 
 
 TRAINING_FIELDS = ("init_std", "objective", "logit_mean", "logit_std", "shift", "shift_base_tokens", "text_dropout",
-                   "first_frame_probability", "text_len")
+                   "first_frame_probability", "text_len", "image_len")
 """Fields that do not change what loaded weights compute (the HF adapter's ``free_fields``)."""
 ARCHITECTURE_FIELDS = tuple(f.name for f in fields(DiTConfig) if f.name not in TRAINING_FIELDS)
 """The fields that are ``WanTransformer3DModel`` init arguments."""

@@ -10,11 +10,14 @@ import dataclasses
 import pytest
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from models.dit import diffusion_task, hf_adapter
 from models.dit.batch import pack_latents, unpack_tokens
 from models.dit.conditioning import wan_i2v_condition
 from models.dit.config import DiTConfig
+from models.dit.cost import DiTCost, forward_flops
 from models.dit.model import DiTModel
 from tests.models.test_dit_hf import CONFIGS as HF_CONFIGS
 from tests.models.test_dit_hf import diffusers_model, diffusers_output, inputs_of, randomise
@@ -142,3 +145,23 @@ def test_the_task_appends_the_condition_tokens_to_the_noisy_ones_and_keeps_the_t
     assert torch.equal(conditioned["target"], plain["target"])
     assert torch.equal(conditioned["noisy"][:5, 12:], condition[:5])
     assert torch.equal(conditioned["noisy"][5:], torch.zeros(2, 40))
+
+
+def test_cost_model_counts_the_matmuls_of_an_image_to_video_forward():
+    """``forward_flops`` with image tokens against torch's FLOP counter on a real forward (SDPA's
+    math backend, one sample per row); a packed row of an I2V and a T2V sample costs their sum."""
+    cfg = CONFIGS["patch-1x2x2"]
+    model = _random_ours(cfg)
+    generator = torch.Generator().manual_seed(8)
+    latents = [torch.randn(cfg.in_channels, 2, 4, 6, generator=generator) for _ in range(2)]
+    texts = [torch.randn(n, cfg.text_dim, generator=generator) for n in (3, 5)]
+    images = [torch.randn(n, cfg.image_dim, generator=generator) for n in (6, 0)]
+    counted = []
+    for latent, text, image in zip(latents, texts, images):
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+            model.forward_video(latent[None], torch.tensor([9.0]), text[None], image[None])
+        counted.append(counter.get_total_flops())
+        assert forward_flops(cfg, [12], [len(text)], [len(image)]) == counted[-1]
+    batch = pack_latents(latents, texts, torch.tensor([9.0, 9.0]), cfg.patch_size, images)
+    assert DiTCost().batch_flops(model, batch) == 3 * sum(counted)
