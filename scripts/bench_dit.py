@@ -94,6 +94,7 @@ def _row(tokens: int, model_cfg) -> dict:
     text = torch.randn(6 * len(rows), model_cfg.text_dim, generator=gen)
     latents = torch.cat(rows)
     return {"latents": latents, "noisy": latents, "target": latents,
+            "clean": torch.zeros(len(latents), dtype=torch.bool),
             "positions": torch.cat([grid_positions(grid) for _ in rows]),
             "sample_index": torch.repeat_interleave(torch.arange(len(rows)), lengths),
             "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int32),

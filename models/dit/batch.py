@@ -18,16 +18,20 @@ def _boundaries(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def pack_latents(latents: Sequence[torch.Tensor], texts: Sequence[torch.Tensor], timesteps: torch.Tensor,
-                 patch: tuple[int, int, int]) -> dict:
+                 patch: tuple[int, int, int], images: Sequence[torch.Tensor] | None = None) -> dict:
     """One row of the latents [C, F, H, W] (any mix of sizes), their captions' text states
-    [L_i, text_dim] and timesteps [n]; ``latents`` holds the patch tokens (the model's input)."""
-    if not len(latents) == len(texts) == len(timesteps):
-        raise ValueError(f"{len(latents)} latents, {len(texts)} text states and {len(timesteps)} timesteps: "
-                         "give one of each per sample")
+    [L_i, text_dim] and timesteps [n]; ``latents`` holds the patch tokens (the model's input).
+    ``images``: each sample's image encoder states [L_i, image_dim] (zero rows: no image)."""
+    if not len(latents) == len(texts) == len(timesteps) == len(latents if images is None else images):
+        raise ValueError(f"{len(latents)} latents, {len(texts)} text states, {len(timesteps)} timesteps and "
+                         f"{'no' if images is None else len(images)} image states: give one of each per sample")
     device = latents[0].device
     grids = [patch_grid(latent.shape, patch) for latent in latents]
     lengths = [f * h * w for f, h, w in grids]
-    return {
+    image_fields = {} if images is None else {
+        "image_states": torch.cat(list(images)),
+        "image_cu_seqlens": _boundaries([len(image) for image in images], device)}
+    return {**image_fields,
         "latents": torch.cat([patchify(latent, patch) for latent in latents]),
         "positions": torch.cat([grid_positions(grid, device) for grid in grids]),
         "sample_index": torch.repeat_interleave(torch.arange(len(latents), device=device),

@@ -38,6 +38,13 @@ class DiTConfig:
     rope_max_seq_len: int = 1024
     """Longest patch grid axis diffusers precomputes RoPE for; we compute RoPE on the fly, so it
     only matters to a diffusers model loading our export."""
+    image_dim: int | None = None
+    """Width of the image encoder states (Wan2.1 I2V: 1280, CLIP ViT-H/14's penultimate layer);
+    None: no image branch (text-to-video). Projected to the model width and attended to by every
+    cross-attention through its own key/value projections (``added_kv_proj_dim``)."""
+    added_kv_proj_dim: int | None = None
+    """Input width of cross-attention's image key/value projections: set exactly when ``image_dim``
+    is, and equal to the model width (they read the projected image states)."""
     # ----- training-only (free of a pretrained folder) -----
     init_std: float = 0.02
     objective: str = "flow"
@@ -48,8 +55,16 @@ class DiTConfig:
     shift_base_tokens: int = 0
     text_dropout: float = 0.1
     """Probability of training a sample unconditionally (zero text states), for guidance."""
+    first_frame_probability: float = 0.0
+    """Probability that a clip sample (more than one latent frame) trains conditioned on its first
+    frame, Wan2.2 TI2V style: the clean first-frame latent replaces the noisy one, its tokens take
+    timestep 0 and leave the loss. Drawn per sample, so one row mixes T2V and I2V samples; needs a
+    temporal patch of 1 (a token then holds one latent frame)."""
     text_len: int = 512
     """Nominal caption length (text tokens) the cost model assumes for ``--dry-run``."""
+    image_len: int = 257
+    """Nominal image encoder tokens per sample the cost model assumes for ``--dry-run`` of an
+    image-to-video model (Wan2.1 I2V: CLIP ViT-H/14's 257, the class token and 16 x 16 patches)."""
 
     def __post_init__(self) -> None:
         self.patch_size = tuple(self.patch_size)  # YAML and config.json give lists
@@ -74,7 +89,7 @@ class DiTConfig:
         if len(self.patch_size) != 3 or any(not isinstance(p, int) or p <= 0 for p in self.patch_size):
             raise ValueError(f"patch_size must be three positive ints (t, h, w), got {list(self.patch_size)}")
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
-                     "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len"):
+                     "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len", "image_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -83,6 +98,7 @@ class DiTConfig:
                              f"and width), got {self.attention_head_dim}")
         if self.freq_dim % 2:
             raise ValueError(f"freq_dim must be even (cos and sin halves), got {self.freq_dim}")
+        self._validate_image_branch()
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r} is not supported; Wan's is one of {QK_NORMS}")
         if self.objective not in OBJECTIVES:
@@ -93,10 +109,27 @@ class DiTConfig:
             raise ValueError(f"shift_base_tokens must be >= 0 (0: no resolution shift), got {self.shift_base_tokens}")
         if not 0.0 <= self.text_dropout < 1.0:
             raise ValueError(f"text_dropout must be in [0, 1), got {self.text_dropout}")
+        if not 0.0 <= self.first_frame_probability <= 1.0:
+            raise ValueError(f"first_frame_probability must be in [0, 1], got {self.first_frame_probability}")
+        if self.first_frame_probability > 0 and self.patch_size[0] != 1:
+            raise ValueError(f"first_frame_probability={self.first_frame_probability} needs patch_size[0] == 1 (a "
+                             f"token of one latent frame, so the first frame's tokens hold nothing else), got "
+                             f"patch_size={list(self.patch_size)}")
+
+    def _validate_image_branch(self) -> None:
+        if self.image_dim is not None and (not isinstance(self.image_dim, int) or self.image_dim <= 0):
+            raise ValueError(f"image_dim must be a positive int or null (no image branch), got {self.image_dim!r}")
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise ValueError(f"image_dim={self.image_dim!r} and added_kv_proj_dim={self.added_kv_proj_dim!r}: "
+                             "set both (image-to-video) or neither (text-to-video)")
+        if self.added_kv_proj_dim is not None and self.added_kv_proj_dim != self.hidden_size:
+            raise ValueError(f"added_kv_proj_dim={self.added_kv_proj_dim} must equal the model width "
+                             f"num_attention_heads x attention_head_dim = {self.hidden_size}: the image key/value "
+                             "projections read the image states projected to that width")
 
 
 TRAINING_FIELDS = ("init_std", "objective", "logit_mean", "logit_std", "shift", "shift_base_tokens", "text_dropout",
-                   "text_len")
+                   "first_frame_probability", "text_len", "image_len")
 """Fields that do not change what loaded weights compute (the HF adapter's ``free_fields``)."""
 ARCHITECTURE_FIELDS = tuple(f.name for f in fields(DiTConfig) if f.name not in TRAINING_FIELDS)
 """The fields that are ``WanTransformer3DModel`` init arguments."""

@@ -8,13 +8,16 @@ i of len_i patches and s_i text tokens:
 - per text token: the text projection 2 text_dim D + 2 D^2, and per layer the cross-attention k/v
   4 D^2;
 - per sample: the timestep MLP and modulation projection 2 freq D + 2 D^2 + 12 D^2;
+- per image token (image-to-video, ``image_dim`` = I): the image projection 2 I^2 + 2 I D, and
+  per layer the image key/value projections 4 D^2;
 - attention, per layer: scores and weighted values 4 D len_i^2 (bidirectional, full squares)
-  plus 4 D len_i s_i for cross-attention.
+  plus 4 D len_i (s_i + m_i) for cross-attention to the caption and the m_i image tokens.
 
 Norms, modulation and activations (element-wise) are not counted. Training is 3 x forward. A
 row's numbers come from its global ``cu_seqlens`` / ``text_cu_seqlens`` (padding is not
 counted), so a sequence-parallel slice reports the whole row, as the engine expects.
-``--dry-run`` has no captions: it assumes ``text_len`` text tokens per sample (config field).
+``--dry-run`` has no captions: it assumes ``text_len`` text tokens per sample (config field), and
+``image_len`` image tokens for an image-to-video model.
 """
 
 from __future__ import annotations
@@ -34,15 +37,23 @@ CHECKPOINTING_MODES = ("none", "selective", "full")
 WAN_720P_5S_LATENT = (16, 21, 90, 160)
 
 
-def forward_flops(cfg: DiTConfig, lengths: Sequence[int], text_lengths: Sequence[int]) -> float:
-    """Forward FLOPs of one row of samples with these patch and text lengths (module docstring)."""
+def forward_flops(cfg: DiTConfig, lengths: Sequence[int], text_lengths: Sequence[int],
+                  image_lengths: Sequence[int] | None = None) -> float:
+    """Forward FLOPs of one row of samples with these patch, text and image lengths (module docstring)."""
     d, layers = cfg.hidden_size, cfg.num_layers
+    image_lengths = [0] * len(lengths) if image_lengths is None else image_lengths
     per_token = 2 * cfg.patch_dim * d + layers * (12 * d * d + 4 * d * cfg.ffn_dim) + 2 * d * cfg.out_patch_dim
     per_text = 2 * cfg.text_dim * d + 2 * d * d + layers * 4 * d * d
+    per_image = 0 if cfg.image_dim is None else 2 * cfg.image_dim * (cfg.image_dim + d) + layers * 4 * d * d
     per_sample = 2 * cfg.freq_dim * d + 14 * d * d
-    pairs = sum(n * n for n in lengths) + sum(n * s for n, s in zip(lengths, text_lengths, strict=True))
-    return float(sum(lengths) * per_token + sum(text_lengths) * per_text + len(lengths) * per_sample
-                 + layers * 4 * d * pairs)
+    contexts = [s + m for s, m in zip(text_lengths, image_lengths, strict=True)]
+    pairs = sum(n * n for n in lengths) + sum(n * c for n, c in zip(lengths, contexts, strict=True))
+    return float(sum(lengths) * per_token + sum(text_lengths) * per_text + sum(image_lengths) * per_image
+                 + len(lengths) * per_sample + layers * 4 * d * pairs)
+
+
+def _nominal_image_len(cfg: DiTConfig) -> int:
+    return 0 if cfg.image_dim is None else cfg.image_len
 
 
 class DiTCost:
@@ -50,10 +61,12 @@ class DiTCost:
 
     def batch_flops(self, model: nn.Module, batch: Mapping[str, Any]) -> float:
         lengths = batch["cu_seqlens"].diff().tolist()
-        return 3 * forward_flops(model.config, lengths, batch["text_cu_seqlens"].diff().tolist())
+        images = batch["image_cu_seqlens"].diff().tolist() if "image_cu_seqlens" in batch else None
+        return 3 * forward_flops(model.config, lengths, batch["text_cu_seqlens"].diff().tolist(), images)
 
     def sample_flops(self, model: nn.Module, units: int) -> float:
-        return 3 * forward_flops(model.config, [units], [model.config.text_len])
+        cfg = model.config
+        return 3 * forward_flops(cfg, [units], [cfg.text_len], [_nominal_image_len(cfg)])
 
     def activation_bytes_per_unit(self, model: nn.Module, bytes_per_elem: int, checkpointing: str) -> float:
         """Per patch token, kept for backward. With D and F as above, per block:
@@ -93,13 +106,15 @@ class DiTCost:
         except ValueError:
             return []
         tokens = grid[0] * grid[1] * grid[2]
-        total = forward_flops(cfg, [tokens], [cfg.text_len])
-        attention = cfg.num_layers * 4 * cfg.hidden_size * tokens * (tokens + cfg.text_len)
+        images = _nominal_image_len(cfg)
+        total = forward_flops(cfg, [tokens], [cfg.text_len], [images])
+        attention = cfg.num_layers * 4 * cfg.hidden_size * tokens * (tokens + cfg.text_len + images)
         return [
             f"a 720p 5 s clip (81 frames of 1280x720 at 16 fps) through Wan's VAE (4x time, 8x space) is a "
             f"{c}x{f}x{h}x{w} latent: {tokens:,} patch tokens at patch {list(cfg.patch_size)} "
             f"(grid {grid[0]}x{grid[1]}x{grid[2]})",
-            f"one such clip with a {cfg.text_len}-token caption: {3 * total:.3e} training FLOPs, "
+            f"one such clip with a {cfg.text_len}-token caption"
+            + (f" and {images} image tokens" if images else "") + f": {3 * total:.3e} training FLOPs, "
             f"{100 * attention / total:.0f}% of them in attention scores",
             f"this sample of {units:,} patches has {units / tokens:.2f}x the patches of that clip",
         ]

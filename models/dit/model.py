@@ -40,24 +40,59 @@ class DiTModel(nn.Module):
 
     def forward(self, noisy: torch.Tensor, batch: dict) -> torch.Tensor:
         index = batch["sample_index"]
-        sample = index.clamp(min=0)
-        temb, modulation = self.condition_embedder.time(batch["timesteps"])
+        timesteps, table_index = self._timestep_tables(batch)
+        temb, modulation = self.condition_embedder.time(timesteps)
         text = self.condition_embedder.text_embedder(batch["text_states"])
+        image, image_cu_seqlens = self._image_states(batch)
         cos, sin = rope_3d_cos_sin(batch["positions"], self.config.attention_head_dim)
         seq = SeqInfo(batch["cu_seqlens"], batch["max_seqlen"])
-        x = self.patch_embedding(noisy)
+        x = self.patch_embedding(self._model_input(noisy))
         for block in self.blocks:
-            x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq)
+            x = block(x, modulation, index, text, batch["text_cu_seqlens"], cos, sin, seq, image, image_cu_seqlens,
+                      table_index)
         shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)
-        h = modulate(layer_norm_fp32(x, eps=self.config.eps), scale, shift, sample).to(x.dtype)
+        h = modulate(layer_norm_fp32(x, eps=self.config.eps), scale, shift, table_index).to(x.dtype)
         return self.proj_out(h) * (index >= 0)[:, None].to(x.dtype)
 
-    def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor,
-                      encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """diffusers' calling convention: latents [B, C, F, H, W], timestep [B], text states
-        [B, L, text_dim] -> prediction [B, C_out, F, H, W]."""
+    def _timestep_tables(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The timesteps the modulation tables are computed for, and each token's row in them: its
+        sample's, or, with first-frame conditioning (``first_frame_probability`` > 0), a second row
+        per sample at timestep 0 for its ``clean`` tokens (Wan2.2 TI2V's per-token timesteps, the
+        first frame's tokens at 0), so a row still computes n + n timestep embeddings, not T."""
+        sample = batch["sample_index"].clamp(min=0)
+        if self.config.first_frame_probability <= 0 or "clean" not in batch:
+            return batch["timesteps"], sample
+        timesteps = batch["timesteps"]
+        return torch.cat([timesteps, torch.zeros_like(timesteps)]), sample + len(timesteps) * batch["clean"].long()
+
+    def _model_input(self, noisy: torch.Tensor) -> torch.Tensor:
+        if noisy.shape[-1] != self.config.patch_dim:
+            raise ValueError(f"the model takes {self.config.patch_dim} values per token (in_channels="
+                             f"{self.config.in_channels} x patch {list(self.config.patch_size)}), the row gives "
+                             f"{noisy.shape[-1]}: an image-to-video row appends its 'condition' tokens (the frame "
+                             "mask and the first frame's latent) to the noisy ones, a text-to-video row none")
+        return noisy
+
+    def _image_states(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every sample's image states projected to the model width, and their boundaries."""
+        embedder = self.condition_embedder.image_embedder
+        if embedder is None:
+            return None, None
+        if "image_states" not in batch:
+            raise ValueError(f"image_dim={self.config.image_dim}: the model cross-attends to image encoder states, "
+                             "but the row has no 'image_states' / 'image_cu_seqlens' (a text-to-video sample "
+                             "gives zero image states)")
+        return embedder(batch["image_states"]), batch["image_cu_seqlens"]
+
+    def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
+        """diffusers' calling convention: latents [B, C, F, H, W] (image-to-video: the noisy latent
+        and the condition concatenated on channels, as ``WanImageToVideoPipeline`` passes them),
+        timestep [B], text states [B, L, text_dim], image states [B, L_img, image_dim] ->
+        prediction [B, C_out, F, H, W]."""
         patch = self.config.patch_size
-        batch = pack_latents(list(latents), list(encoder_hidden_states), timestep, patch)
+        images = None if encoder_hidden_states_image is None else list(encoder_hidden_states_image)
+        batch = pack_latents(list(latents), list(encoder_hidden_states), timestep, patch, images)
         return torch.stack(unpack_tokens(self(batch["latents"], batch), batch, patch))
 
     def parallel_plan(self) -> ParallelPlan:

@@ -8,4 +8,4 @@ from .config import DiTConfig
 def diffusion_task(config: DiTConfig) -> DiffusionTask:
     return DiffusionTask(objective=config.objective, logit_mean=config.logit_mean, logit_std=config.logit_std,
                          shift=config.shift, shift_base_tokens=config.shift_base_tokens,
-                         text_dropout=config.text_dropout)
+                         text_dropout=config.text_dropout, first_frame_probability=config.first_frame_probability)

@@ -30,6 +30,7 @@ class VideoModelFields:
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     in_channels: int = 4
+    out_channels: int = 4
     text_dim: int = 64
 
 
@@ -126,7 +127,7 @@ def test_the_launch_check_names_missing_encoders_and_reads_the_clip_manifest(fol
                for problem in odd_patch), odd_patch
 
     assert "have 4 channels, model.in_channels=16; set model.in_channels: 4" in only_problem(
-        cfg, replace(MODEL, in_channels=16))
+        cfg, replace(MODEL, in_channels=16, out_channels=16))
     assert "are 64 wide, model.text_dim=32; set model.text_dim: 64" in only_problem(cfg, replace(MODEL, text_dim=32))
     assert re.search(r"the largest latent of .* shape \[4, 9, 12, 12\] \(e\.g\. clips of 9x48x48 \(FxHxW\)\), is 324 "
                      r"patches .* more than data\.tokens_per_micro_batch=100",

@@ -34,6 +34,7 @@ class StubVideoConfig:
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     in_channels: int = 4
+    out_channels: int = 4
     text_dim: int = TEXT_DIM
 
     def validate(self) -> None:
@@ -280,6 +281,14 @@ def test_the_launch_check_reads_the_manifest_against_the_model(tmp_path, change,
     manifest_file.write_text(json.dumps({**json.loads(manifest_file.read_text()), **change}))
     problems = check_video_latents(_config(tmp_path / "split", eval_path=None), StubVideoConfig())
     assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_a_model_with_conditioning_channels_is_refused_until_the_latents_hold_them(tmp_path):
+    """An image-to-video model (in_channels = the latent's + conditioning) on text-to-video latents:
+    refused saying what is missing, not told to set in_channels to the latent's."""
+    write_split(tmp_path / "split", samples=5, shards=1)
+    problems = check_video_latents(_config(tmp_path / "split", eval_path=None), StubVideoConfig(in_channels=12))
+    assert len(problems) == 1 and "model.in_channels=12 is out_channels=4 plus 8 conditioning channels" in problems[0]
     assert problems[0].startswith("data.train_path: ")
 
 
@@ -288,7 +297,8 @@ def test_the_launch_check_names_a_model_without_patches_and_a_missing_manifest(t
     class TextOnly:
         vocab_size: int = 10
 
-    assert "TextOnly lacks patch_size, in_channels, text_dim" in check_video_latents(_config(tmp_path), TextOnly())[0]
+    lacking = check_video_latents(_config(tmp_path), TextOnly())[0]
+    assert "TextOnly lacks patch_size, in_channels, out_channels, text_dim" in lacking
     (tmp_path / "shards").mkdir()
     problems = check_video_latents(_config(tmp_path / "shards"), StubVideoConfig())
     assert "manifest.json cannot be read" in problems[0]

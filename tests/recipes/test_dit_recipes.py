@@ -1,6 +1,7 @@
 """The video DiT recipes at the papers' sizes plan with --dry-run, with the parameter count of
 Wan's block at those widths (counted by hand here), and refuse a sequence-parallel size the
-heads do not divide before any worker starts."""
+heads do not divide before any worker starts; the Wan2.1-I2V-14B recipe plans with diffusers'
+own parameter count."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from diffusers import WanTransformer3DModel
 
+from models.dit.config import ARCHITECTURE_FIELDS
 from tests.launch.test_launch import REPO, train_sh
 from veomni.config.load import load_config
 from veomni.data.builders import MANIFEST
@@ -65,3 +69,22 @@ def test_sequence_parallel_size_must_divide_the_heads():
     assert result.returncode == 2
     assert "parallel.sp=8 does not divide the 28 attention heads" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_wan_i2v_14b_recipe_plans_with_diffusers_parameter_count():
+    """The published Wan2.1-I2V-14B shape: the plan's parameter count is diffusers' own
+    ``WanTransformer3DModel`` built from the recipe's fields (on the meta device, no weights), and
+    the FLOPs count the image tokens. Planned as the README's command runs it, without latents."""
+    path = REPO / "recipes" / "wan" / "wan21_i2v_14b.yaml"
+    options = load_config(path).model.options
+    with torch.device("meta"):
+        reference = WanTransformer3DModel(**{key: options[key] for key in ARCHITECTURE_FIELDS if key in options})
+    result = train_sh(str(path), "--dry-run", "--world-size", "64", "--gpus")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "sp=8 (Ulysses)" in out
+    assert int(re.search(r"parameters +([\d,]+)", out).group(1).replace(",", "")) == sum(
+        p.numel() for p in reference.parameters())
+    assert "512-token caption and 257 image tokens" in out
+    memory = float(re.search(r"  total +([\d.]+)", out).group(1))
+    assert 1.0 < memory < 70.0, "the plan must fit an 80 GB GPU"

@@ -41,9 +41,9 @@ def latents(tmp_path_factory) -> Path:
     return root / "latents"
 
 
-def config(latents: Path, out: Path, **train) -> RunConfig:
+def config(latents: Path, out: Path, model: dict | None = None, **train) -> RunConfig:
     return RunConfig(
-        model=ModelConfig(arch="dit", options=dict(TINY)),
+        model=ModelConfig(arch="dit", options={**TINY, **(model or {})}),
         data=DataConfig(train_path=str(latents / "train"), eval_path=str(latents / "eval"),
                         tokens_per_micro_batch=400),
         parallel=ParallelConfig(),
@@ -80,3 +80,19 @@ def test_dit_trains_from_clips_writes_samples_and_resumes_exactly(latents, tmp_p
     assert summary["unit"] == "latent_token" and summary["baseline"]["name"] == "the mean velocity alone"
     resumed = run_distributed(_crash_after_2_then_resume, 2, str(latents), str(tmp_path / "b"))[0]
     assert resumed == losses[2:], "resumed losses differ from the uninterrupted run"
+
+
+def _first_frame_conditioned(rank, world, latents, out):
+    run = config(Path(latents), Path(out), {"first_frame_probability": 1.0})
+    run.train.max_steps = 2
+    history = Trainer(run).train()
+    return [m["loss"] for m in history], history[-1]
+
+
+def test_first_frame_conditioning_trains_on_todays_latents_without_the_first_frames_in_the_loss(latents, tmp_path):
+    """Every clip conditioned on its first frame (the bundled clips have more than one latent
+    frame; images have one and stay unconditioned): the first frames' tokens run through the model
+    but leave the loss, so the step's loss tokens are fewer than its latent tokens."""
+    losses, last = run_distributed(_first_frame_conditioned, 1, str(latents), str(tmp_path / "c"))[0]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert 0 < last["loss_latent_tokens"] < last["latent_tokens"]

@@ -24,6 +24,9 @@ class VideoModelConfig(Protocol):
 
     patch_size: tuple[int, int, int]
     in_channels: int
+    """Channels per latent position the model reads: the latent's, plus any conditioning channels."""
+    out_channels: int
+    """The latent's channels (what the model predicts)."""
     text_dim: int
 
 

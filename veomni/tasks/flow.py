@@ -13,6 +13,17 @@ fixes the token layout). A row packs the patch tokens of several images and clip
   ``timesteps`` [n] (the model's timestep input, 0..1000).
 
 The model is called as ``model(batch["noisy"], batch)`` and returns its prediction [T, P].
+A row may carry ``condition`` [T, Q] (a sequence field of the raw row: an image-to-video
+model's conditioning channels, e.g. Wan2.1 I2V's frame mask and first-frame latent): ``prepare``
+appends it to the noisy tokens, so ``noisy`` is [T, P + Q] (diffusers' channel concatenation,
+token by token) while ``target`` stays [T, P].
+
+**First-frame conditioning** (``first_frame_probability`` > 0, Wan2.2 TI2V style, as diffusers'
+Wan pipeline with ``expand_timesteps``): each clip sample (more than one patch frame) is, with that
+probability, conditioned on its first frame: the tokens of patch frame 0 get the clean latent
+instead of the noisy one, ``clean`` [T] (a sequence field ``prepare`` always adds, all False
+without conditioning) marks them, the model gives them timestep 0, and they leave the loss and
+its unit count. Samples of one row draw independently, so T2V and I2V samples share rows.
 
 **Rectified flow** (the convention of Wan, SD3 and diffusers' ``FlowMatchEulerDiscreteScheduler``):
 ``x_t = (1 - t) x_0 + t ε`` for t in [0, 1], data at t = 0 and pure noise at t = 1; the model
@@ -27,7 +38,7 @@ Sampling integrates ``dx/dt = v`` from t = 1 to 0 on the same shifted schedule (
 predicts ε and takes k as its timestep.
 
 The loss is the squared error summed over every latent element of the row's real tokens, over
-the elements per token (P, the same for every token of a model); its units are the real tokens,
+the elements per token (P, the same for every token of a model); its units are the real tokens (less the clean ones),
 so the trainer's division by their global count gives the mean over all latent elements of the
 step on any layout and packing. Condition dropout (for classifier-free guidance) zeroes a
 sample's text states with probability ``text_dropout``: zero states are the unconditional input
@@ -46,7 +57,7 @@ from veomni.tasks.base import Baseline, BatchContract, LossOutput
 
 FLOW_CONTRACT = BatchContract(
     unit="latent_token",
-    sequence_fields=("latents", "positions", "sample_index", "noisy", "target"),
+    sequence_fields=("latents", "positions", "sample_index", "noisy", "target", "clean"),
     pad_values={"sample_index": -1},
 )
 
@@ -78,11 +89,15 @@ class DiffusionTask:
 
     def __init__(self, objective: Objective = "flow", logit_mean: float = 0.0, logit_std: float = 1.0,
                  shift: float = 1.0, shift_base_tokens: int = 0, text_dropout: float = 0.1,
-                 ddpm_steps: int = 1000, ddpm_beta_schedule: str = "squaredcos_cap_v2") -> None:
+                 ddpm_steps: int = 1000, ddpm_beta_schedule: str = "squaredcos_cap_v2",
+                 first_frame_probability: float = 0.0) -> None:
         if objective not in ("flow", "ddpm"):
             raise ValueError(f"unknown diffusion objective {objective!r}; use 'flow' or 'ddpm'")
         if not 0.0 <= text_dropout < 1.0:
             raise ValueError(f"text_dropout={text_dropout} must be in [0, 1)")
+        if not 0.0 <= first_frame_probability <= 1.0:
+            raise ValueError(f"first_frame_probability={first_frame_probability} must be in [0, 1]")
+        self.first_frame_probability = first_frame_probability
         self.objective = objective
         self.logit_mean, self.logit_std = logit_mean, logit_std
         self.shift, self.shift_base_tokens = shift, shift_base_tokens
@@ -116,21 +131,38 @@ class DiffusionTask:
         a = signal.float()[per_token].to(x0.device)[:, None]
         b = noise_scale.float()[per_token].to(x0.device)[:, None]
         mask = real[:, None].to(x0.dtype)
+        clean = self._clean_first_frames(batch, per_token, generator).to(x0.device)
+        keep = (real & ~clean)[:, None].to(x0.dtype)
         out = dict(batch)
-        out["noisy"] = (a * x0 + b * noise) * mask
-        out["target"] = ((noise - x0) if self.objective == "flow" else noise) * mask
+        condition = out.pop("condition", None)
+        out["noisy"] = torch.where(clean[:, None], x0, a * x0 + b * noise) * mask
+        if condition is not None:
+            out["noisy"] = torch.cat([out["noisy"], condition.to(x0.dtype) * mask], dim=-1)
+        out["target"] = ((noise - x0) if self.objective == "flow" else noise) * keep
+        out["clean"] = clean
         out["timesteps"] = timesteps.float().to(x0.device)
         out["text_states"] = _drop_text(batch["text_states"], batch["text_cu_seqlens"], drop)
         return out
 
+    def _clean_first_frames(self, batch: dict, per_token: torch.Tensor, generator: torch.Generator | None):
+        """[T] bool: the tokens of patch frame 0 of the samples drawn for first-frame conditioning."""
+        index = batch["sample_index"].cpu()
+        if self.first_frame_probability <= 0:
+            return torch.zeros(index.shape, dtype=torch.bool)
+        clips = batch["grid"][:, 0].cpu() > 1
+        chosen = (torch.rand(len(clips), generator=generator) < self.first_frame_probability) & clips
+        return chosen[per_token] & (batch["positions"][:, 0].cpu() == 0) & (index >= 0)
+
+    def _loss_tokens(self, batch: dict) -> torch.Tensor:
+        return (batch["sample_index"] >= 0) & ~batch["clean"]
+
     def count_loss_units(self, batch: dict) -> int:
-        return int((batch["sample_index"] >= 0).sum())
+        return int(self._loss_tokens(batch).sum())
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
         units = self.count_loss_units(batch)  # its host read waits for nothing yet: no forward queued
         prediction = model(batch["noisy"], batch)
-        real = (batch["sample_index"] >= 0)[:, None]
-        return LossOutput(self.output_loss(prediction * real, batch["target"]), units)
+        return LossOutput(self.output_loss(prediction * self._loss_tokens(batch)[:, None], batch["target"]), units)
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Summed over tokens of the per-token mean squared error (padding: zero output and target)."""
@@ -140,7 +172,7 @@ class DiffusionTask:
         return {}
 
     def baseline_stats(self, batch: dict) -> torch.Tensor:
-        target = batch["target"][batch["sample_index"] >= 0].double()
+        target = batch["target"][self._loss_tokens(batch)].double()
         return torch.stack([torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device),
                             target.sum(), (target**2).sum()])
 

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "veomni.video_latents.v1"
 LATENT_MEMBER = "latent.safetensors"
-MODEL_FIELDS = ("patch_size", "in_channels", "text_dim")
+MODEL_FIELDS = ("patch_size", "in_channels", "out_channels", "text_dim")
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class VideoLatentsDataset(ResumableDataset):
         """Records per shard file, from the manifest: what a damaged shard lost (``veomni.data.sources``)."""
         self.cfg, self.split, self.seed = cfg, request.split, request.seed
         self.patch = tuple(model.patch_size)
-        self.channels, self.text_dim = model.in_channels, model.text_dim
+        self.channels, self.text_dim = model.out_channels, model.text_dim
 
     @staticmethod
     def _split_problems(name: str, path: str, cfg: DataConfig, model_config: Any) -> list[str]:
@@ -307,7 +307,14 @@ def latent_problems(name: str, source: str, channels: int, text_dim: int, exampl
     largest against the budget; ``source`` says where the latents come from."""
     patch, budget = tuple(model_config.patch_size), cfg.tokens_per_micro_batch
     problems = []
-    if channels != model_config.in_channels:
+    conditioning = model_config.in_channels - model_config.out_channels
+    if conditioning:
+        problems.append(f"{name}: model.in_channels={model_config.in_channels} is out_channels="
+                        f"{model_config.out_channels} plus {conditioning} conditioning channels per latent position "
+                        f"(image-to-video), which the latents of {source} do not hold (first-frame conditioning "
+                        "data is not built yet); set model.in_channels equal to model.out_channels, and train "
+                        "image-to-video with model.first_frame_probability on the clips' own first frames")
+    elif channels != model_config.in_channels:
         problems.append(f"{name}: latents of {source} have {channels} channels, model.in_channels="
                         f"{model_config.in_channels}; set model.in_channels: {channels}")
     if text_dim != model_config.text_dim:
