@@ -40,12 +40,13 @@ def test_a_plugin_registers_an_objective_and_unknown_or_unsupported_ones_are_ref
     register_objective("test_only_wrapped", lambda request: Objective("test_only_wrapped", request.task))
     task = LanguageModelingTask()
     assert build_objective(ObjectiveRequest(_run_config("test_only_wrapped"), task)).task is task
-    problems = objective_problems(_run_config("dpp"))
+    problems = objective_problems(_run_config("dpp"), "chat_preference")
     assert len(problems) == 1 and "'dpp'" in problems[0] and "did you mean 'dpo'" in problems[0]
     cfg = _run_config("dpo")
     cfg.parallel.pp = 2
-    assert "parallel.pp" in objective_problems(cfg)[0]
-    assert objective_problems(_run_config("dpo")) == []
+    assert "parallel.pp" in objective_problems(cfg, "chat_preference")[0]
+    assert "set data.kind" in objective_problems(_run_config("dpo"), "chat_text")[0]
+    assert objective_problems(_run_config("dpo"), "chat_preference") == []
 
 
 def _frozen_models(policy: torch.nn.Module, adapters: bool, built: list[int]) -> FrozenModels:

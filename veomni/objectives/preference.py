@@ -2,7 +2,7 @@
 
 A micro-batch from the ``chat_preference`` kind is a packed row whose samples come in pairs:
 sample ``2k`` is pair ``k``'s prompt with its chosen reply, sample ``2k + 1`` the same prompt with
-its rejected reply, labels only on the replies (the ``chat_preference`` dataset kind). The
+its rejected reply, labels only on the replies (``veomni/data/chat/preference_dataset.py``). The
 family's task gives the token logits (``LogitsTask.forward``); this task turns them into each
 reply's summed log-probability and the pair losses of ``preference_loss.py``.
 
@@ -176,4 +176,4 @@ def _preference(name: str) -> Callable[[ObjectiveRequest], Objective]:
 
 
 for _name, (_, _needs_reference) in PREFERENCE_LOSSES.items():
-    register_objective(_name, _preference(_name), frozen_copies=int(_needs_reference))
+    register_objective(_name, _preference(_name), frozen_copies=int(_needs_reference), data_kinds=("chat_preference",))

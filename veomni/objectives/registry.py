@@ -75,14 +75,17 @@ class ObjectiveEntry:
     """Whether it runs under ``parallel.pp`` (the launcher refuses the run otherwise)."""
     frozen_copies: int = 0
     """Full frozen copies of the policy it holds when the run has no LoRA."""
+    data_kinds: tuple[str, ...] = ()
+    """The dataset kinds whose batches it can read (empty: any)."""
 
 
 _OBJECTIVES: dict[str, ObjectiveEntry] = {}
 
 
-def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0) -> None:
+def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0,
+                       data_kinds: tuple[str, ...] = ()) -> None:
     """Make ``train.objective: <name>`` build its objective with ``build``."""
-    entry = ObjectiveEntry(build, pipelines, frozen_copies)
+    entry = ObjectiveEntry(build, pipelines, frozen_copies, data_kinds)
     if _OBJECTIVES.get(name, entry) != entry:
         raise ValueError(f"objective {name!r} is already registered")
     _OBJECTIVES[name] = entry
@@ -101,12 +104,16 @@ def build_objective(request: ObjectiveRequest) -> Objective:
     return objective_entry(request.cfg.train.objective).build(request)
 
 
-def objective_problems(cfg: RunConfig) -> list[str]:
-    """The launcher's checks of ``train.objective`` (after the plug-ins are imported)."""
+def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
+    """The launcher's checks of ``train.objective`` (after the plug-ins are imported); ``data_kind``:
+    the dataset kind the run reads."""
     try:
         entry = objective_entry(cfg.train.objective)
     except ValueError as error:
         return [str(error)]
+    if entry.data_kinds and data_kind not in entry.data_kinds:
+        return [f"train.objective={cfg.train.objective} reads {' or '.join(entry.data_kinds)} data, not the "
+                f"{data_kind} kind: set data.kind (docs/post_training.md, the data format)"]
     if cfg.parallel.pp > 1 and not entry.pipelines:
         return [f"train.objective={cfg.train.objective} does not run under a pipeline yet (parallel.pp="
                 f"{cfg.parallel.pp}): use parallel.pp 1 (FSDP, sequence, context and expert parallelism all apply)"]
