@@ -136,6 +136,20 @@ def _records(path: str, fmt: str) -> Iterator[tuple[str, str, Any]]:
                     yield f"{file}:{number}", fmt, line
 
 
+def read_preferred_conversations(path: str, text_key: str = "json") -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Each good pair of a split as the conversation it prefers (prompt + chosen), in file order: what
+    a preference run's greedy answers are scored against (``veomni.eval.chat_exact_match``); bad
+    pairs are skipped with a warning."""
+    for where, fmt, record in _records(path, "auto"):
+        try:
+            key, obj = record_object(record, fmt, text_key)
+            prompt, chosen, _ = pair_messages(obj, key)
+        except InvalidSampleError as error:
+            logger.warning("%s: skipped: %s", where, error)
+            continue
+        yield key, [*prompt, *chosen]
+
+
 def preference_problems(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """Every pair of the train sources and the eval split read, rendered and sized: a problem per bad
     pair (the first ``MAX_LISTED``), naming file and record, and the count of the rest."""
