@@ -105,7 +105,12 @@ def single() -> dict[tuple[bool, bool], dict]:
     return {case: run_distributed(_run, 1, ParallelConfig(), *case)[0] for case in sorted(cases)}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+FAST = {"fsdp2", "sp2", "lora-fsdp2"}
+"""The rest run in the full tier (about 1.5 s each on an idle machine)."""
+
+
+@pytest.mark.parametrize("layout", [name if name in FAST else pytest.param(name, marks=pytest.mark.full)
+                                    for name in sorted(LAYOUTS)])
 def test_dpo_layout_equals_one_process(single: dict[tuple[bool, bool], dict], layout: str) -> None:
     world, parallel, lora, moe = LAYOUTS[layout]
     reference = single[lora, moe]
