@@ -1,6 +1,6 @@
 """A preference run end to end in the trainer (one gloo rank): chat_preference data, the DPO
 objective with its frozen reference (a sharded copy, or the LoRA base), metrics in every step and at
-eval, and the launcher's refusal of a malformed pair before any worker starts."""
+eval, and the launcher's refusal of a malformed pair before any worker starts (exit 2, file and line)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,22 @@ def test_dpo_starts_at_ln2_and_reports_pair_metrics(tmp_path: Path, lora_rank: i
     assert history[-1]["rewards_margin"] != 0.0, "the policy moved away from its reference"
     assert {f"eval_{name}" for name in PAIR_METRICS} <= set(last_eval)
     assert_scalar_parity(last_eval["eval_baseline"], math.log(2), "DPO's indifferent loss")
+
+
+def test_the_launcher_refuses_a_malformed_pair_before_any_worker(tmp_path: Path, capsys) -> None:
+    from veomni.config.load import dump_config
+    from veomni.launch import main
+
+    cfg = preference_run_config(tmp_path)
+    lines = Path(cfg.data.train_path).read_text().splitlines()
+    bad = json.loads(lines[4])
+    bad["rejected"] = []
+    Path(cfg.data.train_path).write_text("\n".join([*lines[:4], json.dumps(bad), *lines[5:]]) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(dump_config(cfg))
+    settings = tmp_path / "settings"
+    assert main([str(recipe), "--launch-settings", str(settings)]) == 2
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "train.jsonl:5:" in text and "'rejected' is empty" in text, text
+    assert not (Path(cfg.train.output_dir) / "config.yaml").exists(), "no worker started"
