@@ -158,6 +158,7 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
 
     from veomni.contract import build_model
     from veomni.contract.plugin_check import plugin_problems
+    from veomni.objectives import ObjectiveRequest, build_objective, objective_problems
     from veomni.parallel.apply import PIPELINE_HOOKS
     from veomni.parallel.expert import check_model_experts
     from veomni.parallel.fsdp import check_encoder_fsdp
@@ -176,6 +177,9 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         if contract_gaps := plugin_problems(spec, model_cfg, model, cfg.parallel.pp):  # before calling any of it
             return model_cfg, model, contract_gaps
         check_model_experts(model, cfg.parallel.ep)
+        if objective_gaps := objective_problems(cfg, cfg.data.kind or spec.dataset):
+            return model_cfg, model, objective_gaps
+        build_objective(ObjectiveRequest(cfg, spec.build_task(model_cfg)))  # a ValueError says what the objective lacks
         check_pipeline_task(spec.build_task(model_cfg), cfg.parallel)  # says why first
         try:
             check_pipeline_model(model, cfg.parallel, cfg.train.grad_accum, PIPELINE_HOOKS)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,12 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, **factory))
         self.alpha, self.scaling = alpha, module_scaling(rank, alpha, rslora)
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.disabled = False
+        """True inside ``adapters_disabled``: the layer computes its base alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.disabled:
+            return F.linear(x, self.weight, self.bias)
         low_rank = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
         return F.linear(x, self.weight, self.bias) + self.scaling * low_rank
 
@@ -77,14 +82,31 @@ class ExpertLoRA:
     def __init__(self, module: nn.Module, names: tuple[str, ...], scaling: float, dropout: float) -> None:
         self.module, self.names, self.scaling = module, names, scaling
         self.dropout = nn.Dropout(dropout) if dropout else None
+        self.disabled = False
 
     def __call__(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if name not in self.names:
+        if name not in self.names or self.disabled:
             return torch.zeros((), dtype=x.dtype, device=x.device)
         a = self.module.local_weight(getattr(self.module, f"{name}_lora_A")).to(x.dtype)
         b = self.module.local_weight(getattr(self.module, f"{name}_lora_B")).to(x.dtype)
         rows = self.dropout(x) if self.dropout is not None and self.module.training else x
         return self.scaling * grouped_mm(grouped_mm(rows, a.transpose(1, 2), counts), b.transpose(1, 2), counts)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every adapter of ``model`` is switched off: it computes its frozen base (a preference
+    objective's reference policy under LoRA, with no second copy of the model)."""
+    switches = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    switches += [m.expert_delta for m in model.modules()
+                 if isinstance(m, AdaptableExperts) and isinstance(m.expert_delta, ExpertLoRA)]
+    for switch in switches:
+        switch.disabled = True
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch.disabled = False
 
 
 def expert_weight_names(module: nn.Module) -> tuple[str, ...]:

@@ -34,6 +34,8 @@ def check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
          "must be > 1 (a multiple of the running mean loss), or 0 to skip only non-finite steps"),
         (cfg.train.loss_spike_window >= 1, ("train", "loss_spike_window"), "must be >= 1"),
         (cfg.train.max_bad_steps >= 1, ("train", "max_bad_steps"), "must be >= 1"),
+        (cfg.preference.beta > 0, ("preference", "beta"), "must be > 0"),
+        (0 <= cfg.preference.label_smoothing < 0.5, ("preference", "label_smoothing"), "must be in [0, 0.5)"),
         (cfg.checkpoint.keep_last >= 1, ("checkpoint", "keep_last"), "must be >= 1"),
         (cfg.checkpoint.interval >= 0, ("checkpoint", "interval"), "must be >= 0 (0 saves at the end only)"),
         (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),

@@ -245,6 +245,10 @@ class TrainConfig:
     """Good steps the loss-spike reference averages; the spike check starts once this many are seen."""
     max_bad_steps: int = 3
     """Consecutive skipped steps after which ``on_bad_steps`` acts."""
+    objective: str = "sft"
+    """What the run optimises (``veomni/objectives/``): ``sft`` the family's own loss; ``dpo``, ``ipo``,
+    ``simpo`` preference optimisation on pairs (the ``preference`` section, docs/post_training.md); a
+    plug-in may register more."""
     on_bad_steps: Literal["rollback", "stop"] = "rollback"
     """``rollback``: reload the newest checkpoint and go on with the data after the bad window (stops
     when there is no checkpoint, or when the bad steps recur before a newer one is saved); ``stop``:
@@ -359,6 +363,18 @@ class LoraConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """The preference objectives' settings (``train.objective: dpo | ipo | simpo``, docs/post_training.md)."""
+
+    beta: float = 0.1
+    """DPO / IPO: strength of the pull towards the reference (IPO's tau); SimPO: the reward scale."""
+    label_smoothing: float = 0.0
+    """DPO / SimPO: the probability that a pair's preference is flipped (conservative DPO); in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """SimPO: the target reward margin gamma."""
+
+
+@dataclass
 class ModelConfig:
     """``arch`` picks a registered model family; ``plugins`` lists the packages that register
     families (module names or package folders, see ``veomni.contract.load_plugins``); the remaining
@@ -383,3 +399,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)

@@ -2,8 +2,9 @@
 
 A model spec names the kind its family reads (``ModelSpec.dataset``); a recipe may pick another
 with ``data.kind``. The engine ships ``packed_text`` (documents -> packed token rows),
-``chat_text`` (conversations for supervised fine-tuning, loss on assistant turns), ``chat_media``
-(chat samples with media for omni models), ``graph`` (node classification),
+``chat_text`` (conversations for supervised fine-tuning, loss on assistant turns), ``chat_preference``
+(pairs of replies for the preference objectives), ``chat_media`` (chat samples with media for omni
+models), ``graph`` (node classification),
 ``video_latents`` (latent images and clips -> packed patch rows) and ``video_clips`` (raw clips
 encoded on the fly, then packed alike); a plugin package registers its own
 kinds next to its model families. Each kind builds a ``ResumableDataset``

@@ -9,7 +9,8 @@ not whether its answers are right; a task with exact answers can say that direct
 
 Loads the newest complete checkpoint of the run (or ``--checkpoint``; EMA weights where kept) into
 one CPU process. Each conversation of the split (the run's ``data.eval_path``, read as the
-``chat_text`` kind reads it) is cut before its last assistant turn; the rest is rendered by the
+``chat_text`` kind reads it; for a ``chat_preference`` run, each pair's prompt + chosen reply) is
+cut before its last assistant turn; the rest is rendered by the
 run's tokenizer's chat template with the generation prompt, and the answer decoded greedily (64
 prompts packed into a row per step) until the tokenizer's eos or any other special token, or
 ``--max-answer-tokens`` (default 32). It is right when it equals the reference (both stripped).
@@ -30,6 +31,7 @@ import torch
 from veomni.checkpoint.export import load_run_weights
 from veomni.contract import build_model
 from veomni.data.chat.conversation import TemplateChat
+from veomni.data.chat.preference_dataset import read_preferred_conversations
 from veomni.data.chat.text_dataset import read_conversations
 from veomni.data.packing import pack_samples
 from veomni.data.text.packed import load_tokenizer
@@ -82,10 +84,11 @@ def evaluate(run_dir: Path, checkpoint: Path | None, split: str, limit: int | No
     path = data.eval_path if split == "eval" else data.train_path
     if not path:
         raise ValueError(f"the run has no data.{split}_path to evaluate on")
-    conversations = list(read_conversations(path, data.text_key))[:limit]
+    read = read_preferred_conversations if data.kind == "chat_preference" else read_conversations
+    conversations = list(read(path, data.text_key))[:limit]
     train_paths = [data.train_path] if data.train_path else [source.path for source in data.sources]
     train_answers = Counter(split_last_answer(messages)[1].strip() for train_path in train_paths
-                            for _, messages in read_conversations(train_path, data.text_key))
+                            for _, messages in read(train_path, data.text_key))
     majority = train_answers.most_common(1)[0][0] if train_answers else ""
     stop = {tokenizer.eos_token_id, *tokenizer.all_special_ids}
     correct = echo = common = 0

@@ -257,6 +257,11 @@ class ParallelMeshes:
     def cp(self) -> DeviceMesh:
         return self.root["cp"]
 
+    @cached_property
+    def row(self) -> DeviceMesh:
+        """The ranks holding pieces of one packed row (cp x sp): sums along a row are completed over it."""
+        return self.root["cp", "sp"]._flatten("row")
+
     @property
     def row_split(self) -> RowSplit:
         """Where this rank's positions of each packed row are (``row_split.py``)."""

@@ -36,6 +36,7 @@ from veomni.contract import build_model, get_model_spec
 from veomni.contract.graph_model import GraphCost
 from veomni.contract.hooks import attention_modules
 from veomni.contract.plan import flatten_plan, match_modules
+from veomni.objectives.registry import frozen_copies, objective_entry
 from veomni.optim import get_optimizer
 from veomni.parallel.mesh import ParallelDims
 from veomni.planner.graph_plan import graph_plan
@@ -70,11 +71,14 @@ class Estimate:
     """The weight EMA's fp32 copy (``train.ema_decay``)."""
     sequence_lines: list[str] = field(default_factory=list)
     """Under sp or cp > 1: each way to split a row over those ranks (``sequence_split.py``)."""
+    reference_gb: float = 0.0
+    """The objective's frozen copies of the model (a preference run's reference policy; 0 under LoRA,
+    whose reference is the base with its adapters off)."""
 
     @property
     def total_gb(self) -> float:
         return (self.params_gb + self.grads_gb + self.optimizer_gb + self.ema_gb + self.gathered_gb
-                + self.activations_gb + self.history_gb)
+                + self.activations_gb + self.history_gb + self.reference_gb)
 
 
 def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estimate:
@@ -127,6 +131,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         model_lines=cost.report_lines(model, seq) + (graph.lines if graph else []),
         history_gb=graph.history_gb if graph else 0.0,
         sequence_lines=sequence_lines,
+        reference_gb=frozen_copies(cfg) * 4 * total / shard / GiB,
     )
 
 
@@ -138,6 +143,8 @@ def _memory_rows(cfg: RunConfig, dims: ParallelDims, est: Estimate) -> list[tupl
         (f"gradients (fp32{', trained only' if lora else ''}, 1/{shard})", est.grads_gb),
         (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
         *([(f"weight EMA (fp32, 1/{shard})", est.ema_gb)] if est.ema_gb else []),
+        *([(f"reference model ({'the base: no copy' if lora else f'frozen fp32 copy, 1/{shard}'})", est.reference_gb)]
+          if objective_entry(cfg.train.objective).frozen_copies else []),
         ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
          est.gathered_gb),
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),

@@ -36,6 +36,7 @@ from veomni.contract import build_config, get_model_spec, load_plugins
 from veomni.data.build_loader import run_data
 from veomni.data.feed import build_feed
 from veomni.errors import BadInput
+from veomni.objectives import FrozenModels, ObjectiveRequest, build_objective
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
@@ -55,7 +56,7 @@ from veomni.train.report.metrics import StepTimer, device_peak_flops, peak_memor
 from veomni.train.report.sinks import MetricsReporter
 from veomni.train.restore import RunState, app_state, rank_state, restore
 from veomni.train.run_end import RunEnd
-from veomni.train.runners.build import build_runner
+from veomni.train.runners.build import build_frozen_copy, build_runner
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class Trainer(RunEnd):
         load_plugins(cfg.model.plugins)
         self.spec = get_model_spec(cfg.model.arch)
         self.model_config = build_config(cfg.model.arch, cfg.model.options)
-        self.task = task or self.spec.build_task(self.model_config)
+        self.objective = build_objective(ObjectiveRequest(cfg, task or self.spec.build_task(self.model_config)))
+        self.task = self.objective.task
         self.unit = self.task.contract.unit
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
@@ -102,6 +104,9 @@ class Trainer(RunEnd):
         self.param_counts: tuple[int, int] | None = None  # (trainable, all), counted on rank 0's full copy
         self.runner = build_runner(cfg, self.spec, self.model_config, self.task, self.meshes, self.device,
                                    self._initialise)
+        if self.objective.attach is not None:
+            self.objective.attach(FrozenModels(self.runner.whole_model, self._frozen_copy, cfg.lora.rank > 0,
+                                               self.meshes.row.get_group() if self.dims.row_ranks > 1 else None))
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.parts, self.model = self.runner.parts, self.runner.whole_model
         self.faults = FaultInjector(self.rank)
@@ -169,6 +174,17 @@ class Trainer(RunEnd):
         for line in init_adapters(model, self.cfg.lora, self.spec.hf_adapter, self.model_config,
                                   resuming=self.resume_path is not None):
             logger.info(line)
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        """The model at its starting weights, sharded like the trained one and frozen (an objective's
+        reference): the same seeded init and pretrained folders, also when this run resumes."""
+        def initialise(model: torch.nn.Module) -> None:
+            model.init_weights()
+            for line in load_components(model, init_entries(self.cfg.checkpoint), is_adapter_name):
+                logger.info("frozen copy: %s", line)
+
+        torch.manual_seed(self.cfg.train.seed)  # the draws that initialised the trained model
+        return build_frozen_copy(self.cfg, self.spec, self.model_config, self.meshes, self.device, initialise)
 
     def _app_state(self) -> dict[str, Any]:
         return app_state(self.run_state, self.step, self.units_seen)

@@ -128,6 +128,15 @@ class TemplateChat:
     def text(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool, key: str) -> str:
         return self._apply(messages, key, tokenize=False, add_generation_prompt=generation_prompt)
 
+    def encode_reply(self, prompt: Sequence[Mapping[str, str]], reply: Sequence[Mapping[str, str]],
+                     key: str) -> ChatTokens:
+        """``prompt + reply`` rendered whole, with targets on the reply's assistant turns only (assistant
+        turns inside the prompt are context): a preference pair's half, as TRL's completions."""
+        chat = self.encode([*prompt, *reply], key)
+        start = len(self.prompt(prompt, key))  # encode checked it renders as a prefix
+        targets = [target and i >= start for i, target in enumerate(chat.targets)]
+        return ChatTokens(chat.ids, targets, tuple(end for end in chat.turn_ends if end > start))
+
     def prompt(self, messages: Sequence[Mapping[str, str]], key: str) -> list[int]:
         """Ids of ``messages`` followed by the assistant's header: what a model answers from."""
         return self.tokenizer.encode(self.text(messages, True, key), add_special_tokens=False)

@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 
 def record_conversation(record: Any, fmt: str, text_key: str) -> tuple[str, list[dict[str, str]]]:
     """``(a name for the record, its messages)``; an ``InvalidSampleError`` saying why it has none."""
+    key, obj = record_object(record, fmt, text_key)
+    return key, conversation_messages(obj, key)
+
+
+def record_object(record: Any, fmt: str, text_key: str) -> tuple[str, Any]:
+    """``(a name for the record, its JSON object)``: a jsonl line, or a webdataset sample's
+    ``text_key`` member; an ``InvalidSampleError`` when it is not JSON."""
     if fmt == "webdataset":
         key = str(record.get("__key__", "?"))
         raw = record.get(text_key)
@@ -59,7 +66,7 @@ def record_conversation(record: Any, fmt: str, text_key: str) -> tuple[str, list
         raise InvalidSampleError(f"sample {key!r} is not a utf-8 JSON object ({error})") from None
     if fmt != "webdataset" and isinstance(obj, dict) and "id" in obj:
         key = str(obj["id"])
-    return key, conversation_messages(obj, key)
+    return key, obj
 
 
 def read_conversations(path: str, text_key: str = "json") -> Iterator[tuple[str, list[dict[str, str]]]]:

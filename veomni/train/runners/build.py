@@ -120,14 +120,31 @@ class PipelineRunner(RunnerBase):
                                 samples_divisor=counted_by)
 
 
-def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task, meshes: ParallelMeshes,
-                 device: torch.device, initialise: Callable[[nn.Module], None]) -> StepRunner:
-    """The model built, initialised (``initialise`` runs on rank 0's full CPU copy), parallelised
-    by the one recipe and wrapped in the runner its layout needs."""
+def model_recipe(cfg: RunConfig, spec: ModelSpec, model_config: Any, meshes: ParallelMeshes,
+                 device: torch.device) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], nn.Module]]:
+    """(build the plain model, with the run's adapters; apply the run's parallel recipe to it)."""
     build = functools.partial(adapted_model, functools.partial(spec.instantiate, model_config), cfg.lora)
     recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type,
                                row_tokens=cfg.data.tokens_per_micro_batch,
                                frozen_dtype=base_dtype(cfg.lora, device.type, cfg.parallel.mixed_precision))
+    return build, recipe
+
+
+def build_frozen_copy(cfg: RunConfig, spec: ModelSpec, model_config: Any, meshes: ParallelMeshes,
+                      device: torch.device, initialise: Callable[[nn.Module], None]) -> nn.Module:
+    """A second copy of the model (an objective's reference policy), built and sharded like the
+    trained one, with every parameter frozen and in eval mode: no runner steps or saves it."""
+    build, recipe = model_recipe(cfg, spec, model_config, meshes, device)
+    model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def build_runner(cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task, meshes: ParallelMeshes,
+                 device: torch.device, initialise: Callable[[nn.Module], None]) -> StepRunner:
+    """The model built, initialised (``initialise`` runs on rank 0's full CPU copy), parallelised
+    by the one recipe and wrapped in the runner its layout needs."""
+    build, recipe = model_recipe(cfg, spec, model_config, meshes, device)
     if meshes.dims.pp > 1:
         with torch.device("meta"):
             meta_model = build()

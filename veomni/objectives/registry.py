@@ -1,0 +1,132 @@
+"""The objective seat: a recipe's ``train.objective`` picks what the run optimises.
+
+A model family owns its task (``ModelSpec.task``: next-token cross entropy, flow matching, ...).
+An *objective* takes that task and returns the task the run trains with. The default, ``sft``,
+returns the family's task itself, unwrapped: such a run is the run it was before objectives
+existed, operation for operation. Other objectives (preference optimisation, later online RL)
+wrap it: they may add per-batch fields before the loss, change the loss, and own frozen models.
+
+Frozen models come through one typed seat, ``Objective.attach``: once the policy is built the
+trainer hands every objective a ``FrozenModels``: the policy, a builder of a second copy of the
+policy at its starting weights (built, initialised and sharded by the same parallel recipe, with
+no gradients and no optimizer state: nothing the runner steps or checkpoints), whether the policy
+carries LoRA adapters (then its base with the adapters switched off *is* the starting model, and
+no copy is needed), and the process group of the ranks that hold pieces of one packed row (sums
+along a row split by sequence or context parallelism are completed over it). The trainer knows
+nothing else about any objective.
+
+Objectives register by name like model families and dataset kinds; a plug-in package listed in
+``model.plugins`` may call ``register_objective``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from veomni.config.schema import RunConfig
+from veomni.tasks.base import Task
+
+
+@dataclass(frozen=True)
+class ObjectiveRequest:
+    """What an objective builds from: the run's config and the family's own task."""
+
+    cfg: RunConfig
+    task: Task
+
+
+@dataclass(frozen=True)
+class FrozenModels:
+    """What the engine gives an objective once the policy is built (``Objective.attach``)."""
+
+    policy: nn.Module
+    """The model being trained (parallelised; the whole model on each rank)."""
+    frozen_copy: Callable[[], nn.Module]
+    """Builds another copy of the policy at its starting weights (the seeded init and the recipe's
+    pretrained folders), sharded by the same parallel recipe, every parameter frozen, in eval mode."""
+    adapters: bool
+    """The policy carries LoRA adapters: its base with them switched off is the starting model."""
+    row_group: dist.ProcessGroup | None
+    """The ranks holding pieces of one packed row (context x sequence parallel); None when each
+    rank holds whole rows."""
+
+
+@dataclass
+class Objective:
+    name: str
+    task: Task
+    """The task the run trains and evaluates with."""
+    attach: Callable[[FrozenModels], None] | None = None
+    """Called once after the policy is built; None: the objective needs no model of its own."""
+
+
+ObjectiveFactory = Callable[[ObjectiveRequest], Objective]
+
+
+@dataclass(frozen=True)
+class ObjectiveEntry:
+    build: ObjectiveFactory
+    pipelines: bool = False
+    """Whether it runs under ``parallel.pp`` (the launcher refuses the run otherwise)."""
+    frozen_copies: int = 0
+    """Full frozen copies of the policy it holds when the run has no LoRA."""
+    data_kinds: tuple[str, ...] = ()
+    """The dataset kinds whose batches it can read (empty: any)."""
+
+
+_OBJECTIVES: dict[str, ObjectiveEntry] = {}
+
+
+def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0,
+                       data_kinds: tuple[str, ...] = ()) -> None:
+    """Make ``train.objective: <name>`` build its objective with ``build``."""
+    entry = ObjectiveEntry(build, pipelines, frozen_copies, data_kinds)
+    if _OBJECTIVES.get(name, entry) != entry:
+        raise ValueError(f"objective {name!r} is already registered")
+    _OBJECTIVES[name] = entry
+
+
+def objective_entry(name: str) -> ObjectiveEntry:
+    if name not in _OBJECTIVES:
+        near = difflib.get_close_matches(name, _OBJECTIVES, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"train.objective: unknown objective {name!r}{hint} (registered: {sorted(_OBJECTIVES)}; "
+                         "a plug-in package in model.plugins may register more)")
+    return _OBJECTIVES[name]
+
+
+def build_objective(request: ObjectiveRequest) -> Objective:
+    return objective_entry(request.cfg.train.objective).build(request)
+
+
+def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
+    """The launcher's checks of ``train.objective`` (after the plug-ins are imported); ``data_kind``:
+    the dataset kind the run reads."""
+    try:
+        entry = objective_entry(cfg.train.objective)
+    except ValueError as error:
+        return [str(error)]
+    if entry.data_kinds and data_kind not in entry.data_kinds:
+        return [f"train.objective={cfg.train.objective} reads {' or '.join(entry.data_kinds)} data, not the "
+                f"{data_kind} kind: set data.kind (docs/post_training.md, the data format)"]
+    if cfg.parallel.pp > 1 and not entry.pipelines:
+        return [f"train.objective={cfg.train.objective} does not run under a pipeline yet (parallel.pp="
+                f"{cfg.parallel.pp}): use parallel.pp 1 (FSDP, sequence, context and expert parallelism all apply)"]
+    return []
+
+
+def frozen_copies(cfg: RunConfig) -> int:
+    """Full frozen copies of the model the run's objective holds (0 under LoRA: the base serves)."""
+    return 0 if cfg.lora.rank > 0 else objective_entry(cfg.train.objective).frozen_copies
+
+
+def _supervised(request: ObjectiveRequest) -> Objective:
+    return Objective("sft", request.task)
+
+
+register_objective("sft", _supervised, pipelines=True)
