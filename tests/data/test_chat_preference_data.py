@@ -101,7 +101,7 @@ def test_malformed_and_oversized_pairs_are_refused_naming_file_and_record(tmp_pa
     path = write_jsonl(tmp_path / "pairs.jsonl", good + bad)
     problems = preference_problems(_cfg(path, tokenizer), load_tokenizer(str(tokenizer)))
     assert len(problems) == len(bad), problems
-    expected = ["'chosen' is missing", "'rejected' is empty", "only empty assistant replies",
+    expected = ["'chosen' is missing", "'rejected' is empty", "has an empty 'content'",
                 "must start with the assistant's reply", "not a utf-8 JSON object", "over data.max_seq_len=64"]
     for line, (problem, words) in enumerate(zip(problems, expected), start=len(good) + 1):
         assert f"pairs.jsonl:{line}:" in problem and words in problem, problem

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from veomni.config.optim_schema import OptimConfig, ParamGroupConfig  # noqa: F401 - part of the schema
+
 
 @dataclass
 class SourceConfig:
@@ -253,45 +255,6 @@ class TrainConfig:
     """``rollback``: reload the newest checkpoint and go on with the data after the bad window (stops
     when there is no checkpoint, or when the bad steps recur before a newer one is saved); ``stop``:
     end the run with a message naming the steps."""
-
-
-@dataclass
-class ParamGroupConfig:
-    """One ``optim.groups`` entry: options for the trainable parameters whose name matches ``pattern``
-    (tried in order, before the family's rules and the defaults; unset options keep the run's)."""
-
-    pattern: str = ""
-    """Parameter-name glob (plan syntax: ``layers.*.mlp.*``)."""
-    optimizer: str = ""
-    """The registered optimizer of these parameters; empty: the run's choice."""
-    lr: float | None = None
-    weight_decay: float | None = None
-    warmup_steps: int | None = None
-    """This group's own schedule: warmup steps and the cosine floor (unset: ``train``'s)."""
-    min_lr_ratio: float | None = None
-
-
-@dataclass
-class OptimConfig:
-    """Parameter groups by recipe globs and the options of optimizers beyond ``train``'s AdamW/SGD."""
-
-    groups: list[ParamGroupConfig] = field(default_factory=list)
-    muon_lr: float = 0.0
-    """Muon's learning rate; 0 takes ``train.lr`` (with ``muon_adjust_lr: match_rms_adamw`` the same
-    rate serves both, as in Moonlight)."""
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5
-    muon_ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-    """Newton-Schulz quintic (a, b, c): Keller Jordan's."""
-    muon_eps: float = 1e-7
-    muon_adjust_lr: Literal["original", "match_rms_adamw", "none"] = "match_rms_adamw"
-    """Update scale per matrix [A, B]: ``original`` sqrt(max(1, A/B)) (Keller Jordan),
-    ``match_rms_adamw`` 0.2 sqrt(max(A, B)) (Moonlight), ``none`` 1."""
-    muon_ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """Precision of the Newton-Schulz iteration; auto: bf16 on GPU, fp32 on CPU."""
-    muon_fallback: str = "adamw"
-    """The optimizer of what Muon does not take (embeddings, heads, norms, biases)."""
 
 
 @dataclass

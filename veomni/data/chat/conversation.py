@@ -131,11 +131,18 @@ class TemplateChat:
     def encode_reply(self, prompt: Sequence[Mapping[str, str]], reply: Sequence[Mapping[str, str]],
                      key: str) -> ChatTokens:
         """``prompt + reply`` rendered whole, with targets on the reply's assistant turns only (assistant
-        turns inside the prompt are context): a preference pair's half, as TRL's completions."""
-        chat = self.encode([*prompt, *reply], key)
-        start = len(self.prompt(prompt, key))  # encode checked it renders as a prefix
-        targets = [target and i >= start for i, target in enumerate(chat.targets)]
-        return ChatTokens(chat.ids, targets, tuple(end for end in chat.turn_ends if end > start))
+        turns inside the prompt are context): a preference pair's half, as TRL's completions. The reply
+        starts where the prompt's rendering with the assistant's header ends, in characters, so a token
+        merge at that boundary moves nothing (a token straddling it is a target, as in ``span_targets``)."""
+        messages = [*prompt, *reply]
+        chat = self.encode(messages, key)
+        text = self.text(messages, False, key)
+        start = self._prefix_length(text, prompt, True, len(prompt), key)
+        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) != len(chat.ids):
+            raise InvalidSampleError(f"sample {key!r}: the template's tokens ({len(chat.ids)}) are not the rendered "
+                                     f"text's ({len(offsets)}), so the reply's tokens cannot be found")
+        return ChatTokens(chat.ids, [target and end > start for target, (_, end) in zip(chat.targets, offsets)])
 
     def prompt(self, messages: Sequence[Mapping[str, str]], key: str) -> list[int]:
         """Ids of ``messages`` followed by the assistant's header: what a model answers from."""

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from veomni.config.schema import DataConfig
 from veomni.data.chat.conversation import ChatTokens, TemplateChat, conversation_messages
-from veomni.data.chat.text_dataset import ChatTextDataset, check_chat_text_data, record_object
+from veomni.data.chat.text_dataset import ChatTextDataset, check_chat_template, record_object
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
 from veomni.data.packing import pack_with_targets
@@ -72,8 +72,6 @@ def pair_messages(obj: Any, key: str) -> tuple[list[dict[str, str]], list[dict[s
         if reply[0]["role"] != "assistant":
             raise InvalidSampleError(f"pair {key!r}: {name!r} must start with the assistant's reply, not a "
                                      f"{reply[0]['role']} turn")
-        if not any(m["content"].strip() for m in reply if m["role"] == "assistant"):
-            raise InvalidSampleError(f"pair {key!r}: {name!r} has only empty assistant replies")
         halves.append(reply)
     prompt = conversation_messages({"messages": [*obj["prompt"], *obj["chosen"]]}, key)[:prompt_turns]
     return prompt, halves[0], halves[1]
@@ -177,8 +175,8 @@ def preference_problems(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def check_preference_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """The chat kind's checks (tokenizer, template), then every pair (before any worker starts)."""
-    problems = check_chat_text_data(cfg, model_config)
+    """The chat kind's checks of the tokenizer and its template, then every pair (before any worker starts)."""
+    problems = check_chat_template(cfg, model_config)
     if problems:
         return problems
     from transformers import AutoTokenizer

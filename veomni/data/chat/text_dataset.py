@@ -120,16 +120,19 @@ class ChatTextDataset(PackedTextDataset):
             return None
 
 
-def check_chat_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """The text kind's checks, the tokenizer's chat template, then every jsonl record (before any worker
-    starts: ``record_check.py``)."""
+def check_chat_template(cfg: DataConfig, model_config: Any) -> list[str]:
+    """The text kind's checks, then the tokenizer's chat template (``template_probe.py``)."""
     problems = check_text_data(cfg, model_config)
     if problems:
         return problems
     from transformers import AutoTokenizer
 
-    return (chat_template_problems(AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True))
-            or check_chat_jsonl(cfg, None))
+    return chat_template_problems(AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True))
+
+
+def check_chat_text_data(cfg: DataConfig, model_config: Any) -> list[str]:
+    """The template's checks, then every jsonl record (before any worker starts: ``record_check.py``)."""
+    return check_chat_template(cfg, model_config) or check_chat_jsonl(cfg, None)
 
 
 def _build_chat_text(request: DatasetRequest) -> ChatTextDataset:
