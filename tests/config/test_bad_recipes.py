@@ -216,7 +216,7 @@ def test_absent_input_is_refused_but_planned_in_a_dry_run(workdir, case_id, key,
     (dry_status, dry_output), (status, output) = launch_both_modes(_recipe(workdir, None), overrides, capsys)
     assert status == 2 and re.search(needle, output) and "Traceback" not in output, output
     assert dry_status == 0 and "# plan" in dry_output, dry_output
-    note = next(line for line in dry_output.splitlines() if "dry run: absent here" in line)
+    note = next(line for line in dry_output.splitlines() if "dry run: absent here, so planned" in line)
     assert key in note and "Skipped until they exist" in note, note
 
 
