@@ -22,6 +22,7 @@ from torch import nn
 
 from veomni.objectives.grpo_loss import GRPOOptions, aggregate, kl_penalty, token_terms
 from veomni.objectives.registry import Objective, ObjectiveRequest, register_objective
+from veomni.objectives.rewards import reward_problems
 from veomni.objectives.sequence_logps import SAMPLE_INDEX, LogitsTask, SequenceLogpsTask, sample_index
 from veomni.tasks.base import Baseline, LossOutput
 
@@ -96,4 +97,4 @@ def _grpo(request: ObjectiveRequest) -> Objective:
     return Objective("grpo", task, lambda models: task.attach(models, rl.kl_coef > 0))
 
 
-register_objective("grpo", _grpo, frozen_copies=1)
+register_objective("grpo", _grpo, frozen_copies=1, checks=reward_problems)

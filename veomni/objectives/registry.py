@@ -77,15 +77,18 @@ class ObjectiveEntry:
     """Full frozen copies of the policy it holds when the run has no LoRA."""
     data_kinds: tuple[str, ...] = ()
     """The dataset kinds whose batches it can read (empty: any)."""
+    checks: Callable[[RunConfig], list[str]] | None = None
+    """The launcher's further checks of the run's settings for it (problems; empty: none)."""
 
 
 _OBJECTIVES: dict[str, ObjectiveEntry] = {}
 
 
 def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0,
-                       data_kinds: tuple[str, ...] = ()) -> None:
+                       data_kinds: tuple[str, ...] = (),
+                       checks: Callable[[RunConfig], list[str]] | None = None) -> None:
     """Make ``train.objective: <name>`` build its objective with ``build``."""
-    entry = ObjectiveEntry(build, pipelines, frozen_copies, data_kinds)
+    entry = ObjectiveEntry(build, pipelines, frozen_copies, data_kinds, checks)
     if _OBJECTIVES.get(name, entry) != entry:
         raise ValueError(f"objective {name!r} is already registered")
     _OBJECTIVES[name] = entry
@@ -117,7 +120,7 @@ def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
     if cfg.parallel.pp > 1 and not entry.pipelines:
         return [f"train.objective={cfg.train.objective} does not run under a pipeline yet (parallel.pp="
                 f"{cfg.parallel.pp}): use parallel.pp 1 (FSDP, sequence, context and expert parallelism all apply)"]
-    return []
+    return entry.checks(cfg) if entry.checks is not None else []
 
 
 def frozen_copies(cfg: RunConfig) -> int:
