@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from veomni.config.schema import DataConfig
-from veomni.data.chat import media_dataset, preference_dataset, text_dataset  # noqa: F401  (register the kinds)
+from veomni.data.chat import media_dataset, preference_dataset, prompt_dataset, text_dataset  # noqa: F401  (register the kinds)
 from veomni.data.graph import dataset as graph_dataset  # noqa: F401
 from veomni.data.kinds import DatasetRequest, get_dataset_kind
 from veomni.data.resume import ResumableLoader

@@ -21,8 +21,6 @@ import torch
 from torch import nn
 
 from veomni.objectives.grpo_loss import GRPOOptions, aggregate, kl_penalty, token_terms
-from veomni.objectives.registry import Objective, ObjectiveRequest, register_objective
-from veomni.objectives.rewards import reward_problems
 from veomni.objectives.sequence_logps import SAMPLE_INDEX, LogitsTask, SequenceLogpsTask, sample_index
 from veomni.tasks.base import Baseline, LossOutput
 
@@ -85,16 +83,3 @@ class GRPOTask(SequenceLogpsTask):
     def baseline_loss(self, stats: torch.Tensor) -> Baseline | None:
         return None
 
-
-def _grpo(request: ObjectiveRequest) -> Objective:
-    inner = request.task
-    if not isinstance(inner, LogitsTask):
-        raise ValueError("train.objective=grpo needs a task that gives token logits (a LogitsTask: language "
-                         f"modelling, VLM); the family's task {type(inner).__name__} does not")
-    rl = request.cfg.rl
-    options = GRPOOptions(rl.clip_low, rl.clip_high, rl.aggregation, rl.kl_coef, rl.kl_estimator, rl.max_new_tokens)
-    task = GRPOTask(inner, options)
-    return Objective("grpo", task, lambda models: task.attach(models, rl.kl_coef > 0))
-
-
-register_objective("grpo", _grpo, frozen_copies=1, checks=reward_problems)

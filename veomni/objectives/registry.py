@@ -24,7 +24,9 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -56,6 +58,25 @@ class FrozenModels:
     rank holds whole rows."""
 
 
+@dataclass(frozen=True)
+class FeedRequest:
+    """What an objective that makes its own batches builds its feed from (``Objective.feed``)."""
+
+    feed: Any
+    """The run's data feed: ``next_step()`` gives this rank's micro-batches of the data kind,
+    ``step_metrics()`` its metrics."""
+    tokenizer: Any
+    device: torch.device
+    lockstep_group: dist.ProcessGroup | None
+    """The ranks that must run the same number of forward passes (FSDP gathers); None: one process."""
+    metrics_group: dist.ProcessGroup | None
+    """The data-parallel ranks over which per-rank metrics are summed; None: one process."""
+    seed: int
+    dp_rank: int
+    start_step: int
+    """The step the run starts at (after a resume)."""
+
+
 @dataclass
 class Objective:
     name: str
@@ -63,6 +84,12 @@ class Objective:
     """The task the run trains and evaluates with."""
     attach: Callable[[FrozenModels], None] | None = None
     """Called once after the policy is built; None: the objective needs no model of its own."""
+    feed: Callable[[FeedRequest], Any] | None = None
+    """Builds the feed the run trains from (``next_step()``, ``step_metrics()``) out of the data
+    kind's (online RL: rollouts from prompts), once attached; None: the data kind's batches."""
+    evaluates: bool = True
+    """Whether the held-out data are scored with the task's loss (false: the objective's data are
+    not what its task takes, e.g. prompts)."""
 
 
 ObjectiveFactory = Callable[[ObjectiveRequest], Objective]
