@@ -65,3 +65,14 @@ def test_rollout_rows_carry_targets_on_completions_and_each_samples_advantage() 
     assert batch["labels"].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 6, 7, IGNORE_INDEX,
                                         IGNORE_INDEX, 8, 9, 10, IGNORE_INDEX]
     assert batch[ADVANTAGES].tolist() == [0.5] * 5 + [-1.0] * 5
+
+
+def test_the_launcher_checks_name_a_bad_reward_and_the_wrong_data_kind() -> None:
+    from veomni.objectives import objective_problems
+
+    cfg = RunConfig()
+    cfg.train.objective = "grpo"
+    assert objective_problems(cfg, "chat_prompts") == []
+    assert "chat_prompts" in objective_problems(cfg, "chat_text")[0]
+    cfg.rl.rewards = ["veomni.objectives.rewards.exact_matc"]
+    assert "cannot load 'veomni.objectives.rewards.exact_matc'" in objective_problems(cfg, "chat_prompts")[0]
