@@ -22,8 +22,8 @@ from build_chat_sft import write_chat_tokenizer, write_split  # noqa: E402  (the
 
 from veomni.data.builders import builder_main, write_generated_splits  # noqa: E402
 
-FORMAT_VERSION = 1
-LENGTHS = (7, 8)
+FORMAT_VERSION = 2
+LENGTHS = (6, 7)
 TRAIN_SAMPLES, EVAL_SAMPLES = 4_000, 200
 
 
