@@ -84,7 +84,12 @@ LAYOUTS = {  # (world, parallel, moe)
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+FAST = {"sp2"}
+"""The rest run in the full tier (FSDP 2 also runs in tests/objectives/test_grpo_run.py's whole job)."""
+
+
+@pytest.mark.parametrize("layout", [name if name in FAST else pytest.param(name, marks=pytest.mark.full)
+                                    for name in sorted(LAYOUTS)])
 def test_grpo_update_under_a_layout_equals_one_process(layout: str) -> None:
     world, parallel, moe = LAYOUTS[layout]
     reference = run_distributed(_run, 1, ParallelConfig(), moe)[0]
