@@ -14,7 +14,7 @@ must see what generation saw, an RL update's, takes ``sequence_positions``.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from itertools import accumulate
 
 import torch
 
@@ -71,8 +71,13 @@ def pack_prompts(prompts: Sequence[Prompt], generated: Sequence[Sequence[int]],
     ``media`` (the prompts' items, encoder inputs and placeholder positions)."""
     if not isinstance(prompts[0], ChatSample):
         return pack_samples([[*p, *g] for p, g in zip(prompts, generated)])
-    grown = [replace(p, chat=replace(p.chat, ids=[*p.chat.ids, *g], targets=[*p.chat.targets, *[False] * len(g)]))
-             for p, g in zip(prompts, generated)]
-    batch = pack_chat_samples(grown, layout)
-    batch["position_ids"] = torch.cat([sequence_positions(p, len(g), layout) for p, g in zip(prompts, generated)])
-    return batch
+    batch = pack_chat_samples(list(prompts), layout)  # the prompts' media, at their places in a row of prompts
+    shift = torch.tensor([0, *(len(g) for g in generated)]).cumsum(0)  # each prompt's start moves by this
+    for entry in batch["media"].values():
+        sample = torch.searchsorted(batch["cu_seqlens"][1:].long(), entry["positions"], right=True)
+        entry["positions"] = entry["positions"] + shift[sample]
+    rows = [[*p.chat.ids, *g] for p, g in zip(prompts, generated)]
+    return {"input_ids": torch.tensor([t for row in rows for t in row], dtype=torch.long),
+            "position_ids": torch.cat([sequence_positions(p, len(g), layout) for p, g in zip(prompts, generated)]),
+            "cu_seqlens": torch.tensor([0, *accumulate(len(row) for row in rows)], dtype=torch.int32),
+            "max_seqlen": max(len(row) for row in rows), "media": batch["media"]}
