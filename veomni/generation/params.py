@@ -68,3 +68,8 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+
+    @property
+    def answer(self) -> list[int]:
+        """``tokens`` without the stop token that ended them (what an answer's text decodes from)."""
+        return self.tokens[:-1] if self.finish_reason == "stop" else list(self.tokens)
