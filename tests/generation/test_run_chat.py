@@ -7,15 +7,19 @@ from __future__ import annotations
 import importlib.util
 import io
 
+import pytest
 import torch.distributed.checkpoint as dcp
 import yaml
 
+from harness.media_bytes import png_bytes
 from tests.chat_utils import VOCAB, write_chat_tokenizer
-from tests.omni_utils import REPO
+from tests.omni_utils import REPO, TOKENIZER
 from tests.parity_utils import TINY_LLM, tiny_model
 from tests.recipes.test_chat_eval import _always_says
+from tests.recipes.test_vqa_eval import _run_dir as vqa_run_dir
 from veomni.checkpoint.manager import COMPLETE_MARKER
 from veomni.data.text.packed import load_tokenizer
+from veomni.errors import BadConfig
 from veomni.generation import SamplingParams
 from veomni.inference import RunChat
 
@@ -56,3 +60,16 @@ def test_chat_command_answers_each_line_until_an_empty_one(tmp_path) -> None:
     out = io.StringIO()
     assert script.main([str(run), "--max-new-tokens", "2"], io.StringIO("1 2\n3\n/reset\n4\n\nnot read\n"), out) == 0
     assert out.getvalue().splitlines() == [tokenizer.decode([seven] * 2, skip_special_tokens=True).strip()] * 3
+
+
+def test_a_vision_language_run_answers_about_an_image(tmp_path) -> None:
+    """An omni run (image encoder + LLM) made to say "red": ``RunChat.reply`` reads the image member
+    with the conversation's ``<image>`` marker; a model without encoders refuses media by name."""
+    tokenizer = load_tokenizer(str(TOKENIZER))
+    (red,) = tokenizer.encode("red", add_special_tokens=False)
+    chat = RunChat(vqa_run_dir(tmp_path, "red", red))
+    question = [{"role": "user", "content": "<image>\nWhat color is the shape?"}]
+    assert chat.reply(question, SamplingParams(max_new_tokens=2), media={"png": png_bytes(0)}) == "redred"
+    text_run, _, _ = _run(tmp_path / "text")
+    with pytest.raises(BadConfig, match="no media encoders: it cannot read \\['png'\\]"):
+        RunChat(text_run).reply(question, media={"png": png_bytes(0)})
