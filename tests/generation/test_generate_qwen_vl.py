@@ -1,4 +1,5 @@
-"""Generation of Qwen2.5-VL with an image and with a video in the prompt, against transformers.
+"""Generation of Qwen2.5-VL with an image and with a video in the prompt, against transformers;
+and of the Seed1.5-VL-style omni model, cached against uncached.
 
 A tiny ``Qwen2_5_VLForConditionalGeneration`` with random weights (the one of
 ``tests/models/test_qwen_vl_hf_parity.py``) goes through the project's HF import; prompts are
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 import torch
 
+from harness.media_bytes import png_bytes
 from models.omni.mrope_positions import token_types
 from tests.models.test_qwen_vl_hf_parity import END, IMAGE, SECONDS, START, VIDEO, _hf_model
+from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, random_png, tiny_omni
 from tests.parity_utils import assert_parity
 from veomni.checkpoint.hf_io import load_hf_pretrained
 from veomni.contract import get_model_spec
 from veomni.contract.media import MediaItem
-from veomni.data.chat.media_dataset import ChatSample
+from veomni.data.chat.media_dataset import ChatSample, SampleProcessor
 from veomni.data.chat.template import EncodedChat
+from veomni.data.text.packed import load_tokenizer
 from veomni.generation import SamplingParams, generate
 from veomni.generation.prompts import pack_prompts
 
@@ -79,3 +83,23 @@ def test_greedy_tokens_with_an_image_and_a_video_equal_transformers(tmp_path) ->
         want_logp = logp[torch.arange(start, start + len(done.tokens)), torch.tensor(done.tokens)]
         assert_parity(torch.tensor(done.logprobs), want_logp, f"{prompt.key}: log-probs vs a forward pass")
         assert_parity(torch.tensor(plain[i].logprobs), want_logp, f"{prompt.key}: uncached log-probs")
+
+
+def test_seed_style_omni_model_generates_the_same_with_and_without_the_cache() -> None:
+    """The Seed1.5-VL-style omni model (native-resolution ViT, 1-D RoPE LLM): chats with images of two
+    sizes and one without, sampled, decode the same tokens and log-probabilities either way."""
+    config, model = tiny_omni(seed=1, llm={**TINY_OMNI["llm"], "tie_embeddings": False})
+    with torch.no_grad():
+        for param in model.llm.parameters():
+            param.mul_(8.0 if param.ndim > 1 else 1.0)  # init_std 0.02 decodes one token over and over
+    process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
+    records = [chat_record("a", "What color?", "", png_bytes(1)), chat_record("b", "Plain question", ""),
+               chat_record("c", "Which shape?", "", random_png(40, 70, 2))]
+    prompts = [process(record, add_generation_prompt=True) for record in records]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50, seed=0)
+    cached = generate(model.eval(), prompts, params, layout=process.layout)
+    plain = generate(model, prompts, params, layout=process.layout, use_cache=False)
+    assert [c.tokens for c in cached] == [c.tokens for c in plain]
+    assert len({tuple(c.tokens) for c in cached}) == 3
+    for a, b in zip(cached, plain):
+        assert_parity(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"{a.tokens}: log-probs")
