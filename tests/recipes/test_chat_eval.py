@@ -25,7 +25,7 @@ def test_batched_greedy_answers_match_one_prompt_at_a_time():
     stop = {7}
     got = greedy_answers(model, prompts, stop, max_tokens=6)
     for prompt, answer in zip(prompts, got):
-        alone = sample_tokens(model, prompt, 6, torch.device("cpu"), eos_id=7, temperature=0.0)
+        alone = sample_tokens(model, prompt, 6, eos_id=7, temperature=0.0)
         assert answer == [t for t in alone if t != 7]
 
 

@@ -12,7 +12,7 @@ one CPU process. Each conversation of the split (the run's ``data.eval_path``, r
 ``chat_text`` kind reads it; for a ``chat_preference`` run, each pair's prompt + chosen reply) is
 cut before its last assistant turn; the rest is rendered by the
 run's tokenizer's chat template with the generation prompt, and the answer decoded greedily (64
-prompts packed into a row per step) until the tokenizer's eos or any other special token, or
+prompts at a time, ``veomni.generation`` with its KV cache) until the tokenizer's eos or any other special token, or
 ``--max-answer-tokens`` (default 32). It is right when it equals the reference (both stripped).
 Baselines: ``echo`` answers with the last user message as given (a model that copies its
 input), ``majority`` with the most common last answer of the training split (one that ignores
@@ -33,36 +33,21 @@ from veomni.contract import build_model
 from veomni.data.chat.conversation import TemplateChat
 from veomni.data.chat.preference_dataset import read_preferred_conversations
 from veomni.data.chat.text_dataset import read_conversations
-from veomni.data.packing import pack_samples
 from veomni.data.text.packed import load_tokenizer
 from veomni.eval.command import run_eval_command
+from veomni.generation import SamplingParams, generate
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_ANSWER_TOKENS = 32
 DECODE_BATCH = 64
 
 
-@torch.no_grad()
 def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], stop: set[int],
                    max_tokens: int = DEFAULT_MAX_ANSWER_TOKENS) -> list[list[int]]:
-    """Greedy continuations of many prompts at once, each ending before a ``stop`` token or after
-    ``max_tokens``: each step packs the unfinished prompts (with what they generated so far) into one
-    row (``cu_seqlens`` keep them apart) and extends each by its argmax next token."""
-    answers: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))
-    for _ in range(max_tokens):
-        if not active:
-            break
-        batch = pack_samples([prompts[i] + answers[i] for i in active])
-        logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"])
-        next_ids = logits[batch["cu_seqlens"][1:].long() - 1].argmax(-1).tolist()
-        still = []
-        for i, token in zip(active, next_ids):
-            if token not in stop:
-                answers[i].append(token)
-                still.append(i)
-        active = still
-    return answers
+    """Greedy continuations of many prompts at once (``veomni.generation.generate``), each ending
+    before a ``stop`` token or after ``max_tokens``."""
+    params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=tuple(sorted(stop)))
+    return [done.answer for done in generate(model, prompts, params)]
 
 
 def split_last_answer(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], str, str]:

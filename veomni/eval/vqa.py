@@ -6,7 +6,7 @@
 
 Loads the newest complete checkpoint of the run (or ``--checkpoint``) into one CPU process,
 greedily decodes an answer for every sample of the split from its prompt (the chat up to the
-assistant's turn, media included; prompts are decoded 64 at a time, packed into one row) and
+assistant's turn, media included; prompts are decoded 64 at a time by ``veomni.generation``) and
 counts exact matches with the reference answer (both stripped and lower-cased). An answer ends
 at the tokenizer's eos or after ``--max-answer-tokens`` tokens (default 8: the bundled sets'
 answers are a word or a short caption), so a reference answer longer than that can never
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import sys
 from collections import Counter, defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,10 +28,11 @@ from veomni.checkpoint.export import load_checkpoint_weights
 from veomni.checkpoint.manager import list_checkpoints
 from veomni.contract import build_model
 from veomni.contract.media import MediaLayout
-from veomni.data.chat.media_dataset import ChatSample, SampleProcessor, pack_chat_samples
+from veomni.data.chat.media_dataset import ChatSample, SampleProcessor
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 from veomni.data.text.packed import load_tokenizer
 from veomni.eval.command import run_eval_command
+from veomni.generation import SamplingParams, generate
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_ANSWER_TOKENS = 8
@@ -51,47 +51,15 @@ def _reference(record: dict, process: SampleProcessor) -> tuple[str, str]:
     return str(meta.get("question_type", "all")), answer.strip().lower()
 
 
-@torch.no_grad()
 def greedy_answers(
     model: torch.nn.Module, prompts: list[ChatSample], eos_id: int,
     max_tokens: int = DEFAULT_MAX_ANSWER_TOKENS, layout: MediaLayout | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations of many prompts at once, each at most ``max_tokens`` long (eos
-    excluded): each step packs the unfinished prompts (with what they generated so far) into
-    one row, media included, and extends each by its argmax next token. ``layout``: the model's
-    ``MediaLayout`` (its own positions of a sample are recomputed as it grows)."""
-    answers: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))
-    for _ in range(max_tokens):
-        if not active:
-            break
-        rows = [
-            replace(
-                prompts[i],
-                chat=replace(
-                    prompts[i].chat,
-                    ids=prompts[i].chat.ids + answers[i],
-                    targets=prompts[i].chat.targets + [False] * len(answers[i]),
-                ),
-            )
-            for i in active
-        ]
-        batch = pack_chat_samples(rows, layout)
-        logits = model(
-            batch["input_ids"],
-            batch["position_ids"],
-            batch["cu_seqlens"],
-            batch["max_seqlen"],
-            media=batch["media"],
-        )
-        next_ids = logits[batch["cu_seqlens"][1:].long() - 1].argmax(-1).tolist()
-        still = []
-        for i, next_id in zip(active, next_ids):
-            if next_id != eos_id:
-                answers[i].append(next_id)
-                still.append(i)
-        active = still
-    return answers
+    """Greedy continuations of many chat prompts at once, media included (``veomni.generation.
+    generate``), each at most ``max_tokens`` long (eos excluded). ``layout``: the model's
+    ``MediaLayout`` (its positions of the prompts' tokens)."""
+    params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(eos_id,))
+    return [done.answer for done in generate(model, prompts, params, layout=layout)]
 
 
 def majority_answers(records: list[dict], process: SampleProcessor) -> dict[str, str]:

@@ -54,7 +54,7 @@ class RunEnd:
             self.write_samples()
         sample = None
         if cfg.train.sample_prompt:
-            sample = sample_prompt(cfg, self.model, self.tokenizer, self.task, self.device)
+            sample = sample_prompt(cfg, self.model, self.tokenizer, self.task)
         self._report(history, sample)
 
     def stopped_end(self, history: list[dict[str, float]]) -> None:
