@@ -106,7 +106,8 @@ class Trainer(RunEnd):
                                    self._initialise)
         if self.objective.attach is not None:
             self.objective.attach(FrozenModels(self.runner.whole_model, self._frozen_copy, cfg.lora.rank > 0,
-                                               self.meshes.row.get_group() if self.dims.row_ranks > 1 else None))
+                                               self.meshes.row.get_group() if self.dims.row_ranks > 1 else None,
+                                               self.runner.pipeline))
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.parts, self.model = self.runner.parts, self.runner.whole_model
         self.faults = FaultInjector(self.rank)
