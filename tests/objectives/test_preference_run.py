@@ -52,7 +52,8 @@ def test_dpo_starts_at_ln2_and_reports_pair_metrics(tmp_path: Path, lora_rank: i
     assert_scalar_parity(history[0]["loss"], math.log(2), "first DPO loss: policy = reference")
     assert history[0]["rewards_margin"] == 0.0
     for metrics in history:
-        assert set(PAIR_METRICS) <= set(metrics)
+        assert set(PAIR_METRICS) <= set(metrics) and "loss_pairs" in metrics and "loss_tokens" not in metrics
+    assert last_eval["eval_loss_pairs"] * 2 == last_eval["eval_samples"] > 0, "eval units are pairs of two halves"
     assert history[-1]["rewards_margin"] != 0.0, "the policy moved away from its reference"
     assert {f"eval_{name}" for name in PAIR_METRICS} <= set(last_eval)
     assert_scalar_parity(last_eval["eval_baseline"], math.log(2), "DPO's indifferent loss")
