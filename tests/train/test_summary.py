@@ -16,8 +16,8 @@ from tests.trainer_utils import tiny_run_config
 from veomni.config.load import load_config
 from veomni.config.schema import ParallelConfig, RunConfig
 from veomni.data.build_loader import build_dataloader, load_run_tokenizer
-from veomni.tasks.base import IGNORE_INDEX, Baseline
 from veomni.objectives import ObjectiveRequest, build_objective
+from veomni.tasks.base import IGNORE_INDEX, Baseline
 from veomni.tasks.lm import LanguageModelingTask
 from veomni.tasks.mtp import MultiTokenLMTask
 from veomni.train.report.baseline import add_padded, all_reduce_padded
