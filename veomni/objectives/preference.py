@@ -54,7 +54,7 @@ from veomni.objectives.preference_loss import (
     indifferent_loss,
 )
 from veomni.objectives.registry import FrozenModels, Objective, ObjectiveRequest, register_objective
-from veomni.tasks.base import IGNORE_INDEX, Baseline, LossOutput, Task
+from veomni.tasks.base import IGNORE_INDEX, Baseline, ChanceLevel, LossOutput, Task
 from veomni.tasks.staged import StagedModel
 
 SAMPLE_INDEX = "sample_index"
@@ -89,7 +89,7 @@ class PreferenceTask:
         self.inner, self.loss, self.options = inner, loss, options
         contract = inner.contract
         self.contract = replace(contract, sequence_fields=(*contract.sequence_fields, SAMPLE_INDEX),
-                                pad_values={**contract.pad_values, SAMPLE_INDEX: -1})
+                                pad_values={**contract.pad_values, SAMPLE_INDEX: -1}, loss_unit="pair")
         self.labels = contract.target or "labels"
         self.reference: Callable[[dict], torch.Tensor] | None = None
         """batch -> the reference's per-token log-probabilities (set by ``attach``; None: reference-free)."""
@@ -214,7 +214,8 @@ class PreferenceTask:
         meaning = ("the loss of a policy that prefers neither reply of a pair (for DPO and IPO: the reference "
                    "itself), where rewards_accuracy is a coin's 50%; below it, the policy ranks the chosen reply "
                    "higher")
-        return Baseline(indifferent_loss(self.loss, self.options), "a policy indifferent between the replies", meaning)
+        return Baseline(indifferent_loss(self.loss, self.options), "a policy indifferent between the replies", meaning,
+                        chance=(ChanceLevel("rewards_accuracy", "held-out pair accuracy", 0.5, "a coin"),))
 
 
 def _preference(name: str) -> Callable[[ObjectiveRequest], Objective]:

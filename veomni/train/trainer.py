@@ -295,9 +295,10 @@ class Trainer(RunEnd):
             yield last
 
     def _named(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """The runner's generic counts renamed after the task's unit (``tokens``, ``loss_tokens``)."""
+        """The runner's generic counts renamed after the task's units (``tokens``, ``loss_tokens``; a
+        preference loss's ``loss_pairs``)."""
         metrics[self._key("s")] = metrics.pop("units")
-        metrics[f"loss_{self._key('s')}"] = metrics.pop("loss_units")
+        metrics[f"loss_{self.task.contract.loss_units_name}"] = metrics.pop("loss_units")
         return metrics
 
     def run_step(self) -> dict[str, float]:

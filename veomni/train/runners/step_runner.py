@@ -77,7 +77,8 @@ class RunnerBase:
             return {}
         # how much of the held-out set the loss covers, in samples and in the task's loss units: the
         # summary states it
-        result = {"eval_loss": total_loss / total_units, f"eval_loss_{self.task.contract.unit}s": round(total_units),
+        result = {"eval_loss": total_loss / total_units,
+                  f"eval_loss_{self.task.contract.loss_units_name}": round(total_units),
                   "eval_samples": round(total_samples / samples_divisor)}
         result.update({f"eval_{k}": v for k, v in task_metric_means(names, totals).items()})
         return result
