@@ -92,7 +92,10 @@ class RunSummary:
     eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """The last eval's other task metrics, without the ``eval_`` prefix (``accuracy``...)."""
     eval_covered: int | None = None
-    """The loss units the last eval scored (``eval_loss_<unit>s``); None: not known."""
+    """The loss units the last eval scored (``eval_loss_<loss units>``); None: not known."""
+    loss_units: str = ""
+    """What the loss averages over, plural ("tokens", "pairs": ``BatchContract.loss_units_name``);
+    "" = the ``unit``'s plural."""
     eval_samples: int | None = None
     """The held-out samples the last eval scored (``eval_samples``); None: not known."""
     eval_batches: int = 0
@@ -208,15 +211,24 @@ def _eval_lines(s: RunSummary) -> list[str]:
         perplexities = f"{math.exp(s.eval_loss):,.1f} vs {math.exp(base.loss):,.1f}"
         lines.append("perplexity".ljust(LABEL) + perplexities)
     lines += _wrapped("baseline", base.meaning[:1].upper() + base.meaning[1:] + ".")
-    return lines
+    return lines + _chance_lines(s)
+
+
+def _chance_lines(s: RunSummary) -> list[str]:
+    """Each eval share whose chance level the task knows, against it ("a coin: 50%")."""
+    levels = s.baseline.chance if s.baseline is not None else ()
+    shares = [f"{c.label} {s.eval_metrics[c.metric]:.1%} ({c.guess}: {c.level:.0%})"
+              for c in levels if c.metric in s.eval_metrics]
+    return _wrapped("vs chance", ", ".join(shares)) if shares else []
 
 
 def _coverage_lines(s: RunSummary) -> list[str]:
     """How much of the held-out set the eval scored, and whether that depends on the process count."""
     if s.eval_covered is None:
         return []
-    scored = (f"{s.eval_samples:,} samples ({s.eval_covered:,} {s.unit}s)" if s.eval_samples is not None
-              else f"{s.eval_covered:,} {s.unit}s")
+    units = s.loss_units or f"{s.unit}s"
+    scored = (f"{s.eval_samples:,} samples ({s.eval_covered:,} {units})" if s.eval_samples is not None
+              else f"{s.eval_covered:,} {units}")
     if s.eval_batches == 0:
         return _wrapped("eval covered", f"{scored}: the whole held-out set (train.eval_batches 0), the same at any "
                                         "process count")
