@@ -41,6 +41,7 @@ from veomni.objectives.preference_loss import (
     PairLogps,
     PairLossFn,
     PreferenceOptions,
+    chosen_nll,
     indifferent_loss,
 )
 from veomni.objectives.registry import FrozenModels, Objective, ObjectiveRequest, register_objective
@@ -135,12 +136,16 @@ class PreferenceTask:
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
         pairs = self.pair_logps(model, batch)
         out = self.loss(pairs, self.options)
-        count = len(out.losses)
+        losses, count = out.losses, len(out.losses)
         chosen, rejected = out.chosen_rewards, out.rejected_rewards
         metrics = {"rewards_chosen": chosen.sum(), "rewards_rejected": rejected.sum(),
                    "rewards_margin": (chosen - rejected).sum(), "rewards_accuracy": (chosen > rejected).sum(),
                    "logps_chosen": pairs.chosen.detach().sum(), "logps_rejected": pairs.rejected.detach().sum()}
-        return LossOutput(out.losses.sum(), count, {name: (value, count) for name, value in metrics.items()})
+        if self.options.rpo_alpha:
+            nll = chosen_nll(pairs)
+            losses = losses + self.options.rpo_alpha * nll
+            metrics["nll_chosen"] = nll.detach().sum()
+        return LossOutput(losses.sum(), count, {name: (value, count) for name, value in metrics.items()})
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("preference objectives do not run under a pipeline yet (the launcher refuses it)")
@@ -152,7 +157,7 @@ class PreferenceTask:
         return torch.tensor([float(self.count_loss_units(batch))], dtype=torch.float64)
 
     def baseline_loss(self, stats: torch.Tensor) -> Baseline | None:
-        if float(stats.sum()) <= 0:
+        if float(stats.sum()) <= 0 or self.options.rpo_alpha:  # the NLL term has no model-free value
             return None
         meaning = ("the loss of a policy that prefers neither reply of a pair (for DPO and IPO: the reference "
                    "itself), where rewards_accuracy is a coin's 50%; below it, the policy ranks the chosen reply "
@@ -169,7 +174,8 @@ def _preference(name: str) -> Callable[[ObjectiveRequest], Objective]:
             raise ValueError(f"train.objective={name} needs a task that gives token logits (a LogitsTask: language "
                              f"modelling, VLM); the family's task {type(inner).__name__} does not")
         cfg = request.cfg.preference
-        task = PreferenceTask(inner, loss, PreferenceOptions(cfg.beta, cfg.label_smoothing, cfg.simpo_gamma))
+        options = PreferenceOptions(cfg.beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.rpo_alpha)
+        task = PreferenceTask(inner, loss, options)
         return Objective(name, task, lambda models: task.attach(models, needs_reference))
 
     return build
