@@ -17,6 +17,11 @@ prompts packed into a row per step) until the tokenizer's eos or any other speci
 Baselines: ``echo`` answers with the last user message as given (a model that copies its
 input), ``majority`` with the most common last answer of the training split (one that ignores
 it). The model's accuracy must beat both to show it learned the task.
+
+A preference run is scored against both replies of each pair (``accuracy``: the chosen one,
+``rejected``: the rejected one), and the model it started from (``checkpoint.init_from_hf``, the
+reference DPO compares with) is scored on the same prompts (``start``): the baseline of the
+behaviour the pairs teach, printed beside the run's figures with the change in points.
 """
 
 from __future__ import annotations
