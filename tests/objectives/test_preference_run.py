@@ -76,3 +76,21 @@ def test_the_launcher_refuses_a_malformed_pair_before_any_worker(tmp_path: Path,
     text = err.out + err.err
     assert "train.jsonl:5:" in text and "'rejected' is empty" in text, text
     assert not (Path(cfg.train.output_dir) / "config.yaml").exists(), "no worker started"
+
+
+def _train_rpo(rank: int, world: int, tmp: str, alpha: float) -> tuple[list[dict], dict]:
+    cfg = preference_run_config(Path(tmp))
+    cfg.preference.rpo_alpha = alpha
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    return history, trainer.last_eval
+
+
+def test_rpo_alpha_adds_the_chosen_nll_per_token_to_the_dpo_loss(tmp_path: Path) -> None:
+    alpha = 0.5
+    history, last_eval = run_distributed(_train_rpo, 1, str(tmp_path), alpha)[0]
+    first = history[0]
+    assert first["nll_chosen"] > 1.0, first
+    assert_scalar_parity(first["loss"], math.log(2) + alpha * first["nll_chosen"],
+                         "policy = reference: ln 2 plus the NLL term")
+    assert "eval_nll_chosen" in last_eval and "eval_baseline" not in last_eval, last_eval

@@ -184,6 +184,20 @@ def test_a_preference_summary_states_pair_accuracy_against_a_coin_and_counts_pai
     assert "vs chance" not in format_summary(_summary(eval_metrics={"accuracy": 0.8}))  # no chance level named
 
 
+def test_a_summary_with_the_nll_term_keeps_the_chance_line_without_a_loss_baseline():
+    """rpo_alpha's NLL term has no model-free loss; the pair accuracy's coin stays in the summary."""
+    cfg = RunConfig()
+    cfg.train.objective, cfg.preference.rpo_alpha = "dpo", 1.0
+    task = build_objective(ObjectiveRequest(cfg, LanguageModelingTask())).task
+    baseline = task.baseline_loss(torch.tensor([12.0], dtype=torch.float64))
+    assert baseline.loss is None
+    summary = _summary(eval_loss=0.35, baseline=baseline, eval_metrics={"rewards_accuracy": 0.75}, sample=None)
+    text = format_summary(summary)
+    assert "\neval loss     0.35\n" in text and "below the baseline" not in text
+    assert "\nvs chance     held-out pair accuracy 75.0% (a coin: 50%)\n" in text
+    assert "below_baseline" not in summary_record(summary)
+
+
 def test_summary_sample_shows_runs_of_blank_lines_as_one():
     text = format_summary(_summary(sample="def f():\n\n    \n\n\n  x\n\n\ny"))
     assert "  | def f():\n  | (4 blank lines)\n  |   x\n  | \n  | \n  | y\n" in text

@@ -36,6 +36,7 @@ def check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (cfg.train.max_bad_steps >= 1, ("train", "max_bad_steps"), "must be >= 1"),
         (cfg.preference.beta > 0, ("preference", "beta"), "must be > 0"),
         (0 <= cfg.preference.label_smoothing < 0.5, ("preference", "label_smoothing"), "must be in [0, 0.5)"),
+        (cfg.preference.rpo_alpha >= 0, ("preference", "rpo_alpha"), "must be >= 0 (0: no NLL term)"),
         (cfg.checkpoint.keep_last >= 1, ("checkpoint", "keep_last"), "must be >= 1"),
         (cfg.checkpoint.interval >= 0, ("checkpoint", "interval"), "must be >= 0 (0 saves at the end only)"),
         (cfg.data.num_workers >= 0, ("data", "num_workers"), "must be >= 0"),

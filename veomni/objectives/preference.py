@@ -51,6 +51,7 @@ from veomni.objectives.preference_loss import (
     PairLogps,
     PairLossFn,
     PreferenceOptions,
+    chosen_nll,
     indifferent_loss,
 )
 from veomni.objectives.registry import FrozenModels, Objective, ObjectiveRequest, register_objective
@@ -83,10 +84,9 @@ class PreferenceTask:
     """The family's ``LogitsTask`` trained on pairs with one of ``PREFERENCE_LOSSES``; under a
     pipeline a ``RowLossTask`` (``veomni/tasks/staged.py``)."""
 
-    metric_names = PAIR_METRICS
-
     def __init__(self, inner: LogitsTask, loss: PairLossFn, options: PreferenceOptions) -> None:
         self.inner, self.loss, self.options = inner, loss, options
+        self.metric_names = PAIR_METRICS + (("nll_chosen",) if options.rpo_alpha else ())
         contract = inner.contract
         self.contract = replace(contract, sequence_fields=(*contract.sequence_fields, SAMPLE_INDEX),
                                 pad_values={**contract.pad_values, SAMPLE_INDEX: -1}, loss_unit="pair")
@@ -176,11 +176,16 @@ class PreferenceTask:
 
     def pair_loss(self, pairs: PairLogps) -> LossOutput:
         out = self.loss(pairs, self.options)
-        count = len(out.losses)
+        losses, count = out.losses, len(out.losses)
         chosen, rejected = out.chosen_rewards, out.rejected_rewards
         values = (chosen.sum(), rejected.sum(), (chosen - rejected).sum(), (chosen > rejected).sum(),
                   pairs.chosen.detach().sum(), pairs.rejected.detach().sum())
-        return LossOutput(out.losses.sum(), count, {name: (value, count) for name, value in zip(PAIR_METRICS, values)})
+        metrics = dict(zip(PAIR_METRICS, values))
+        if self.options.rpo_alpha:
+            nll = chosen_nll(pairs)
+            losses = losses + self.options.rpo_alpha * nll
+            metrics["nll_chosen"] = nll.detach().sum()
+        return LossOutput(losses.sum(), count, {name: (value, count) for name, value in metrics.items()})
 
     def __call__(self, model: nn.Module, batch: dict) -> LossOutput:
         return self.pair_loss(self.pair_logps(model, batch))
@@ -214,7 +219,9 @@ class PreferenceTask:
         meaning = ("the loss of a policy that prefers neither reply of a pair (for DPO and IPO: the reference "
                    "itself), where rewards_accuracy is a coin's 50%; below it, the policy ranks the chosen reply "
                    "higher")
-        return Baseline(indifferent_loss(self.loss, self.options), "a policy indifferent between the replies", meaning,
+        # The NLL term of rpo_alpha has no model-free value: only the accuracy's chance level is known.
+        loss = None if self.options.rpo_alpha else indifferent_loss(self.loss, self.options)
+        return Baseline(loss, "a policy indifferent between the replies", meaning,
                         chance=(ChanceLevel("rewards_accuracy", "held-out pair accuracy", 0.5, "a coin"),))
 
 
@@ -227,7 +234,8 @@ def _preference(name: str) -> Callable[[ObjectiveRequest], Objective]:
             raise ValueError(f"train.objective={name} needs a task that gives token logits (a LogitsTask: language "
                              f"modelling, VLM); the family's task {type(inner).__name__} does not")
         cfg = request.cfg.preference
-        task = PreferenceTask(inner, loss, PreferenceOptions(cfg.beta, cfg.label_smoothing, cfg.simpo_gamma))
+        options = PreferenceOptions(cfg.beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.rpo_alpha)
+        task = PreferenceTask(inner, loss, options)
         return Objective(name, task, lambda models: task.attach(models, needs_reference))
 
     return build

@@ -124,8 +124,9 @@ class ChanceLevel:
 class Baseline:
     """The eval loss of a predictor that ignores the inputs, computed from the eval targets."""
 
-    loss: float
-    """In the units of ``eval_loss`` (the task's loss, averaged over its loss units)."""
+    loss: float | None
+    """In the units of ``eval_loss`` (the task's loss, averaged over its loss units); None when the
+    loss has no model-free value and only ``chance`` levels are known."""
     name: str
     """The predictor in a few words, read after "6.12 for": "token frequencies alone"."""
     meaning: str

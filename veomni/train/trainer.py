@@ -258,7 +258,7 @@ class Trainer(RunEnd):
             part.train()
         # Whole rows (the runner slices them) are the same on every cp x sp rank: add them over dp only.
         self.baseline = baseline.result((self.meshes.dp if self.runner.shards_rows else self.meshes.loss).get_group())
-        if self.baseline is not None and result:
+        if self.baseline is not None and self.baseline.loss is not None and result:
             result["eval_baseline"] = self.baseline.loss
         self.last_eval = result
         return result

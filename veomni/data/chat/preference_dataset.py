@@ -134,18 +134,19 @@ def _records(path: str, fmt: str) -> Iterator[tuple[str, str, Any]]:
                     yield f"{file}:{number}", fmt, line
 
 
-def read_preferred_conversations(path: str, text_key: str = "json") -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """Each good pair of a split as the conversation it prefers (prompt + chosen), in file order: what
-    a preference run's greedy answers are scored against (``veomni.eval.chat_exact_match``); bad
-    pairs are skipped with a warning."""
+def read_pair_conversations(path: str, text_key: str = "json"
+                            ) -> Iterator[tuple[str, list[dict[str, str]], list[dict[str, str]]]]:
+    """Each good pair of a split as its two conversations, ``(key, prompt + chosen, prompt +
+    rejected)``, in file order: what a preference run's greedy answers are scored against
+    (``veomni.eval.chat_exact_match``); bad pairs are skipped with a warning."""
     for where, fmt, record in _records(path, "auto"):
         try:
             key, obj = record_object(record, fmt, text_key)
-            prompt, chosen, _ = pair_messages(obj, key)
+            prompt, chosen, rejected = pair_messages(obj, key)
         except InvalidSampleError as error:
             logger.warning("%s: skipped: %s", where, error)
             continue
-        yield key, [*prompt, *chosen]
+        yield key, [*prompt, *chosen], [*prompt, *rejected]
 
 
 def preference_problems(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[str]:

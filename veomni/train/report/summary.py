@@ -196,8 +196,8 @@ def _eval_lines(s: RunSummary) -> list[str]:
                else "no eval batches: the data.eval_path split gave none")
         return ["eval loss".ljust(LABEL) + f"none ({why})"]
     base = s.baseline
-    if base is None:
-        return ["eval loss".ljust(LABEL) + f"{s.eval_loss:.4g}"]
+    if base is None or base.loss is None:
+        return ["eval loss".ljust(LABEL) + f"{s.eval_loss:.4g}"] + _chance_lines(s)
     unit = f" {base.unit}" if base.unit else ""
     lines = ["eval loss".ljust(LABEL) + f"{s.eval_loss:.3f}{unit} vs {base.loss:.3f} for {base.name}"]
     gap = base.loss - s.eval_loss
@@ -288,7 +288,8 @@ def format_summary(s: RunSummary) -> str:
     if s.sample is not None:
         lines.append("sample".ljust(LABEL) + f"{s.sample_how}:")
         lines += _sample_lines(s.sample)
-        if s.baseline is not None and s.eval_loss is not None and s.eval_loss >= s.baseline.loss:
+        if s.baseline is not None and s.baseline.loss is not None and s.eval_loss is not None \
+                and s.eval_loss >= s.baseline.loss:
             lines.append("  (the eval loss is not below the baseline yet: expect little structure)")
     if s.stage:
         lines.append("next".ljust(LABEL) + "the build goes on to its next stage by itself")
@@ -308,7 +309,7 @@ def summary_record(s: RunSummary) -> dict[str, Any]:
     record["next_commands"] = [{"what": what, "command": command} for what, command in s.next_commands]
     if s.training is not None:
         record["training"][f"{s.unit}s_per_s"] = record["training"].pop("throughput")
-    if s.eval_loss is not None and s.baseline is not None:
+    if s.eval_loss is not None and s.baseline is not None and s.baseline.loss is not None:
         record["below_baseline"] = s.baseline.loss - s.eval_loss
         if s.baseline.perplexity:
             record["eval_perplexity"] = math.exp(s.eval_loss)
