@@ -36,12 +36,23 @@ def qwen_config():
     return build_config("qwen2_5_vl", {**TINY_QWEN_VL_CHAT, **VIDEO_BUDGET})
 
 
+CLIP_FPS = 2.0
+PAIR_IMAGES = {"img/a.png": (61, 97, 0), "img/b.png": (37, 45, 1), "img/c.png": (90, 50, 2)}
+"""file -> (height, width, seed) of its ``random_png``."""
+PAIR_MEDIA = [["img/a.png", "img/b.png"], [], ["img/c.png", "clips/d.npz"], ["img/a.png"]]
+"""Each pair's media files, in prompt order."""
+
+
+def clip() -> np.ndarray:
+    """The frames of the pairs' video (``clips/d.npz``, at ``CLIP_FPS``)."""
+    return (np.random.RandomState(5).rand(6, 40, 52, 3) * 255).astype(np.uint8)
+
+
 def media_pairs(folder: Path) -> tuple[Path, Path]:
     """Four pairs (two images, none, an image and a video, Qwen's and TRL's content lists) as a jsonl
     naming files under ``folder/set`` and as one shard: ``(jsonl, shard folder)``."""
-    frames = (np.random.RandomState(5).rand(6, 40, 52, 3) * 255).astype(np.uint8)
-    files = {"img/a.png": random_png(61, 97, 0), "img/b.png": random_png(37, 45, 1),
-             "img/c.png": random_png(90, 50, 2), "clips/d.npz": encode_video_member(frames, 2.0)}
+    files = {name: random_png(*shape) for name, shape in PAIR_IMAGES.items()}
+    files["clips/d.npz"] = encode_video_member(clip(), CLIP_FPS)
     for name, raw in files.items():
         (folder / "set" / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / "set" / name).write_bytes(raw)
