@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 from veomni.config.load import load_config
@@ -23,21 +21,20 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "preference" / "tiny_vqa_dpo.yaml"
 
 
-def _build(root: Path) -> list[dict]:
-    subprocess.run([sys.executable, str(REPO / "data" / "build_vqa_preference.py"), "--train-out", str(root / "train"),
-                    "--eval-out", str(root / "eval"), "--train-samples", "6", "--eval-samples", "4"],
-                   capture_output=True, text=True, check=True, timeout=120)
-    _, files = resolve_files(str(root / "train"), "webdataset")
-    return list(iter_tar_samples(files, max_bad_fraction=0.0, stats=ReadStats()))
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "data" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_pairs_prefer_a_form_on_new_pictures_and_pass_the_launch_check(tmp_path: Path) -> None:
-    pairs = _build(tmp_path / "pairs")
-    vqa = importlib.util.spec_from_file_location("build_vqa", REPO / "data" / "build_vqa.py")
-    module = importlib.util.module_from_spec(vqa)
-    vqa.loader.exec_module(module)
-    rng = random.Random("1234:train")  # the VQA set's train split at the same seed and indices
-    pictures = [module.sample_record(index, rng)[0]["png"] for index in range(4, 10)]
+    builder = _module("build_vqa_preference")
+    builder.build(tmp_path / "pairs" / "train", tmp_path / "pairs" / "eval", 1234, 6, 4)
+    _, files = resolve_files(str(tmp_path / "pairs" / "train"), "webdataset")
+    pairs = list(iter_tar_samples(files, max_bad_fraction=0.0, stats=ReadStats()))
+    rng = random.Random("1234:train")  # the VQA set's train split at the same seed
+    pictures = [builder.VQA.sample_record(index, rng)[0]["png"] for index in range(4, 10)]
     assert len(pairs) == 6
     for pair, picture in zip(pairs, pictures):
         obj = json.loads(pair["json"])
