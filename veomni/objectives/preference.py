@@ -1,8 +1,9 @@
 """Preference optimisation (``train.objective: dpo | ipo | simpo``) on the family's own task.
 
-A micro-batch from the ``chat_preference`` kind is a packed row whose samples come in pairs:
-sample ``2k`` is pair ``k``'s prompt with its chosen reply, sample ``2k + 1`` the same prompt with
-its rejected reply, labels only on the replies (``veomni/data/chat/preference_dataset.py``). The
+A micro-batch from the ``chat_preference`` kind (or ``chat_media_preference``, images and videos in
+the prompt, for the VLM families) is a packed row whose samples come in pairs: sample ``2k`` is
+pair ``k``'s prompt with its chosen reply, sample ``2k + 1`` the same prompt with its rejected reply,
+labels only on the replies (``veomni/data/chat/preference_dataset.py``, ``media_preference.py``). The
 family's task gives the token logits (``LogitsTask.forward``); this task turns them into each
 reply's summed log-probability and the pair losses of ``preference_loss.py``.
 
@@ -134,7 +135,7 @@ class PreferenceTask:
         samples = int(batch["cu_seqlens"].numel()) - 1
         if samples % 2:
             raise ValueError(f"a preference micro-batch holds {samples} samples: pairs (chosen, rejected) must come "
-                             "whole; read the data with the chat_preference kind")
+                             "whole; read the data with the chat_preference or chat_media_preference kind")
         return {**batch, SAMPLE_INDEX: sample_index(batch["cu_seqlens"])}
 
     def count_loss_units(self, batch: dict) -> int:
@@ -243,4 +244,4 @@ def _preference(name: str) -> Callable[[ObjectiveRequest], Objective]:
 
 for _name, (_, _needs_reference) in PREFERENCE_LOSSES.items():
     register_objective(_name, _preference(_name), pipelines=True, frozen_copies=int(_needs_reference),
-                       data_kinds=("chat_preference",))
+                       data_kinds=("chat_preference", "chat_media_preference"))
