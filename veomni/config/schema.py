@@ -107,6 +107,13 @@ class DataConfig:
     graph_refresh_every: int = 10
     """Graph kinds with chunks: every this many epochs one epoch trains exactly on the whole
     partition, refreshing every history row; 0: only the warm-up epochs do."""
+    graph_fanouts: list[int] = field(default_factory=list)
+    """Graph kinds: sampled mini-batch training (GraphSAGE / PyG ``NeighborLoader``'s
+    ``num_neighbors``): in-neighbours sampled per node at each hop, hop 1 first, one entry per
+    message-passing layer, -1 for all of them; empty trains on the whole graph. See docs/gnn.md."""
+    graph_batch_size: int = 1024
+    """Sampled graph training: target (training) nodes per mini-batch per rank; a micro-batch is one
+    mini-batch, an optimizer step ``train.grad_accum`` of them."""
 
 
 @dataclass

@@ -16,7 +16,14 @@ of the full-graph aggregate (for the mean, exactly the mean over the sampled nei
 every fanout at -1 a mini-batch's targets get exactly their full-graph outputs and gradients.
 
 Reproducible and resumable: the order of the targets is drawn per epoch, and the neighbours per
-mini-batch, each from a generator seeded by (seed, epoch[, index]); the state is (epoch, position).
+mini-batch, each from a generator seeded by (seed, stream, epoch[, index]); the state is (epoch,
+position). ``stream`` keeps the draws of data-parallel ranks (each sampling around its own
+partition's targets) apart; ``batches`` fixes the mini-batches per epoch, so that ranks whose
+partitions hold different numbers of targets take the same number of steps: an epoch's targets are
+split into ``batches`` parts whose sizes differ by at most one (``torch.tensor_split``).
+
+Features are read through ``fields["x"]``: a tensor, or a ``FeatureStore``
+(``veomni/data/graph/features.py``) that serves rows from disk and counts what it read.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Iterator
 
 import torch
 
+from veomni.data.graph.features import FeatureStore
 from veomni.errors import BadConfig
 
 _MIX = 1_000_003
@@ -41,12 +49,14 @@ class NeighbourSampler:
     """Mini-batches of ``targets`` with their sampled blocks (see the module docstring).
 
     ``edge_index``/``edge_weight``: the whole graph's normalised edges (source, destination);
-    ``fields``: per-node tensors [N, ...] gathered for the input nodes (``x``) or the targets
-    (``labels`` and every other field).
+    ``fields``: per-node tensors [N, ...] gathered for the input nodes (``x``, also a
+    ``FeatureStore``) or the targets (``labels`` and every other field). ``stream`` and
+    ``batches``: see the module docstring (0 batches: ``ceil(targets / batch_size)``).
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, targets: torch.Tensor,
-                 fields: dict[str, torch.Tensor], batch_size: int, fanouts: list[int], seed: int = 0) -> None:
+                 fields: dict[str, torch.Tensor | FeatureStore], batch_size: int, fanouts: list[int], seed: int = 0,
+                 stream: int = 0, batches: int = 0) -> None:
         if batch_size < 1:
             raise BadConfig(f"sampling batch_size is {batch_size}; give a positive number of target nodes")
         if not fanouts or any(f == 0 or f < -1 for f in fanouts):
@@ -58,11 +68,13 @@ class NeighbourSampler:
         self.degree = torch.bincount(dst, minlength=num_nodes)
         self.start = torch.cumsum(self.degree, 0) - self.degree
         self.num_nodes, self.targets, self.fields = num_nodes, targets.long(), fields
-        self.batch_size, self.fanouts, self.seed = batch_size, list(fanouts), seed
+        self.batch_size, self.fanouts, self.seed, self.stream = batch_size, list(fanouts), seed, stream
+        self.batches = batches or -(-self.targets.numel() // batch_size)
         self.epoch, self.position = 0, 0
+        self._split: tuple[int, list[torch.Tensor]] = (-1, [])
 
     def __len__(self) -> int:
-        return -(-self.targets.numel() // self.batch_size)
+        return self.batches
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -72,13 +84,24 @@ class NeighbourSampler:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """The rest of this epoch's mini-batches, from the saved position; then the next epoch."""
-        order = self.targets[torch.randperm(self.targets.numel(), generator=_generator(self.seed, self.epoch))]
         while self.position < len(self):
             index = self.position
-            batch = order[index * self.batch_size:(index + 1) * self.batch_size]
             self.position += 1
-            yield self.mini_batch(batch, _generator(self.seed, self.epoch, index + 1))
+            yield self.batch_at(self.epoch, index)
         self.epoch, self.position = self.epoch + 1, 0
+
+    def epoch_targets(self, epoch: int) -> list[torch.Tensor]:
+        """The targets of each mini-batch of ``epoch``, in order: a seeded permutation, split."""
+        if self._split[0] == epoch:
+            return self._split[1]
+        order = self.targets[torch.randperm(self.targets.numel(), generator=_generator(self.seed, self.stream, epoch))]
+        self._split = (epoch, list(torch.tensor_split(order, self.batches)))
+        return self._split[1]
+
+    def batch_at(self, epoch: int, index: int) -> dict[str, torch.Tensor]:
+        """Mini-batch ``index`` of ``epoch``: a function of (seed, stream, epoch, index) only."""
+        targets = self.epoch_targets(epoch)[index]
+        return self.mini_batch(targets, _generator(self.seed, self.stream, epoch, index + 1))
 
     def mini_batch(self, targets: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """The blocks around ``targets`` and the fields the model and the loss read."""
@@ -87,7 +110,7 @@ class NeighbourSampler:
             nodes, edge_index, edge_weight = self._hop(nodes, fanout, generator)
             blocks.append((nodes.numel(), edge_index, edge_weight))
         blocks.reverse()
-        batch = {name: value[nodes] if name == "x" else value[targets] for name, value in self.fields.items()}
+        batch = {name: _rows(value, nodes if name == "x" else targets) for name, value in self.fields.items()}
         batch.update(nodes=nodes, targets=targets,
                      block_sizes=torch.tensor([size for size, _, _ in blocks] + [targets.numel()]))
         for layer, (_, edge_index, edge_weight) in enumerate(blocks):
@@ -119,3 +142,7 @@ class NeighbourSampler:
         scale = degree.double() / taken.clamp(min=1).double()
         weight = (self.weight[edge].double() * scale[owner]).float()
         return nodes, torch.stack([local[source], owner]), weight
+
+
+def _rows(field: torch.Tensor | FeatureStore, nodes: torch.Tensor) -> torch.Tensor:
+    return field.gather(nodes) if isinstance(field, FeatureStore) else field[nodes]
