@@ -30,12 +30,16 @@ NODES, CLASSES, FEATURES, SEED, LR = 80, 3, 8, 5, 0.2
 MODEL = dict(layer="sage", in_features=FEATURES, hidden_size=16, num_classes=CLASSES, num_layers=2, dropout=0.0)
 
 
-def _config(tmp: str, steps: int, save_every: int = 0) -> RunConfig:
+CACHED = dict(graph_features="mmap", graph_cache_rows=12, graph_cache_policy="lru", graph_batch_order="proximity")
+"""The feature path of the two-rank test: memory-mapped, cached, in proximity order."""
+
+
+def _config(tmp: str, steps: int, save_every: int = 0, **data) -> RunConfig:
     folder = str(Path(tmp).parent / "graph")
     return RunConfig(
         model=ModelConfig(arch="gnn", options=dict(MODEL)),
         data=DataConfig(kind="graph", train_path=folder, eval_path=folder, graph_partitioner="bfs",
-                        graph_fanouts=[3, 2], graph_batch_size=8),
+                        graph_fanouts=[3, 2], graph_batch_size=8, **data),
         train=TrainConfig(output_dir=str(Path(tmp) / "out"), max_steps=steps, seed=SEED, lr=LR, warmup_steps=0,
                           min_lr_ratio=1.0, weight_decay=0.0, optimizer="sgd", max_grad_norm=0.0, eval_interval=2,
                           eval_batches=0, device="cpu"),
@@ -59,14 +63,14 @@ def graph_dir(tmp_path_factory):
     return root
 
 
-def _train(rank, world, tmp, steps, save_every=0):
-    return Trainer(_config(tmp, steps, save_every)).train()
+def _train(rank, world, tmp, steps, save_every=0, data=None):
+    return Trainer(_config(tmp, steps, save_every, **(data or {}))).train()
 
 
 def _one_process(graph_dir: Path, steps: int) -> tuple[list[float], list[float]]:
     """Both ranks' mini-batches, built here, trained on by one model: the loss of a step is the sum
     over both ranks' labelled targets divided by their count. Returns (losses, remote rows)."""
-    cfg = _config(str(graph_dir / "ref"), steps)
+    cfg = _config(str(graph_dir / "ref"), steps, **CACHED)
     model_config = GNNConfig(**MODEL)
     torch.manual_seed(SEED)  # the trainer's seeded init on rank 0
     model = GNNModel(model_config)
@@ -94,11 +98,16 @@ def _losses(history):
 
 def test_two_ranks_sampling_their_partitions_equal_one_process(graph_dir):
     want, remote = _one_process(graph_dir, 4)
-    histories = run_distributed(_train, 2, str(graph_dir / "two"), 4)
+    histories = run_distributed(_train, 2, str(graph_dir / "two"), 4, 0, CACHED)
     for history in histories:
         assert_series_parity(_losses(history), want, "per-step losses")
         assert [m["cross_partition_rows"] for m in history] == remote
         assert all(0 < m["cross_partition_fraction"] < 1 for m in history)
+        assert history[0]["feature_cache_hit_rate"] == 0  # the first mini-batch finds the cache empty
+        assert all(0 < m["feature_cache_hit_rate"] < 1 and m["feature_load_s"] > 0 for m in history[1:])
+        for m in history:  # misses are read from the memory map, F float32 each
+            misses = m["sampled_feature_rows"] * (1 - m["feature_cache_hit_rate"])
+            assert m["feature_bytes_read"] == pytest.approx(misses * FEATURES * 4)
         evals = [m for m in history if "eval_accuracy" in m]
         assert len(evals) == 2 and all(0 <= m["eval_test_accuracy"] <= 1 for m in evals)
         assert all(m["eval_loss_nodes"] == int(_val_mask().sum()) for m in evals)  # every validation node

@@ -114,6 +114,16 @@ class DataConfig:
     graph_batch_size: int = 1024
     """Sampled graph training: target (training) nodes per mini-batch per rank; a micro-batch is one
     mini-batch, an optimizer step ``train.grad_accum`` of them."""
+    graph_batch_order: Literal["random", "proximity"] = "random"
+    """Sampled graph training: the targets of an epoch shuffled, or in breadth-first order from a
+    seeded root (BGL's proximity-aware order: consecutive mini-batches share neighbours)."""
+    graph_features: Literal["memory", "mmap"] = "memory"
+    """Sampled graph training: node features read into memory, or memory-mapped from the graph
+    folder (only the rows the mini-batches read are paged in)."""
+    graph_cache_rows: int = 0
+    """Sampled graph training: feature rows cached on the training device (0: none)."""
+    graph_cache_policy: Literal["fifo", "lru"] = "fifo"
+    """Sampled graph training: which cached row a miss replaces (oldest inserted, least recently used)."""
 
 
 @dataclass

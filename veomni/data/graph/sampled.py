@@ -11,9 +11,11 @@ Eval: the validation and test nodes of the rank's partition, in mini-batches of 
 the *whole* neighbourhood at every hop (fanouts -1): each target gets exactly its full-graph output.
 ``labels`` are the validation nodes', ``test_labels`` the test nodes'.
 
-Features are read through a ``FeatureStore`` (``veomni/data/graph/features.py``); each training
-mini-batch reports what it read (``STEP_STATS``): ``sampled_feature_rows`` and the share of them
-owned by another partition, ``cross_partition_fraction``.
+Features are read through a ``FeatureStore`` (``veomni/data/graph/features.py``): the matrix in
+memory or memory-mapped (``data.graph_features``), for training behind a cache of
+``data.graph_cache_rows`` rows on the training device (``data.graph_cache_policy``); the targets
+come shuffled or in BGL's proximity-aware order (``data.graph_batch_order``). Each training
+mini-batch reports what it read (``STEP_STATS``, ``FEATURE_METRICS``).
 
 Resume: a mini-batch is a function of (seed, partition, epoch, index), so the state is the position
 (epoch, index) and a resumed run yields exactly the mini-batches an uninterrupted one would. A run
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from veomni.data.graph.features import FeatureStore, TensorFeatures
+from veomni.data.graph.features import CachedFeatures, FeatureStore, TensorFeatures
 from veomni.data.graph.format import read_manifest
 from veomni.data.graph.sampling import NeighbourSampler
 from veomni.data.graph.source import config_problems, model_problems, prepared_graph
@@ -38,6 +40,15 @@ from veomni.data.kinds import STEP_STATS, DatasetRequest, ResumableDataset
 from veomni.errors import BadConfig, BadData
 
 STATE_FORMAT = "veomni.graph_sampled.v1"
+FEATURE_METRICS = {"sampled_feature_rows": "rows", "cross_partition_rows": "remote_rows",
+                   "feature_bytes_read": "bytes_read", "feature_load_s": "load_s"}
+"""Per-step metrics (summed over micro-batches and ranks) <- ``FeatureStore.stats()`` counters; and
+the ratios ``cross_partition_fraction`` (remote rows / rows) and ``feature_cache_hit_rate`` (hits / rows)."""
+
+
+def training_device() -> torch.device:
+    """Where the feature cache lives: the process's current GPU, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class SampledGraphDataset(ResumableDataset):
@@ -58,7 +69,8 @@ class SampledGraphDataset(ResumableDataset):
             raise BadData("; ".join(problems))
         graph, edges, weights, part, _ = prepared_graph(
             str(Path(request.path).resolve()), manifest["files"]["graph.safetensors"]["sha256"],
-            request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, 1, request.seed)
+            request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, 1, request.seed,
+            cfg.graph_features == "mmap")
         self.split = request.split
         if request.split == "train":
             mask, fanouts = graph.train_mask, cfg.graph_fanouts
@@ -70,10 +82,13 @@ class SampledGraphDataset(ResumableDataset):
         largest = int(torch.bincount(part[mask], minlength=request.dp_size).max())
         self.batches = max(1, math.ceil(largest / cfg.graph_batch_size))
         self.features: FeatureStore = TensorFeatures(graph.x, part, request.dp_rank)
+        if cfg.graph_cache_rows and request.split == "train":
+            self.features = CachedFeatures(self.features, cfg.graph_cache_rows, cfg.graph_cache_policy,
+                                           training_device())
         mine = (mask & (part == request.dp_rank)).nonzero()[:, 0]
         self.sampler = NeighbourSampler(edges, weights, graph.num_nodes, mine, {"x": self.features, **fields},
                                         cfg.graph_batch_size, fanouts, request.seed, stream=request.dp_rank,
-                                        batches=self.batches)
+                                        batches=self.batches, order=cfg.graph_batch_order)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start = self.begin()
@@ -98,9 +113,10 @@ class SampledGraphDataset(ResumableDataset):
         before = self.features.stats()
         batch = self.sampler.batch_at(epoch, index)
         after = self.features.stats()
-        rows, remote = (after[key] - before[key] for key in ("rows", "remote_rows"))
-        batch[STEP_STATS] = {"sampled_feature_rows": rows, "cross_partition_rows": remote,
-                             "cross_partition_fraction": (remote, rows)}
+        delta = {key: after[key] - before[key] for key in after}
+        batch[STEP_STATS] = {name: delta[key] for name, key in FEATURE_METRICS.items()}
+        batch[STEP_STATS].update(cross_partition_fraction=(delta["remote_rows"], delta["rows"]),
+                                 feature_cache_hit_rate=(delta["hits"], delta["rows"]))
         return batch
 
     def position_state(self) -> dict[str, Any]:

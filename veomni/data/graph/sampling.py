@@ -22,6 +22,10 @@ partition's targets) apart; ``batches`` fixes the mini-batches per epoch, so tha
 partitions hold different numbers of targets take the same number of steps: an epoch's targets are
 split into ``batches`` parts whose sizes differ by at most one (``torch.tensor_split``).
 
+``order``: ``random`` shuffles an epoch's targets; ``proximity`` puts them in breadth-first order
+from a seeded root (BGL's proximity-aware order, ``veomni/data/graph/order.py``), so consecutive
+mini-batches share neighbours and a feature cache hits more.
+
 Features are read through ``fields["x"]``: a tensor, or a ``FeatureStore``
 (``veomni/data/graph/features.py``) that serves rows from disk and counts what it read.
 """
@@ -33,6 +37,7 @@ from collections.abc import Iterator
 import torch
 
 from veomni.data.graph.features import FeatureStore
+from veomni.data.graph.order import bfs_ranks
 from veomni.errors import BadConfig
 
 _MIX = 1_000_003
@@ -56,20 +61,23 @@ class NeighbourSampler:
 
     def __init__(self, edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, targets: torch.Tensor,
                  fields: dict[str, torch.Tensor | FeatureStore], batch_size: int, fanouts: list[int], seed: int = 0,
-                 stream: int = 0, batches: int = 0) -> None:
+                 stream: int = 0, batches: int = 0, order: str = "random") -> None:
         if batch_size < 1:
             raise BadConfig(f"sampling batch_size is {batch_size}; give a positive number of target nodes")
+        if order not in ("random", "proximity"):
+            raise BadConfig(f"sampling order {order!r}: random or proximity")
         if not fanouts or any(f == 0 or f < -1 for f in fanouts):
             raise BadConfig(f"sampling fanouts {fanouts}: give one per message-passing layer, each a positive "
                             "number of neighbours or -1 for all of them")
         src, dst = edge_index[0].long(), edge_index[1].long()
-        order = torch.argsort(dst, stable=True)
-        self.source, self.weight = src[order], edge_weight[order].float()
+        by_destination = torch.argsort(dst, stable=True)
+        self.source, self.weight = src[by_destination], edge_weight[by_destination].float()
         self.degree = torch.bincount(dst, minlength=num_nodes)
         self.start = torch.cumsum(self.degree, 0) - self.degree
         self.num_nodes, self.targets, self.fields = num_nodes, targets.long(), fields
         self.batch_size, self.fanouts, self.seed, self.stream = batch_size, list(fanouts), seed, stream
         self.batches = batches or -(-self.targets.numel() // batch_size)
+        self.order = order
         self.epoch, self.position = 0, 0
         self._split: tuple[int, list[torch.Tensor]] = (-1, [])
 
@@ -94,7 +102,12 @@ class NeighbourSampler:
         """The targets of each mini-batch of ``epoch``, in order: a seeded permutation, split."""
         if self._split[0] == epoch:
             return self._split[1]
-        order = self.targets[torch.randperm(self.targets.numel(), generator=_generator(self.seed, self.stream, epoch))]
+        generator = _generator(self.seed, self.stream, epoch)
+        if self.order == "proximity":
+            ranks = bfs_ranks(self.source, self.start, self.degree, generator)
+            order = self.targets[torch.argsort(ranks[self.targets])]
+        else:
+            order = self.targets[torch.randperm(self.targets.numel(), generator=generator)]
         self._split = (epoch, list(torch.tensor_split(order, self.batches)))
         return self._split[1]
 

@@ -19,10 +19,12 @@ from veomni.errors import BadData
 
 
 @functools.lru_cache(maxsize=1)
-def prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int, chunks: int,
-                   seed: int) -> tuple[GraphData, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(graph, normalised edges, their weights, each node's partition, each node's chunk)."""
-    graph = load_graph(folder)
+def prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int, chunks: int, seed: int,
+                   map_features: bool = False) -> tuple[GraphData, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+    """(graph, normalised edges, their weights, each node's partition, each node's chunk);
+    ``map_features``: ``graph.x`` memory-mapped (its check reads it once through the page cache)."""
+    graph = load_graph(folder, map_features)
     problems = check_graph(graph)
     if problems:
         raise BadData("the graph cannot be trained on: " + "; ".join(problems))
@@ -57,6 +59,8 @@ def sampling_problems(cfg: DataConfig) -> list[str]:
                         f"one hop (a positive number, or -1 for all of them), not {bad[0]}")
     if cfg.graph_fanouts and cfg.graph_batch_size < 1:
         problems.append(f"data.graph_batch_size={cfg.graph_batch_size}: give the target nodes per mini-batch, >= 1")
+    if cfg.graph_cache_rows < 0:
+        problems.append(f"data.graph_cache_rows={cfg.graph_cache_rows}: feature rows to cache, >= 0 (0: no cache)")
     return problems
 
 
