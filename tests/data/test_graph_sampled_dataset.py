@@ -2,12 +2,14 @@
 samples around its own partition's training nodes, every rank takes the same number of
 mini-batches, an epoch covers every training node once; eval gives each validation / test node of
 the partition its exact full-graph output; the position resumes exactly; cross-partition reads are
-counted; the options are checked before any worker starts."""
+counted; mini-batches made ahead on a thread are the same; the options are checked before any
+worker starts."""
 
 from __future__ import annotations
 
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from veomni.contract.plan import ParallelPlan
 from veomni.data.graph.dataset import build_graph_dataset
 from veomni.data.graph.format import GraphData, save_graph
 from veomni.data.graph.partition import partition_nodes
+from veomni.data.graph.prefetch import Prefetcher
 from veomni.data.graph.sampled import SampledGraphDataset
 from veomni.data.graph.source import sampling_problems
 from veomni.data.graph.views import edge_weights
@@ -130,3 +133,35 @@ def test_fanouts_must_match_the_message_passing_layers_and_no_pipeline():
     assert "no message-passing layers" in block_sampling_problems(model, ParallelPlan(), 3, 1)[0]
     with pytest.raises(BadConfig, match="give one fanout per layer"):
         apply_block_sampling(model, plan, 4)
+
+
+def test_mini_batches_made_ahead_on_a_thread_are_the_ones_made_in_the_step(folder):
+    path, _ = folder
+    cfgs = {depth: _dataset(path, rank=1) for depth in (0, 3)}
+    for depth, ds in cfgs.items():
+        ds.prefetch = depth
+    inline, ahead = (list(itertools.islice(iter(cfgs[d]), 7)) for d in (0, 3))
+    for got, want in zip(ahead, inline):
+        assert all(torch.equal(got[k], want[k]) for k in got if k != STEP_STATS)
+        waited, step = got[STEP_STATS]["data_wait_fraction"]
+        assert 0 <= waited <= step and got[STEP_STATS]["data_wait_s"] == waited
+
+
+def test_the_thread_overlaps_the_consumer_and_hands_over_its_errors():
+    def make(position: int) -> int:
+        time.sleep(0.02)
+        if position == 4:
+            raise ValueError("bad position 4")
+        return position
+
+    ahead = Prefetcher(make, iter(range(10)), 2)
+    waits = []
+    for expected in range(4):
+        started = time.perf_counter()
+        assert ahead.get() == expected
+        waits.append(time.perf_counter() - started)
+        time.sleep(0.15)  # the consumer's step: the next one is made meanwhile
+    assert sum(waits[1:]) < 0.15, waits
+    with pytest.raises(ValueError, match="bad position 4"):
+        ahead.get()
+    ahead.close()

@@ -105,6 +105,7 @@ def test_two_ranks_sampling_their_partitions_equal_one_process(graph_dir):
         assert all(0 < m["cross_partition_fraction"] < 1 for m in history)
         assert history[0]["feature_cache_hit_rate"] == 0  # the first mini-batch finds the cache empty
         assert all(0 < m["feature_cache_hit_rate"] < 1 and m["feature_load_s"] > 0 for m in history[1:])
+        assert all(0 <= m["data_wait_fraction"] <= 1 and m["data_wait_s"] >= 0 for m in history)
         for m in history:  # misses are read from the memory map, F float32 each
             misses = m["sampled_feature_rows"] * (1 - m["feature_cache_hit_rate"])
             assert m["feature_bytes_read"] == pytest.approx(misses * FEATURES * 4)

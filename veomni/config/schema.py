@@ -122,6 +122,9 @@ class DataConfig:
     folder (only the rows the mini-batches read are paged in)."""
     graph_cache_rows: int = 0
     """Sampled graph training: feature rows cached on the training device (0: none)."""
+    graph_prefetch: int = 2
+    """Sampled graph training: mini-batches sampled and gathered ahead on a background thread,
+    overlapping the step (0: in the step)."""
     graph_cache_policy: Literal["fifo", "lru"] = "fifo"
     """Sampled graph training: which cached row a miss replaces (oldest inserted, least recently used)."""
 

@@ -14,8 +14,10 @@ the *whole* neighbourhood at every hop (fanouts -1): each target gets exactly it
 Features are read through a ``FeatureStore`` (``veomni/data/graph/features.py``): the matrix in
 memory or memory-mapped (``data.graph_features``), for training behind a cache of
 ``data.graph_cache_rows`` rows on the training device (``data.graph_cache_policy``); the targets
-come shuffled or in BGL's proximity-aware order (``data.graph_batch_order``). Each training
-mini-batch reports what it read (``STEP_STATS``, ``FEATURE_METRICS``).
+come shuffled or in BGL's proximity-aware order (``data.graph_batch_order``). Training
+mini-batches are made ``data.graph_prefetch`` ahead on a background thread
+(``veomni/data/graph/prefetch.py``). Each reports what it read and how long the step waited for it
+(``STEP_STATS``: ``FEATURE_METRICS``, ``data_wait_s``, ``data_wait_fraction``).
 
 Resume: a mini-batch is a function of (seed, partition, epoch, index), so the state is the position
 (epoch, index) and a resumed run yields exactly the mini-batches an uninterrupted one would. A run
@@ -25,6 +27,7 @@ with another data-parallel size or batch count resumes at the epoch boundary.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ import torch
 
 from veomni.data.graph.features import CachedFeatures, FeatureStore, TensorFeatures
 from veomni.data.graph.format import read_manifest
+from veomni.data.graph.prefetch import Prefetcher
 from veomni.data.graph.sampling import NeighbourSampler
 from veomni.data.graph.source import config_problems, model_problems, prepared_graph
 from veomni.data.graph.views import split_labels
@@ -71,7 +75,7 @@ class SampledGraphDataset(ResumableDataset):
             str(Path(request.path).resolve()), manifest["files"]["graph.safetensors"]["sha256"],
             request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, 1, request.seed,
             cfg.graph_features == "mmap")
-        self.split = request.split
+        self.split, self.prefetch = request.split, cfg.graph_prefetch
         if request.split == "train":
             mask, fanouts = graph.train_mask, cfg.graph_fanouts
             fields = {"labels": split_labels(graph.y, graph.train_mask)}
@@ -102,16 +106,37 @@ class SampledGraphDataset(ResumableDataset):
             yield self.sampler.batch_at(0, index)
 
     def _train(self, epoch: int, index: int) -> Iterator[dict[str, Any]]:
+        """Every mini-batch from (epoch, index) on, made in the step or ``prefetch`` ahead; each
+        says how long the step waited for it and how long the step was (waiting included)."""
+        ahead = Prefetcher(self._counted, self._positions(epoch, index), self.prefetch) if self.prefetch else None
+        last = None
+        try:
+            for position in self._positions(epoch, index):
+                started = time.perf_counter()
+                batch = ahead.get() if ahead is not None else self._counted(position)
+                now = time.perf_counter()
+                waited, step = now - started, now - last if last is not None else now - started
+                batch[STEP_STATS].update(data_wait_s=waited, data_wait_fraction=(waited, step))
+                self._pos, last = self._after(position), now
+                yield batch
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+    def _positions(self, epoch: int, index: int) -> Iterator[tuple[int, int]]:
         while True:
             for i in range(index, self.batches):
-                self._pos = (epoch, i + 1) if i + 1 < self.batches else (epoch + 1, 0)
-                yield self._counted(epoch, i)
+                yield epoch, i
             epoch, index = epoch + 1, 0
 
-    def _counted(self, epoch: int, index: int) -> dict[str, Any]:
-        """Mini-batch ``index`` of ``epoch`` with what reading it cost (``STEP_STATS``)."""
+    def _after(self, position: tuple[int, int]) -> tuple[int, int]:
+        epoch, index = position
+        return (epoch, index + 1) if index + 1 < self.batches else (epoch + 1, 0)
+
+    def _counted(self, position: tuple[int, int]) -> dict[str, Any]:
+        """The mini-batch at (epoch, index) with what reading it cost (``STEP_STATS``)."""
         before = self.features.stats()
-        batch = self.sampler.batch_at(epoch, index)
+        batch = self.sampler.batch_at(*position)
         after = self.features.stats()
         delta = {key: after[key] - before[key] for key in after}
         batch[STEP_STATS] = {name: delta[key] for name, key in FEATURE_METRICS.items()}

@@ -59,6 +59,8 @@ def sampling_problems(cfg: DataConfig) -> list[str]:
                         f"one hop (a positive number, or -1 for all of them), not {bad[0]}")
     if cfg.graph_fanouts and cfg.graph_batch_size < 1:
         problems.append(f"data.graph_batch_size={cfg.graph_batch_size}: give the target nodes per mini-batch, >= 1")
+    if cfg.graph_prefetch < 0:
+        problems.append(f"data.graph_prefetch={cfg.graph_prefetch}: mini-batches made ahead, >= 0 (0: in the step)")
     if cfg.graph_cache_rows < 0:
         problems.append(f"data.graph_cache_rows={cfg.graph_cache_rows}: feature rows to cache, >= 0 (0: no cache)")
     return problems
