@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +167,17 @@ def test_the_thread_overlaps_the_consumer_and_hands_over_its_errors():
     with pytest.raises(ValueError, match="bad position 4"):
         ahead.get()
     ahead.close()
+
+
+def test_dry_run_plans_a_products_sized_sampled_recipe(capsys):
+    from veomni.launch import main
+    from veomni.planner.sampled_plan import input_nodes
+
+    assert input_nodes(10, [3, -1], 1000, 4.0) == [10, 40, 200] and input_nodes(10, [50], 100, 8.0) == [10, 90]
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "bgl" / "products_sage_sampled.yaml"
+    assert main([str(recipe), "--dry-run", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "1,024 -> 16,384 -> 180,224 -> 1,081,344" in out  # products' degree ~51.5: min(f, D) per hop
+    rows = 299 * 8 * 1_081_344 * 400 / 2**30  # ceil(2,449,032 / 8 / 1,024) mini-batches per rank
+    assert f"no cache: {rows:.3f} GiB" in out
+    assert re.search(r"features \(mmap: pages read only\) +0\.000 GiB", out)
