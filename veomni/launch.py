@@ -188,10 +188,21 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
                              "parallel.pp / parallel.pp_virtual_stages") from None
         problems = (check_sequence_parallel(model, cfg.parallel.sp, cfg.parallel.cp)
                     + check_media_routing(model, cfg.parallel) + check_encoder_fsdp(model, cfg.parallel.encoder_fsdp)
-                    + _sample_problems(cfg, spec))
+                    + _sample_problems(cfg, spec) + _graph_sampling_problems(cfg, model))
         return model_cfg, model, problems
     except ValueError as exc:
         return model_cfg, model, [str(exc)]
+
+
+def _graph_sampling_problems(cfg: RunConfig, model: Any) -> list[str]:
+    """``data.graph_fanouts``: one fanout per message-passing layer, and no pipeline."""
+    from veomni.contract.plan import flatten_plan
+    from veomni.parallel.graph.aggregation import block_sampling_problems
+
+    if not cfg.data.graph_fanouts:
+        return []
+    return block_sampling_problems(model, flatten_plan(model.parallel_plan()), len(cfg.data.graph_fanouts),
+                                   cfg.parallel.pp)
 
 
 def _sample_problems(cfg: RunConfig, spec: Any) -> list[str]:

@@ -128,7 +128,8 @@ def model_recipe(cfg: RunConfig, spec: ModelSpec, model_config: Any, meshes: Par
     build = functools.partial(adapted_model, functools.partial(spec.instantiate, model_config), cfg.lora)
     recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type,
                                row_tokens=cfg.data.tokens_per_micro_batch,
-                               frozen_dtype=base_dtype(cfg.lora, device.type, cfg.parallel.mixed_precision))
+                               frozen_dtype=base_dtype(cfg.lora, device.type, cfg.parallel.mixed_precision),
+                               graph_hops=len(cfg.data.graph_fanouts))
     return build, recipe
 
 
