@@ -8,9 +8,10 @@ Teams are chosen by greedy LPT (longest processing time first: the largest part 
 loaded ranks) with the cost of an m x n matrix ~ m n min(m, n) (every term of the quintic is a
 product with the short side squared). While the plan's max/mean exceeds the target
 (``optim.muon_split_balance``), the unit whose part is the largest has its team doubled and LPT
-runs again; the best plan seen wins (ties: the earlier, with fewer splits, so less communication).
-Pure functions of shapes: every rank computes the same plan, and ``--dry-run`` reports it for a
-recipe without building anything.
+runs again, teams of 2 before any of 4 and so on (a team of k exchanges (k^2 - 1) s^2 elements per
+iteration, so more small teams move less than fewer large ones); the best plan seen wins (ties:
+the earlier, with fewer splits, so less communication). Pure functions of shapes: every rank
+computes the same plan, and ``--dry-run`` reports it for a recipe without building anything.
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ def plan_owners(costs: Sequence[float], ranks: int, max_team: Sequence[int] | No
 
 @functools.lru_cache(maxsize=64)
 def _plan(costs: tuple[float, ...], ranks: int, max_team: tuple[int, ...], target: float) -> OwnerPlan:
-    sizes = [1] * len(costs)
+    sizes, level = [1] * len(costs), 2
     best = plan = _lpt(costs, sizes, ranks)
     while target and plan.balance > target:
-        splittable = [i for i, size in enumerate(sizes) if 2 * size <= min(max_team[i], ranks)]
+        splittable = [i for i, size in enumerate(sizes) if 2 * size <= min(max_team[i], ranks, level)]
         if not splittable:
-            break
+            if level >= ranks:
+                break
+            level *= 2
+            continue
         largest = max(splittable, key=lambda i: (costs[i] / sizes[i], -i))
         sizes[largest] *= 2
         plan = _lpt(costs, sizes, ranks)
