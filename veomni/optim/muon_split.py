@@ -74,7 +74,7 @@ class _Layout:
         k, length = len(self.team), self.unit.shape[self.long_dim]
         if self.long_dim == self.unit.dim:  # the shards of a run of consecutive holders
             per = -(-self.ranks // k)
-            start = self.shard(min(member * per, self.ranks))[0] if member * per < self.ranks else length
+            start = self.shard(member * per)[0] if member * per < self.ranks else length
             end = self.shard(min((member + 1) * per, self.ranks) - 1)
             return start, max(0, sum(end) - start)
         return member * length // k, (member + 1) * length // k - member * length // k
