@@ -314,7 +314,7 @@ def _fail(problems: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from veomni.optim.check import optimizer_problems, uses_muon
-    from veomni.optim.muon_report import muon_report_lines
+    from veomni.planner.muon_plan_report import muon_report_lines
 
     parser = argparse.ArgumentParser(prog="veomni.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device, full))
         if uses_muon(cfg):
             rules = get_model_spec(cfg.model.arch).param_rules(model_cfg)
-            print("\n".join(muon_report_lines(model, cfg, dims.shard_size, dims.ep, rules)))
+            print("\n".join(muon_report_lines(model, cfg, dims, rules)))
         return 0
     if args.launch_settings:
         _write_launch_settings(Path(args.launch_settings), cfg)
