@@ -1,12 +1,15 @@
-"""Build the chat SFT model that the DPO recipe starts from, so that recipe runs with its one command.
+"""Build the SFT model that a preference recipe starts from, so that recipe runs with its one command.
 
 ``recipes/preference/tiny_chat_dpo.yaml`` starts from the model ``recipes/chat/tiny_chat_sft.yaml``
-trains, as a Hugging Face folder (``checkpoint.init_from_hf``). The launcher runs this script
-(``checkpoint.prepare``) when that folder is missing: it trains the SFT recipe into the folder's
-parent unless that run already holds a complete checkpoint (yours, if you ran it), then exports the
-newest complete checkpoint there with ``scripts/export_hf.sh``.
+trains (the default ``--recipe``), ``recipes/preference/tiny_vqa_dpo.yaml`` from the one
+``recipes/qwen2.5-vl/tiny.yaml`` trains (``checkpoint.prepare_args: [--recipe, ...]``, a path from
+the repository's root), each as a Hugging Face folder (``checkpoint.init_from_hf``). The launcher
+runs this script (``checkpoint.prepare``) when that folder is missing: it trains the SFT recipe
+into the folder's parent unless that run already holds a complete checkpoint (yours, if you ran
+it), then exports the newest complete checkpoint there with ``scripts/export_hf.sh``.
 
     python data/build_chat_sft_model.py --out outputs/tiny_chat_sft/hf
+    python data/build_chat_sft_model.py --out outputs/qwen2.5_vl_tiny/hf --recipe recipes/qwen2.5-vl/tiny.yaml
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ def newest_checkpoint(run: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the Hugging Face folder to write")
+    parser.add_argument("--recipe", type=Path, default=SFT_RECIPE.relative_to(REPO),
+                        help="the SFT recipe to train, from the repository's root (default: %(default)s)")
     args = parser.parse_args(argv)
     run = args.out.resolve().parent
     if newest_checkpoint(run) is None:
-        print(f"[build_chat_sft_model] training {SFT_RECIPE.relative_to(REPO)} into {run} first", flush=True)
-        subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), str(SFT_RECIPE), "--train.output_dir", str(run)],
-                       check=True)
+        print(f"[build_chat_sft_model] training {args.recipe} into {run} first", flush=True)
+        subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), str(REPO / args.recipe), "--train.output_dir",
+                        str(run)], check=True)
     checkpoint = newest_checkpoint(run)
     if checkpoint is None:
         raise SystemExit(f"{run} holds no complete checkpoint after the SFT run")

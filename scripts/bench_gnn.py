@@ -163,7 +163,7 @@ def epoch_time(run: Run, skip: int) -> float:
 @functools.lru_cache(maxsize=8)
 def halo_rows(path: str, norm: str, parts: int, method: str, seed: int) -> tuple[int, int]:
     """(nodes, halo rows summed over partitions) of the partition the graph dataset computes:
-    the same edges, normalisation, partitioner and seed (``graph_dataset._prepared_graph``)."""
+    the same edges, normalisation, partitioner and seed (``veomni.data.graph.source.prepared_graph``)."""
     graph = load_graph(path)
     edges, _ = edge_weights(graph.edge_index, graph.num_nodes, norm)
     part = partition_nodes(graph.edge_index, graph.num_nodes, parts, method, seed)

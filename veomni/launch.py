@@ -188,10 +188,21 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
                              "parallel.pp / parallel.pp_virtual_stages") from None
         problems = (check_sequence_parallel(model, cfg.parallel.sp, cfg.parallel.cp)
                     + check_media_routing(model, cfg.parallel) + check_encoder_fsdp(model, cfg.parallel.encoder_fsdp)
-                    + _sample_problems(cfg, spec))
+                    + _sample_problems(cfg, spec) + _graph_sampling_problems(cfg, model))
         return model_cfg, model, problems
     except ValueError as exc:
         return model_cfg, model, [str(exc)]
+
+
+def _graph_sampling_problems(cfg: RunConfig, model: Any) -> list[str]:
+    """``data.graph_fanouts``: one fanout per message-passing layer, and no pipeline."""
+    from veomni.contract.plan import flatten_plan
+    from veomni.parallel.graph.aggregation import block_sampling_problems
+
+    if not cfg.data.graph_fanouts:
+        return []
+    return block_sampling_problems(model, flatten_plan(model.parallel_plan()), len(cfg.data.graph_fanouts),
+                                   cfg.parallel.pp)
 
 
 def _sample_problems(cfg: RunConfig, spec: Any) -> list[str]:
@@ -303,7 +314,7 @@ def _fail(problems: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from veomni.optim.check import optimizer_problems, uses_muon
-    from veomni.optim.muon_report import muon_report_lines
+    from veomni.planner.muon_plan_report import muon_report_lines
 
     parser = argparse.ArgumentParser(prog="veomni.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -370,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# plan\n" + format_report(cfg, dims, estimate(cfg, dims, args.gpus), device, full))
         if uses_muon(cfg):
             rules = get_model_spec(cfg.model.arch).param_rules(model_cfg)
-            print("\n".join(muon_report_lines(model, cfg, dims.shard_size, dims.ep, rules)))
+            print("\n".join(muon_report_lines(model, cfg, dims, rules)))
         return 0
     if args.launch_settings:
         _write_launch_settings(Path(args.launch_settings), cfg)

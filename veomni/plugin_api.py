@@ -68,7 +68,8 @@ from veomni.tasks import (
     VLMTask,
     task_generator,
 )
-from veomni.tasks.base import Baseline, RowPlacement
+from veomni.tasks.base import Baseline, ChanceLevel, RowPlacement
+from veomni.tasks.staged import RowLossTask, StagedModel
 
 __all__ = [
     # the spec a family registers, and its parts
@@ -83,7 +84,8 @@ __all__ = [
     "MediaItem", "MediaKind", "MediaForm", "MediaLayout", "ChatMarkup", "MediaModelConfig", "MediaFn", "MediaHost",
     "ShardableEncoder", "run_media_locally", "BadMediaMember",
     # the task: protocol, batch contract, the engine's library
-    "Task", "BatchContract", "RowPlacement", "LossOutput", "Baseline", "IGNORE_INDEX", "task_generator",
+    "Task", "BatchContract", "RowPlacement", "LossOutput", "Baseline", "ChanceLevel", "IGNORE_INDEX", "task_generator",
+    "RowLossTask", "StagedModel",
     "LanguageModelingTask", "MultiTokenLMTask", "VLMTask", "DiffusionTask", "ReconstructionTask",
     "NodeClassificationTask",
     # the dataset kind: registry, request, resume protocol

@@ -10,6 +10,10 @@ to the full-graph layer's work whatever the chunking: these are model FLOPs of t
 (stale rows come from the history and get no gradient, so a chunked run actually does a little
 less backward work than counted). ``--dry-run`` has no graph, so it assumes ``avg_degree``
 in-edges per node (the config field; self-loop included).
+
+A sampled mini-batch (``block_sizes``) is counted block by block: layer l aggregates its block's
+edges and transforms its ``block_sizes[l + 1]`` targets; the embedding runs on every input node,
+the head on the targets.
 """
 
 from __future__ import annotations
@@ -34,11 +38,21 @@ def forward_flops(config: GNNConfig, nodes: float, edges: float) -> float:
     return 2 * nodes * d * (config.in_features + config.num_classes) + config.num_layers * layer
 
 
+def block_flops(config: GNNConfig, batch: Mapping[str, Any]) -> float:
+    """Forward FLOPs of a sampled mini-batch (module docstring)."""
+    d, sizes = config.hidden_size, [int(n) for n in batch["block_sizes"]]
+    layers = sum(2 * batch[f"block{i}_edge_index"].shape[1] * d + TRANSFORMS[config.layer] * 2 * sizes[i + 1] * d * d
+                 for i in range(len(sizes) - 1))
+    return 2 * d * (sizes[0] * config.in_features + sizes[-1] * config.num_classes) + layers
+
+
 class GNNCost:
     """The engine's ``CostModel`` (and ``GraphCost``) for ``GNNModel``; reads only
     ``model.config``, so a pipeline stage's cut model and the whole model cost the same."""
 
     def batch_flops(self, model: nn.Module, batch: Mapping[str, Any]) -> float:
+        if "block_sizes" in batch:
+            return 3 * block_flops(model.config, batch)
         edges = batch["edge_index"].shape[1]
         if batch.get("stale_edge_index") is not None:
             edges += batch["stale_edge_index"].shape[1]

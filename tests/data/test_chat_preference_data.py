@@ -112,11 +112,12 @@ def test_malformed_and_oversized_pairs_are_refused_naming_file_and_record(tmp_pa
                                load_tokenizer(str(tokenizer))) == []
 
 
-def test_the_greedy_eval_reads_each_pair_as_its_preferred_conversation(tmp_path: Path) -> None:
-    from veomni.data.chat.preference_dataset import read_preferred_conversations
+def test_the_greedy_eval_reads_each_pair_as_its_two_conversations(tmp_path: Path) -> None:
+    from veomni.data.chat.preference_dataset import read_pair_conversations
 
     path = write_jsonl(tmp_path / "pairs.jsonl", [json.dumps(pair(0)), json.dumps(pair(1, chosen=[])),
                                                   json.dumps(pair(2))])
-    read = list(read_preferred_conversations(str(path)))
-    assert [key for key, _ in read] == ["p0", "p2"]
+    read = list(read_pair_conversations(str(path)))
+    assert [key for key, _, _ in read] == ["p0", "p2"]
     assert read[1][1] == [*pair(2)["prompt"], *pair(2)["chosen"]]
+    assert read[1][2] == [*pair(2)["prompt"], *pair(2)["rejected"]]

@@ -18,8 +18,10 @@ from tests.parity_utils import assert_parity
 from veomni.contract import build_config, build_model, get_model_spec
 from veomni.contract.graph_model import GraphModelConfig
 from veomni.contract.plan import match_modules
+from veomni.data.graph.sampling import NeighbourSampler
 from veomni.data.graph.views import edge_weights, partition_views, split_labels
 from veomni.ops.graph import NeighbourAggregation
+from veomni.parallel.graph.aggregation import apply_block_sampling
 from veomni.parallel.graph.halo import apply_graph_parallel
 from veomni.parallel.pipeline.stages import cut_stage
 from veomni.tasks import NodeClassificationTask
@@ -152,6 +154,26 @@ def test_batch_flops_count_the_matmuls_and_add_up_over_chunks(layer):
     assert sum(cost.batch_flops(model, v) for v in chunks) == cost.batch_flops(model, whole)
     assert cost.sample_flops(model, nodes) == cost.batch_flops(model, whole) + aggregation * (
         config.avg_degree * nodes / edges - 1)
+
+
+@pytest.mark.parametrize("layer", ["sage", "gcnii"])
+def test_batch_flops_of_a_sampled_mini_batch_count_its_blocks(layer):
+    """Layer l of a sampled mini-batch transforms block_sizes[l + 1] rows and aggregates its own
+    block's edges: the matmuls torch counts, plus 2 E_l d per block and pass."""
+    config, model = _model(2, layer=layer)
+    apply_block_sampling(model, model.parallel_plan(), 2)
+    edges, weight = edge_weights(torch.randint(0, NODES, (2, 200), generator=torch.Generator().manual_seed(1)),
+                                 NODES, config.neighbour_norm)
+    sampler = NeighbourSampler(edges, weight, NODES, torch.arange(8), {"x": torch.randn(NODES, 12)}, 8, [3, 2])
+    batch = next(iter(sampler))
+    sizes, d = batch["block_sizes"].tolist(), config.hidden_size
+    with FlopCounterMode(display=False) as counter:
+        model(batch["x"], batch).sum().backward()
+    block_edges = [batch[f"block{i}_edge_index"].shape[1] for i in range(2)]
+    aggregation = 3 * sum(2 * e * d for e in block_edges)
+    dense_aggregation = sum(2 * 2 * sizes[i + 1] * sizes[i] * d for i in range(2))  # torch's count of the CSR product
+    assert (get_model_spec("gnn").cost.batch_flops(model, batch) - aggregation - 2 * sizes[0] * 12 * d
+            == counter.get_total_flops() - dense_aggregation)
 
 
 def test_spec_config_and_validation_errors():

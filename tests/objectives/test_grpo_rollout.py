@@ -1,6 +1,6 @@
-"""The rollout pieces of ``train.objective: grpo``: the built-in engine's packed decoding against the
-plain one-sequence decoder (``veomni.train.generate.sample_tokens``), its log-probabilities against a
-forward pass of the finished sequences, rewards loaded by dotted path, and the packed rollout rows."""
+"""The rollout pieces of ``train.objective: grpo``: the built-in engine's batched decoding against
+each prompt decoded alone without the cache, its log-probabilities against a forward pass of the
+finished sequences, rewards loaded by dotted path, and the packed rollout rows."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 
 from tests.parity_utils import assert_scalar_parity, tiny_model
 from veomni.config.schema import RunConfig
+from veomni.generation import generate
 from veomni.objectives.grpo import ADVANTAGES
 from veomni.objectives.rewards import Rewards, exact_match, format_match, load_reward, reward_problems
 from veomni.objectives.rollout import PolicyEngine, SamplingParams, pack_rollouts
 from veomni.tasks.base import IGNORE_INDEX
-from veomni.train.generate import sample_tokens
 
 PROMPTS = [[3, 14, 15, 92], [6, 5], [35, 89, 79, 32, 38]]
 
@@ -23,7 +23,8 @@ def test_greedy_packed_decoding_equals_one_sequence_decoding_and_its_logprobs_a_
     engine = PolicyEngine(model, torch.device("cpu"), None)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0))
     for prompt, completion in zip(PROMPTS, out):
-        assert completion.tokens == sample_tokens(model, prompt, 4, torch.device("cpu"))
+        alone = generate(model, [prompt], SamplingParams(max_new_tokens=4), use_cache=False)[0]
+        assert completion.tokens == alone.tokens
         ids = prompt + completion.tokens
         n = len(ids)
         with torch.no_grad():
@@ -33,14 +34,15 @@ def test_greedy_packed_decoding_equals_one_sequence_decoding_and_its_logprobs_a_
             assert_scalar_parity(logp, float(logps[len(prompt) + i - 1, token]), f"logprob of token {i}")
 
 
-def test_sampling_is_seeded_per_prompt_and_stops_at_a_stop_token() -> None:
+def test_sampling_is_seeded_and_stops_at_a_stop_token() -> None:
     engine = PolicyEngine(tiny_model(0), torch.device("cpu"), None)
     params = SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=20, seed=7)
     first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
     assert [c.tokens for c in first] == [c.tokens for c in again]
-    assert [c.tokens for c in first] != [c.tokens for c in engine.generate(PROMPTS, SamplingParams(5, seed=8))]
+    other = engine.generate(PROMPTS, SamplingParams(5, 1.0, 0.9, 20, seed=8))
+    assert [c.tokens for c in first] != [c.tokens for c in other]
     stop = first[0].tokens[2]
-    stopped = engine.generate(PROMPTS[:1], SamplingParams(5, 1.0, 0.9, 20, (stop,), seed=7))[0]
+    stopped = engine.generate(PROMPTS, SamplingParams(5, 1.0, 0.9, 20, (stop,), seed=7))[0]
     assert stopped.tokens == first[0].tokens[:first[0].tokens.index(stop) + 1] and stopped.finish_reason == "stop"
 
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from harness.gloo_ranks import run_distributed
 from tests.chat_utils import write_chat_tokenizer, write_jsonl
 from tests.parity_utils import full_params
 from tests.trainer_utils import tiny_run_config
 from veomni.config.schema import RunConfig
 from veomni.contract import build_model
-from veomni.objectives.rollout import generate_packed
+from veomni.generation import generate
 from veomni.train.trainer import Trainer
 
 ROLLOUT_METRICS = ("reward_mean", "reward_std", "accuracy", "response_length", "rollout_tokens_per_s",
@@ -82,6 +80,6 @@ def test_grpo_trains_from_prompts_and_generates_with_the_trained_weights(tmp_pat
     for weights, calls in seen:
         assert set(model.load_state_dict(weights, strict=False).missing_keys) <= {"lm_head.weight"}  # tied
         for prompts, params, out in calls:
-            again = generate_packed(model, prompts, params, torch.device("cpu"))
+            again = generate(model, prompts, params)
             assert [c.tokens for c in again] == [c.tokens for c in out]
             assert [c.logprobs for c in again] == [c.logprobs for c in out]

@@ -44,7 +44,12 @@ def test_a_plugin_registers_an_objective_and_unknown_or_unsupported_ones_are_ref
     assert len(problems) == 1 and "'dpp'" in problems[0] and "did you mean 'dpo'" in problems[0]
     cfg = _run_config("dpo")
     cfg.parallel.pp = 2
-    assert "parallel.pp" in objective_problems(cfg, "chat_preference")[0]
+    assert objective_problems(cfg, "chat_preference") == []  # a pipeline with whole rows
+    cfg.parallel.sp = 2
+    assert "whole rows only" in objective_problems(cfg, "chat_preference")[0]
+    register_objective("test_only_unpipelined", lambda request: Objective("test_only_unpipelined", request.task))
+    cfg.train.objective, cfg.parallel.sp = "test_only_unpipelined", 1
+    assert "does not run under a pipeline" in objective_problems(cfg, "chat_preference")[0]
     assert "set data.kind" in objective_problems(_run_config("dpo"), "chat_text")[0]
     assert objective_problems(_run_config("dpo"), "chat_preference") == []
 

@@ -42,12 +42,15 @@ BETA = 0.5
 PAIR_METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margin", "logps_chosen", "logps_rejected")
 
 
-def _run(rank: int, world: int, parallel: ParallelConfig, lora: bool, moe: bool = False) -> dict:
+def _run(rank: int, world: int, parallel: ParallelConfig, lora: bool, moe: bool = False,
+         model_options: dict | None = None, eval_steps: list | None = None) -> dict:
+    """``eval_steps``: micro-batches of pairs to score after the steps (one process only)."""
     dims = ParallelDims.resolve(parallel, world)
     meshes = build_mesh(dims, "cpu")
     # Without auxiliary losses: those are summed per global micro-batch (tests/parallel/test_ep_parity.py),
     # a different split here; the preference sums under expert parallelism are what this checks.
     options = {**MOE["softmax"], "router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0} if moe else {}
+    options.update(model_options or {})
     policy = adapt(tiny_model(0, **options)) if lora else tiny_model(0, **options)
     policy = parallelize(policy, parallel, meshes, "cpu")
     reference = parallelize(tiny_model(1, **options), parallel, meshes, "cpu").requires_grad_(False)
@@ -69,6 +72,10 @@ def _run(rank: int, world: int, parallel: ParallelConfig, lora: bool, moe: bool 
         record["grads"].append(full_grads(policy))
         clip_and_step(policy, optimizer, None, max_grad_norm=0.0)
     record["params"] = full_params(policy)
+    with torch.no_grad():
+        scored = [task(policy, task.prepare(packed_pairs(pairs))) for pairs in eval_steps or []]
+    record["eval"] = [(float(out.loss_sum), {name: float(v) for name, (v, _) in out.metrics.items()})
+                      for out in scored]
     return record
 
 

@@ -37,18 +37,23 @@ def preference_run_config(tmp_path: Path, objective: str = "dpo", lora_rank: int
 
 
 def _train(rank: int, world: int, tmp: str, lora_rank: int) -> tuple[list[dict], dict]:
-    trainer = Trainer(preference_run_config(Path(tmp), lora_rank=lora_rank))
+    cfg = preference_run_config(Path(tmp), lora_rank=lora_rank, **({"grad_accum": 2} if world > 1 else {}))
+    cfg.parallel.pp = world  # 2 ranks: a pipeline, the reference staged beside the policy
+    trainer = Trainer(cfg)
     history = trainer.train()
     return history, trainer.last_eval
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_dpo_starts_at_ln2_and_reports_pair_metrics(tmp_path: Path, lora_rank: int) -> None:
-    history, last_eval = run_distributed(_train, 1, str(tmp_path), lora_rank)[0]
+@pytest.mark.parametrize("lora_rank, world", [(0, 1), (4, 1), pytest.param(0, 2, marks=pytest.mark.full),
+                                              pytest.param(4, 2, marks=pytest.mark.full)],
+                         ids=["full", "lora", "pp2", "lora-pp2"])
+def test_dpo_starts_at_ln2_and_reports_pair_metrics(tmp_path: Path, lora_rank: int, world: int) -> None:
+    history, last_eval = run_distributed(_train, world, str(tmp_path), lora_rank)[0]
     assert_scalar_parity(history[0]["loss"], math.log(2), "first DPO loss: policy = reference")
     assert history[0]["rewards_margin"] == 0.0
     for metrics in history:
-        assert set(PAIR_METRICS) <= set(metrics)
+        assert set(PAIR_METRICS) <= set(metrics) and "loss_pairs" in metrics and "loss_tokens" not in metrics
+    assert last_eval["eval_loss_pairs"] * 2 == last_eval["eval_samples"] > 0, "eval units are pairs of two halves"
     assert history[-1]["rewards_margin"] != 0.0, "the policy moved away from its reference"
     assert {f"eval_{name}" for name in PAIR_METRICS} <= set(last_eval)
     assert_scalar_parity(last_eval["eval_baseline"], math.log(2), "DPO's indifferent loss")
@@ -71,3 +76,21 @@ def test_the_launcher_refuses_a_malformed_pair_before_any_worker(tmp_path: Path,
     text = err.out + err.err
     assert "train.jsonl:5:" in text and "'rejected' is empty" in text, text
     assert not (Path(cfg.train.output_dir) / "config.yaml").exists(), "no worker started"
+
+
+def _train_rpo(rank: int, world: int, tmp: str, alpha: float) -> tuple[list[dict], dict]:
+    cfg = preference_run_config(Path(tmp))
+    cfg.preference.rpo_alpha = alpha
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    return history, trainer.last_eval
+
+
+def test_rpo_alpha_adds_the_chosen_nll_per_token_to_the_dpo_loss(tmp_path: Path) -> None:
+    alpha = 0.5
+    history, last_eval = run_distributed(_train_rpo, 1, str(tmp_path), alpha)[0]
+    first = history[0]
+    assert first["nll_chosen"] > 1.0, first
+    assert_scalar_parity(first["loss"], math.log(2) + alpha * first["nll_chosen"],
+                         "policy = reference: ln 2 plus the NLL term")
+    assert "eval_nll_chosen" in last_eval and "eval_baseline" not in last_eval, last_eval

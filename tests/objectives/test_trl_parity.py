@@ -73,9 +73,10 @@ def setup(tmp_path_factory):
 
 
 def _our_run(objective: str, batch: dict, policy_hf, reference_hf, beta: float = BETA,
-             label_smoothing: float = 0.0) -> SimpleNamespace:
+             label_smoothing: float = 0.0, rpo_alpha: float = 0.0) -> SimpleNamespace:
     cfg = RunConfig()
     cfg.train.objective, cfg.preference.beta, cfg.preference.label_smoothing = objective, beta, label_smoothing
+    cfg.preference.rpo_alpha = rpo_alpha
     found = build_objective(ObjectiveRequest(cfg, LanguageModelingTask()))
     policy = _ours(policy_hf)
     frozen = _ours(reference_hf).requires_grad_(False)
@@ -87,18 +88,26 @@ def _our_run(objective: str, batch: dict, policy_hf, reference_hf, beta: float =
     return SimpleNamespace(loss=float(out.loss_sum.detach()) / out.loss_units, metrics=metrics, grads=grads)
 
 
-def _trl_dpo(setup, loss_type: str, policy_hf, reference_hf) -> SimpleNamespace:
-    args = trl.DPOConfig(output_dir=str(setup.tmp / "out"), beta=BETA, loss_type=[loss_type], report_to=[],
-                         use_cpu=True, per_device_train_batch_size=PAIRS, bf16=False, max_length=None)
+def _trl_dpo(setup, loss_type: str | list[str], policy_hf, reference_hf, loss_weights: list[float] | None = None,
+             pairs_per_batch: int = PAIRS) -> SimpleNamespace:
+    """TRL's loss, metrics and gradients of the mean over the pairs, in batches of ``pairs_per_batch``."""
+    loss_types = [loss_type] if isinstance(loss_type, str) else loss_type
+    args = trl.DPOConfig(output_dir=str(setup.tmp / "out"), beta=BETA, loss_type=loss_types, report_to=[],
+                         loss_weights=loss_weights, use_cpu=True, per_device_train_batch_size=pairs_per_batch,
+                         bf16=False, max_length=None)
     trainer = trl.DPOTrainer(model=policy_hf, ref_model=reference_hf, args=args,
                              train_dataset=datasets.Dataset.from_list(setup.records), processing_class=setup.tokenizer)
     examples = [trainer.train_dataset[i] for i in range(PAIRS)]
     rows = [e["prompt_ids"] + e[name] for name in ("chosen_ids", "rejected_ids") for e in examples]
     trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
-    loss.backward()
+    batches = [examples[i:i + pairs_per_batch] for i in range(0, PAIRS, pairs_per_batch)]
+    loss = 0.0
+    for batch in batches:
+        part = trainer.compute_loss(trainer.model, trainer.data_collator(batch)) / len(batches)
+        part.backward()
+        loss += float(part.detach())
     metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
-    return SimpleNamespace(loss=float(loss.detach()), metrics=metrics, grads=_hf_grads(policy_hf), rows=rows)
+    return SimpleNamespace(loss=loss, metrics=metrics, grads=_hf_grads(policy_hf), rows=rows)
 
 
 def _our_rows(batch: dict) -> list[list[int]]:
@@ -120,6 +129,22 @@ def test_dpo_and_ipo_equal_trl_dpo_trainer(setup, loss_type: str, objective: str
         assert_scalar_parity(ours.metrics[ours_name], theirs.metrics[their_name], f"{objective} {ours_name}")
     assert ours.metrics["rewards_accuracy"] == theirs.metrics["rewards/accuracies"]
     assert_grads_parity(ours.grads, theirs.grads, f"{objective} gradients")
+
+
+def test_rpo_alpha_equals_trl_sigmoid_plus_sft_loss(setup) -> None:
+    """``preference.rpo_alpha``: TRL's ``loss_type=["sigmoid", "sft"]``, ``loss_weights=[1, alpha]``.
+    TRL averages the NLL over every chosen token of its micro-batch, ours over each pair's tokens
+    and then over pairs (RPO's per-reply form, independent of how pairs are batched): the two agree
+    pair by pair, so TRL runs one pair per batch here (the pairs' chosen replies differ in length)."""
+    alpha = 0.7
+    theirs = _trl_dpo(setup, ["sigmoid", "sft"], _hf_qwen3(0), _hf_qwen3(1), loss_weights=[1.0, alpha],
+                      pairs_per_batch=1)
+    ours = _our_run("dpo", setup.batch, _hf_qwen3(0), _hf_qwen3(1), rpo_alpha=alpha)
+    plain = _our_run("dpo", setup.batch, _hf_qwen3(0), _hf_qwen3(1))
+    assert ours.loss - plain.loss > 1.0, "the NLL term is in the loss"
+    assert_scalar_parity(ours.loss, theirs.loss, "dpo + rpo_alpha loss")
+    assert_grads_parity(ours.grads, theirs.grads, "dpo + rpo_alpha gradients")
+    assert_scalar_parity((ours.loss - plain.loss) / alpha, ours.metrics["nll_chosen"], "nll_chosen metric")
 
 
 def test_simpo_equals_trl_cpo_simpo_loss(setup) -> None:

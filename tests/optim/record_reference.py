@@ -3,10 +3,10 @@ a few steps by the engine's ``build_optimizer`` + ``build_scheduler`` with AdamW
 per run the losses (float.hex) and each parameter's SHA-256.
 
 The stored ``adamw_sgd_reference.json`` was written by the code before the optimizer package
-(commit 8ae054f, ``veomni.train.optim``), with:
+(commit 8ae054f, ``veomni.train.optim``; this file pins one thread), with:
 
     git archive 8ae054f | tar -x -C /tmp/old && cd /tmp/old && \
-      PYTHONPATH=/tmp/old python /work/wt/optim42/tests/optim/record_reference.py > adamw_sgd_reference.json
+      PYTHONPATH=/tmp/old python $REPO/tests/optim/record_reference.py > adamw_sgd_reference.json
 """
 
 from __future__ import annotations
@@ -43,6 +43,17 @@ class TinyLM(nn.Module):
 
 
 def run(optimizer: str, steps: int = 5) -> dict:
+    """One thread: a CPU kernel's sums are ordered by its thread count, so the bits are the same on
+    any machine only when it is pinned."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(optimizer, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(optimizer: str, steps: int) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
     cfg = TrainConfig(optimizer=optimizer, lr=1e-2, weight_decay=0.1, warmup_steps=2, max_steps=steps + 1)

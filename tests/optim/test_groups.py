@@ -114,6 +114,10 @@ def test_launcher_check_names_a_glob_that_matches_nothing_and_muon_on_a_vector()
     vector_to_muon = OptimConfig(groups=[ParamGroupConfig(pattern="norm.*", optimizer="muon")])
     assert "Muon takes 2-D matrices" in optimizer_problems(model, TrainConfig(), vector_to_muon)[0]
     assert optimizer_problems(model, TrainConfig(optimizer="muon"), OptimConfig()) == []
+    for fine in (0.0, 1.0, 1.2):
+        assert optimizer_problems(model, TrainConfig(optimizer="muon"), OptimConfig(muon_split_balance=fine)) == []
+    assert "optim.muon_split_balance 0.9 is below 1" in \
+        optimizer_problems(model, TrainConfig(optimizer="muon"), OptimConfig(muon_split_balance=0.9))[0]
 
 
 def test_under_lora_muon_takes_only_the_adapters():

@@ -14,8 +14,9 @@ import torch
 from harness.gloo_ranks import run_distributed
 from tests.trainer_utils import tiny_run_config
 from veomni.config.load import load_config
-from veomni.config.schema import ParallelConfig
+from veomni.config.schema import ParallelConfig, RunConfig
 from veomni.data.build_loader import build_dataloader, load_run_tokenizer
+from veomni.objectives import ObjectiveRequest, build_objective
 from veomni.tasks.base import IGNORE_INDEX, Baseline
 from veomni.tasks.lm import LanguageModelingTask
 from veomni.tasks.mtp import MultiTokenLMTask
@@ -166,6 +167,35 @@ def test_summary_lists_the_tasks_other_eval_metrics():
     assert "\neval metrics  accuracy 0.8322, test_accuracy 0.845\ntrain loss" in text
     assert "eval metrics" not in format_summary(_summary())
     assert summary_record(_summary(eval_metrics={"accuracy": 0.5}))["eval_metrics"] == {"accuracy": 0.5}
+
+
+def test_a_preference_summary_states_pair_accuracy_against_a_coin_and_counts_pairs():
+    """The DPO task's own baseline names its chance level; its loss units are pairs, not tokens."""
+    cfg = RunConfig()
+    cfg.train.objective = "dpo"
+    task = build_objective(ObjectiveRequest(cfg, LanguageModelingTask())).task
+    baseline = task.baseline_loss(torch.tensor([12.0], dtype=torch.float64))
+    pairs = dict(eval_loss=0.35, baseline=baseline, eval_covered=12, eval_samples=24,
+                 loss_units=task.contract.loss_units_name, sample=None)
+    text = format_summary(_summary(eval_metrics={"rewards_accuracy": 0.83333, "rewards_margin": 1.25}, **pairs))
+    assert "\nvs chance     held-out pair accuracy 83.3% (a coin: 50%)\n" in text
+    assert "eval covered  24 samples (12 pairs): the whole held-out set" in text and "tokens)" not in text
+    assert "vs chance" not in format_summary(_summary(eval_metrics={"rewards_margin": 1.25}, **pairs))
+    assert "vs chance" not in format_summary(_summary(eval_metrics={"accuracy": 0.8}))  # no chance level named
+
+
+def test_a_summary_with_the_nll_term_keeps_the_chance_line_without_a_loss_baseline():
+    """rpo_alpha's NLL term has no model-free loss; the pair accuracy's coin stays in the summary."""
+    cfg = RunConfig()
+    cfg.train.objective, cfg.preference.rpo_alpha = "dpo", 1.0
+    task = build_objective(ObjectiveRequest(cfg, LanguageModelingTask())).task
+    baseline = task.baseline_loss(torch.tensor([12.0], dtype=torch.float64))
+    assert baseline.loss is None
+    summary = _summary(eval_loss=0.35, baseline=baseline, eval_metrics={"rewards_accuracy": 0.75}, sample=None)
+    text = format_summary(summary)
+    assert "\neval loss     0.35\n" in text and "below the baseline" not in text
+    assert "\nvs chance     held-out pair accuracy 75.0% (a coin: 50%)\n" in text
+    assert "below_baseline" not in summary_record(summary)
 
 
 def test_summary_sample_shows_runs_of_blank_lines_as_one():

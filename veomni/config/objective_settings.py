@@ -16,6 +16,9 @@ class PreferenceConfig:
     """DPO / SimPO: the probability that a pair's preference is flipped (conservative DPO); in [0, 0.5)."""
     simpo_gamma: float = 0.5
     """SimPO: the target reward margin gamma."""
+    rpo_alpha: float = 0.0
+    """Weight of the chosen reply's negative log-likelihood (mean over its tokens) added to each pair's
+    loss (RPO, TRL's ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, alpha]``); 0: none."""
 
 
 @dataclass

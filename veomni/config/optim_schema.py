@@ -46,3 +46,7 @@ class OptimConfig:
     """Precision of the Newton-Schulz iteration; auto: bf16 on GPU, fp32 on CPU."""
     muon_fallback: str = "adamw"
     """The optimizer of what Muon does not take (embeddings, heads, norms, biases)."""
+    muon_split_balance: float = 1.05
+    """Sharded Muon: while the owner plan's max / mean Newton-Schulz FLOPs per rank exceeds this,
+    the largest matrix's iteration is split over more ranks (docs/optimizers.md); 0 never splits
+    (one owner per matrix: results bit-identical to one process, at the whole-matrix balance)."""

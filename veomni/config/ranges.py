@@ -36,6 +36,7 @@ def check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (cfg.train.max_bad_steps >= 1, ("train", "max_bad_steps"), "must be >= 1"),
         (cfg.preference.beta > 0, ("preference", "beta"), "must be > 0"),
         (0 <= cfg.preference.label_smoothing < 0.5, ("preference", "label_smoothing"), "must be in [0, 0.5)"),
+        (cfg.preference.rpo_alpha >= 0, ("preference", "rpo_alpha"), "must be >= 0 (0: no NLL term)"),
         (cfg.rl.group_size >= 2, ("rl", "group_size"), "must be >= 2 (a group's rewards normalise its advantages)"),
         (cfg.rl.max_new_tokens >= 1, ("rl", "max_new_tokens"), "must be >= 1"),
         (cfg.rl.temperature > 0, ("rl", "temperature"), "must be > 0 (rollouts sample)"),

@@ -108,6 +108,26 @@ class DataConfig:
     graph_refresh_every: int = 10
     """Graph kinds with chunks: every this many epochs one epoch trains exactly on the whole
     partition, refreshing every history row; 0: only the warm-up epochs do."""
+    graph_fanouts: list[int] = field(default_factory=list)
+    """Graph kinds: sampled mini-batch training (GraphSAGE / PyG ``NeighborLoader``'s
+    ``num_neighbors``): in-neighbours sampled per node at each hop, hop 1 first, one entry per
+    message-passing layer, -1 for all of them; empty trains on the whole graph. See docs/gnn.md."""
+    graph_batch_size: int = 1024
+    """Sampled graph training: target (training) nodes per mini-batch per rank; a micro-batch is one
+    mini-batch, an optimizer step ``train.grad_accum`` of them."""
+    graph_batch_order: Literal["random", "proximity"] = "random"
+    """Sampled graph training: the targets of an epoch shuffled, or in breadth-first order from a
+    seeded root (BGL's proximity-aware order: consecutive mini-batches share neighbours)."""
+    graph_features: Literal["memory", "mmap"] = "memory"
+    """Sampled graph training: node features read into memory, or memory-mapped from the graph
+    folder (only the rows the mini-batches read are paged in)."""
+    graph_cache_rows: int = 0
+    """Sampled graph training: feature rows cached on the training device (0: none)."""
+    graph_prefetch: int = 2
+    """Sampled graph training: mini-batches sampled and gathered ahead on a background thread,
+    overlapping the step (0: in the step)."""
+    graph_cache_policy: Literal["fifo", "lru"] = "fifo"
+    """Sampled graph training: which cached row a miss replaces (oldest inserted, least recently used)."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Build a run's data loader from the registered dataset kinds.
 
 Importing this module registers the engine's own kinds (``packed_text``, ``chat_text``, ``chat_preference``,
-``chat_media``, ``graph``, ``frames``, ``video_latents``, ``video_clips``);
+``chat_media``, ``chat_media_preference``, ``graph``, ``frames``, ``video_latents``, ``video_clips``);
 plugin packages register theirs when ``veomni.contract.load_plugins`` imports them.
 """
 
@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from veomni.config.schema import DataConfig
-from veomni.data.chat import media_dataset, preference_dataset, prompt_dataset, text_dataset  # noqa: F401  (register the kinds)
+from veomni.data.chat import (  # noqa: F401  (register the kinds)
+    media_dataset,
+    media_preference,
+    preference_dataset,
+    prompt_dataset,
+    text_dataset,
+)
 from veomni.data.graph import dataset as graph_dataset  # noqa: F401
 from veomni.data.kinds import DatasetRequest, get_dataset_kind
 from veomni.data.resume import ResumableLoader

@@ -9,7 +9,8 @@ here before the task sees the batch and summed over the data-parallel ranks (by 
 when a run mixes sources. Bad records are acted on the same way: each micro-batch carries its
 consumer's counts (``READ_COUNTS``), and the step sums them over the data-parallel ranks, reports
 ``bad_records`` and stops every rank alike once the run's bad share passes ``data.max_bad_fraction``
-(one rank's share of the data may be worse than the whole's). A data concern, so it sits with the
+(one rank's share of the data may be worse than the whole's). What producing a micro-batch cost
+(``STEP_STATS``: rows read, cache hits) is summed the same way. A data concern, so it sits with the
 dataset kinds it feeds from.
 """
 
@@ -27,6 +28,7 @@ from torch import nn
 from veomni.config.schema import RunConfig
 from veomni.contract import build_model
 from veomni.data.group_reorder import GroupReorder, balance_group_size, balance_groups
+from veomni.data.kinds import STEP_STATS
 from veomni.data.mixture import run_sources
 from veomni.data.sources import MIN_RECORDS_FOR_EARLY_CHECK, BadDataError
 from veomni.data.text.packed import READ_COUNTS, SOURCE_COUNTS, Drawn, PackedTextDataset
@@ -52,6 +54,7 @@ class DataFeed:
         self.reorder = reorder
         self.max_bad_fraction = max_bad_fraction
         self._counts: Counter = Counter()
+        self._stats: dict[str, list[float]] = {}  # name -> [sum] or [numerator, denominator]
         self._read: list[Any] = [0, 0, 0, "", 0]  # this rank's newest READ_COUNTS
 
     def next_step(self) -> list[dict[str, Any]]:
@@ -59,6 +62,10 @@ class DataFeed:
         batches = self._next_step()
         for batch in batches:
             self._counts.update(batch.pop(SOURCE_COUNTS, {}))
+            for name, value in batch.pop(STEP_STATS, {}).items():
+                parts = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
+                total = self._stats.setdefault(name, [0.0] * len(parts))
+                self._stats[name] = [a + b for a, b in zip(total, parts)]
             self._read = batch.pop(READ_COUNTS, self._read)
         return batches
 
@@ -66,17 +73,24 @@ class DataFeed:
         """``mix_<source>``: each source's share of the samples of the steps since the last call, over
         every data-parallel rank (none when the run reads one source); ``bad_records``: the run's, summed
         over the ranks, which stops it past ``max_bad_fraction``; the balancing estimates of this rank's
-        group. One all-reduce, or none."""
+        group; each ``STEP_STATS`` name (a sum, or a ratio of sums). One all-reduce, or none."""
         counts, self._counts = self._counts, Counter()
+        stats, self._stats = self._stats, {}
         metrics = dict(self.reorder.last) if self.reorder is not None else {}
         mixed = len(self.sources) >= 2
-        if not mixed and self.max_bad_fraction is None:
+        if not mixed and self.max_bad_fraction is None and not stats:
             return metrics
         values = [float(counts[name]) for name in self.sources] if mixed else []
         read = [float(v) for v in self._read[:3]] if self.max_bad_fraction is not None else []
-        totals = self.reduce(values + read, group=self.dp_group, device=self.device)
+        names = sorted(stats)  # every rank's kind reports the same names
+        summed = [v for name in names for v in stats[name]]
+        totals = self.reduce(values + read + summed, group=self.dp_group, device=self.device)
         if read:
-            metrics["bad_records"] = self._check_bad(*totals[len(values):])
+            metrics["bad_records"] = self._check_bad(*totals[len(values):len(values) + 3])
+        stat_totals = iter(totals[len(values) + len(read):])
+        for name in names:
+            parts = [next(stat_totals) for _ in stats[name]]
+            metrics[name] = parts[0] if len(parts) == 1 else parts[0] / max(parts[1], 1e-12)
         mix = totals[:len(values)]
         drawn = sum(mix) or 1.0
         return metrics | {f"mix_{name}": total / drawn for name, total in zip(self.sources, mix)}

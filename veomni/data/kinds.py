@@ -26,6 +26,12 @@ from veomni.data.resume import ResumableDataset as ResumableDataset
 from veomni.data.resume import find_dataset_states as find_dataset_states
 from veomni.errors import BadConfig
 
+STEP_STATS = "_step_stats"
+"""A micro-batch may carry ``{name: value}`` under this key: what producing it cost (rows read, cache
+hits, seconds). The feed (``veomni/data/feed.py``) removes it before the task sees the batch, sums
+each value over the step's micro-batches and the data-parallel ranks and reports ``name``; a value
+given as a (numerator, denominator) pair is reported as the ratio of the two sums (a hit rate)."""
+
 
 @dataclass(frozen=True)
 class DatasetRequest:

@@ -6,21 +6,26 @@
 
 Loads the newest complete checkpoint of the run (or ``--checkpoint``) into one CPU process,
 greedily decodes an answer for every sample of the split from its prompt (the chat up to the
-assistant's turn, media included; prompts are decoded 64 at a time, packed into one row) and
+assistant's turn, media included; prompts are decoded 64 at a time by ``veomni.generation``) and
 counts exact matches with the reference answer (both stripped and lower-cased). An answer ends
 at the tokenizer's eos or after ``--max-answer-tokens`` tokens (default 8: the bundled sets'
 answers are a word or a short caption), so a reference answer longer than that can never
 match: raise it for longer answers. Samples are grouped by their ``question_type`` field. The
 baseline answers every question of a type with that type's most common answer in the
 *training* split.
+
+For a preference run (``data.kind: chat_media_preference``) each pair's prompt is decoded and the
+reference is its chosen reply, compared exactly (stripped only, case and punctuation kept: the
+pairs teach an answer's form); the ``rejected`` column counts answers equal to the rejected reply
+(the form the pairs move away from), and the majority baseline is the most common chosen reply.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections import Counter, defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,10 +34,11 @@ from veomni.checkpoint.export import load_checkpoint_weights
 from veomni.checkpoint.manager import list_checkpoints
 from veomni.contract import build_model
 from veomni.contract.media import MediaLayout
-from veomni.data.chat.media_dataset import ChatSample, SampleProcessor, pack_chat_samples
+from veomni.data.chat.media_dataset import ChatSample, SampleProcessor
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 from veomni.data.text.packed import load_tokenizer
 from veomni.eval.command import run_eval_command
+from veomni.generation import SamplingParams, generate
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_ANSWER_TOKENS = 8
@@ -45,59 +51,40 @@ def _records(path: str) -> list[dict]:
     return list(iter_tar_samples(files, max_bad_fraction=1.0, stats=ReadStats(), warn=True))
 
 
-def _reference(record: dict, process: SampleProcessor) -> tuple[str, str]:
+def as_conversation(record: dict, json_key: str) -> dict:
+    """A preference pair's record as the conversation it prefers (prompt + chosen), its rejected
+    reply kept as ``rejected_answer``."""
+    pair = json.loads(record[json_key])
+    meta = {k: v for k, v in pair.items() if k not in ("prompt", "chosen", "rejected")}
+    meta.update(messages=[*pair["prompt"], *pair["chosen"]], rejected_answer=pair["rejected"][-1]["content"])
+    return {**record, json_key: json.dumps(meta).encode()}
+
+
+def _normalise(answer: str, exact: bool) -> str:
+    return answer.strip() if exact else answer.strip().lower()
+
+
+def _reference(record: dict, process: SampleProcessor, exact: bool = False) -> tuple[str, str]:
     meta = process.messages(record)
     answer = meta["messages"][-1]["content"] if meta["messages"][-1].get("role") == "assistant" else ""
-    return str(meta.get("question_type", "all")), answer.strip().lower()
+    return str(meta.get("question_type", "all")), _normalise(answer, exact)
 
 
-@torch.no_grad()
 def greedy_answers(
     model: torch.nn.Module, prompts: list[ChatSample], eos_id: int,
     max_tokens: int = DEFAULT_MAX_ANSWER_TOKENS, layout: MediaLayout | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations of many prompts at once, each at most ``max_tokens`` long (eos
-    excluded): each step packs the unfinished prompts (with what they generated so far) into
-    one row, media included, and extends each by its argmax next token. ``layout``: the model's
-    ``MediaLayout`` (its own positions of a sample are recomputed as it grows)."""
-    answers: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))
-    for _ in range(max_tokens):
-        if not active:
-            break
-        rows = [
-            replace(
-                prompts[i],
-                chat=replace(
-                    prompts[i].chat,
-                    ids=prompts[i].chat.ids + answers[i],
-                    targets=prompts[i].chat.targets + [False] * len(answers[i]),
-                ),
-            )
-            for i in active
-        ]
-        batch = pack_chat_samples(rows, layout)
-        logits = model(
-            batch["input_ids"],
-            batch["position_ids"],
-            batch["cu_seqlens"],
-            batch["max_seqlen"],
-            media=batch["media"],
-        )
-        next_ids = logits[batch["cu_seqlens"][1:].long() - 1].argmax(-1).tolist()
-        still = []
-        for i, next_id in zip(active, next_ids):
-            if next_id != eos_id:
-                answers[i].append(next_id)
-                still.append(i)
-        active = still
-    return answers
+    """Greedy continuations of many chat prompts at once, media included (``veomni.generation.
+    generate``), each at most ``max_tokens`` long (eos excluded). ``layout``: the model's
+    ``MediaLayout`` (its positions of the prompts' tokens)."""
+    params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(eos_id,))
+    return [done.answer for done in generate(model, prompts, params, layout=layout)]
 
 
-def majority_answers(records: list[dict], process: SampleProcessor) -> dict[str, str]:
+def majority_answers(records: list[dict], process: SampleProcessor, exact: bool = False) -> dict[str, str]:
     counts: dict[str, Counter] = defaultdict(Counter)
     for record in records:
-        qtype, answer = _reference(record, process)
+        qtype, answer = _reference(record, process, exact)
         counts[qtype][answer] += 1
     return {qtype: c.most_common(1)[0][0] for qtype, c in counts.items()}
 
@@ -118,20 +105,30 @@ def evaluate(
     tokenizer = load_tokenizer(run_cfg.data.tokenizer)
     process = SampleProcessor(tokenizer, model_cfg, run_cfg.data.text_key, run_cfg.data.chat_markup)
     path = run_cfg.data.eval_path if split == "eval" else run_cfg.data.train_path
-    records = _records(path)[:limit]
-    majority = majority_answers(_records(run_cfg.data.train_path), process)
+    pairs = run_cfg.data.kind == "chat_media_preference"
+
+    def read(split_path: str) -> list[dict]:
+        found = _records(split_path)
+        return [as_conversation(r, run_cfg.data.text_key) for r in found] if pairs else found
+
+    records = read(path)[:limit]
+    majority = majority_answers(read(run_cfg.data.train_path), process, exact=pairs)
     correct: Counter = Counter()
     baseline: Counter = Counter()
     total: Counter = Counter()
+    rejected: Counter = Counter()
     for start in range(0, len(records), DECODE_BATCH):
         chunk = records[start : start + DECODE_BATCH]
         prompts = [process(record, add_generation_prompt=True) for record in chunk]
         answers = greedy_answers(model, prompts, process.chat.answer_end[-1], max_answer_tokens, process.layout)
         for record, generated in zip(chunk, answers):
-            qtype, answer = _reference(record, process)
+            qtype, answer = _reference(record, process, exact=pairs)
+            said = _normalise(tokenizer.decode(generated), exact=pairs)
             total[qtype] += 1
-            correct[qtype] += tokenizer.decode(generated).strip().lower() == answer
+            correct[qtype] += said == answer
             baseline[qtype] += majority.get(qtype) == answer
+            if pairs:
+                rejected[qtype] += said == process.messages(record)["rejected_answer"].strip()
     logger.info("evaluated %s on %d %s samples", checkpoint, sum(total.values()), split)
     result = {
         q: {
@@ -139,6 +136,7 @@ def evaluate(
             "accuracy": correct[q] / total[q],
             "majority": baseline[q] / total[q],
             "majority_answer": majority.get(q, ""),
+            **({"rejected": rejected[q] / total[q]} if pairs else {}),
         }
         for q in sorted(total)
     }
@@ -148,16 +146,19 @@ def evaluate(
         "accuracy": sum(correct.values()) / n,
         "majority": sum(baseline.values()) / n,
         "majority_answer": "-",
+        **({"rejected": sum(rejected.values()) / n} if pairs else {}),
     }
     return result
 
 
 def format_table(result: dict[str, dict[str, float]]) -> str:
-    lines = [f"{'question type':<14}{'samples':>8}{'accuracy':>10}{'majority':>10}  majority answer"]
+    pairs = "rejected" in result["all"]
+    lines = [f"{'question type':<14}{'samples':>8}{'accuracy':>10}{'majority':>10}"
+             + (f"{'rejected':>10}" if pairs else "") + "  majority answer"]
     for qtype, r in result.items():
         lines.append(
             f"{qtype:<14}{r['samples']:>8}{r['accuracy']:>10.1%}{r['majority']:>10.1%}"
-            f"  {r['majority_answer']}"
+            + (f"{r['rejected']:>10.1%}" if pairs else "") + f"  {r['majority_answer']}"
         )
     return "\n".join(lines)
 

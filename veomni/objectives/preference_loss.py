@@ -14,6 +14,9 @@ reference ``ref``, the log-ratios are ``h_w = log pi(y_w|x) - log ref(y_w|x)`` a
 - SimPO (Meng et al. 2024, arXiv:2405.14734): reference-free and length-normalised,
   ``-log sigma(beta (log pi(y_w|x) / |y_w| - log pi(y_l|x) / |y_l|) - gamma)``, with the same label
   smoothing as DPO. Rewards ``beta log pi(y|x) / |y|``.
+- Any of them may add ``alpha`` times the chosen reply's negative log-likelihood per token,
+  ``-log pi(y_w|x) / |y_w|`` (RPO: Pang et al. 2024, arXiv:2404.19733), which keeps raising the chosen
+  reply itself once the preference loss is satisfied.
 
 Each function returns one loss per pair and the pair's rewards; the caller sums and reports them.
 """
@@ -45,6 +48,7 @@ class PreferenceOptions:
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    rpo_alpha: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,11 @@ def simpo_loss(pairs: PairLogps, options: PreferenceOptions) -> PairLoss:
     rejected = pairs.rejected / pairs.rejected_tokens.clamp(min=1)
     losses = smoothed_sigmoid_loss(options.beta * (chosen - rejected) - options.simpo_gamma, options.label_smoothing)
     return PairLoss(losses, options.beta * chosen.detach(), options.beta * rejected.detach())
+
+
+def chosen_nll(pairs: PairLogps) -> torch.Tensor:
+    """[P] the chosen reply's negative log-likelihood per token: RPO's term (``rpo_alpha``)."""
+    return -pairs.chosen / pairs.chosen_tokens.clamp(min=1)
 
 
 PairLossFn = Callable[[PairLogps, PreferenceOptions], PairLoss]

@@ -11,9 +11,10 @@ trainer hands every objective a ``FrozenModels``: the policy, a builder of a sec
 policy at its starting weights (built, initialised and sharded by the same parallel recipe, with
 no gradients and no optimizer state: nothing the runner steps or checkpoints), whether the policy
 carries LoRA adapters (then its base with the adapters switched off *is* the starting model, and
-no copy is needed), and the process group of the ranks that hold pieces of one packed row (sums
-along a row split by sequence or context parallelism are completed over it). The trainer knows
-nothing else about any objective.
+no copy is needed), the process group of the ranks that hold pieces of one packed row (sums
+along a row split by sequence or context parallelism are completed over it) and, under
+``parallel.pp``, the pipeline (``veomni.tasks.staged.StagedModel``: this rank's stages and a
+forward-only walk of rows through them). The trainer knows nothing else about any objective.
 
 Objectives register by name like model families and dataset kinds; a plug-in package listed in
 ``model.plugins`` may call ``register_objective``.
@@ -32,6 +33,7 @@ from torch import nn
 
 from veomni.config.schema import RunConfig
 from veomni.tasks.base import Task
+from veomni.tasks.staged import StagedModel
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,19 @@ class ObjectiveRequest:
 class FrozenModels:
     """What the engine gives an objective once the policy is built (``Objective.attach``)."""
 
-    policy: nn.Module
-    """The model being trained (parallelised; the whole model on each rank)."""
+    policy: nn.Module | None
+    """The model being trained (parallelised; the whole model on each rank); None under a pipeline."""
     frozen_copy: Callable[[], nn.Module]
     """Builds another copy of the policy at its starting weights (the seeded init and the recipe's
-    pretrained folders), sharded by the same parallel recipe, every parameter frozen, in eval mode."""
+    pretrained folders), sharded by the same parallel recipe, every parameter frozen, in eval mode;
+    under a pipeline an ``nn.ModuleList`` of this rank's stages of it, cut like ``pipeline.parts``."""
     adapters: bool
     """The policy carries LoRA adapters: its base with them switched off is the starting model."""
     row_group: dist.ProcessGroup | None
     """The ranks holding pieces of one packed row (context x sequence parallel); None when each
     rank holds whole rows."""
+    pipeline: StagedModel | None = None
+    """The policy's pipeline under ``parallel.pp > 1``, else None."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,8 @@ class ObjectiveEntry:
     build: ObjectiveFactory
     pipelines: bool = False
     """Whether it runs under ``parallel.pp`` (the launcher refuses the run otherwise)."""
+    pipelines_split_rows: bool = False
+    """Whether it also runs under ``parallel.pp`` with rows split by ``parallel.sp`` / ``parallel.cp``."""
     frozen_copies: int = 0
     """Full frozen copies of the policy it holds when the run has no LoRA."""
     data_kinds: tuple[str, ...] = ()
@@ -112,10 +119,10 @@ _OBJECTIVES: dict[str, ObjectiveEntry] = {}
 
 
 def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0,
-                       data_kinds: tuple[str, ...] = (),
+                       data_kinds: tuple[str, ...] = (), pipelines_split_rows: bool = False,
                        checks: Callable[[RunConfig], list[str]] | None = None) -> None:
     """Make ``train.objective: <name>`` build its objective with ``build``."""
-    entry = ObjectiveEntry(build, pipelines, frozen_copies, data_kinds, checks)
+    entry = ObjectiveEntry(build, pipelines, pipelines_split_rows, frozen_copies, data_kinds, checks)
     if _OBJECTIVES.get(name, entry) != entry:
         raise ValueError(f"objective {name!r} is already registered")
     _OBJECTIVES[name] = entry
@@ -144,9 +151,14 @@ def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
     if entry.data_kinds and data_kind not in entry.data_kinds:
         return [f"train.objective={cfg.train.objective} reads {' or '.join(entry.data_kinds)} data, not the "
                 f"{data_kind} kind: set data.kind (docs/post_training.md, the data format)"]
-    if cfg.parallel.pp > 1 and not entry.pipelines:
+    parallel = cfg.parallel
+    if parallel.pp > 1 and not entry.pipelines:
         return [f"train.objective={cfg.train.objective} does not run under a pipeline yet (parallel.pp="
-                f"{cfg.parallel.pp}): use parallel.pp 1 (FSDP, sequence, context and expert parallelism all apply)"]
+                f"{parallel.pp}): use parallel.pp 1 (FSDP, sequence, context and expert parallelism all apply)"]
+    if parallel.pp > 1 and parallel.sp * parallel.cp > 1 and not entry.pipelines_split_rows:
+        return [f"train.objective={cfg.train.objective} runs under a pipeline with whole rows only (parallel.pp="
+                f"{parallel.pp} with sp={parallel.sp}, cp={parallel.cp}): set parallel.sp and parallel.cp to 1, or "
+                "parallel.pp to 1 (sequence and context parallelism then apply)"]
     return entry.checks(cfg) if entry.checks is not None else []
 
 
@@ -159,4 +171,4 @@ def _supervised(request: ObjectiveRequest) -> Objective:
     return Objective("sft", request.task)
 
 
-register_objective("sft", _supervised, pipelines=True)
+register_objective("sft", _supervised, pipelines=True, pipelines_split_rows=True)

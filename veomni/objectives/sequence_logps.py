@@ -42,22 +42,24 @@ class LogitsTask(Task, Protocol):
     def forward(self, model: nn.Module, batch: dict) -> torch.Tensor: ...
 
 
-def sample_index(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[row length] the packed sample of each position."""
+def sample_index(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """[row length] the packed sample of each position; -1 on the padding up to ``length``."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    index = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+    return index if length is None else F.pad(index, (0, length - len(index)), value=-1)
 
 
 class SequenceLogpsTask:
     """Base of the objectives' tasks: the family's ``LogitsTask`` with per-sample sums over its
-    targets; ``extra_fields``: further sequence fields of the objective and their pad values."""
+    targets; ``extra_fields``: further sequence fields of the objective and their pad values;
+    ``loss_unit``: what a loss unit is called ("pair"; "" keeps the family's unit)."""
 
-    def __init__(self, inner: LogitsTask, extra_fields: dict[str, float] | None = None) -> None:
+    def __init__(self, inner: LogitsTask, extra_fields: dict[str, float] | None = None, loss_unit: str = "") -> None:
         self.inner = inner
         fields = {SAMPLE_INDEX: -1, **(extra_fields or {})}
         contract = inner.contract
         self.contract = replace(contract, sequence_fields=(*contract.sequence_fields, *fields),
-                                pad_values={**contract.pad_values, **fields}, stage_input=None)
+                                pad_values={**contract.pad_values, **fields}, loss_unit=loss_unit)
         self.labels = contract.target or "labels"
         self.reference: Callable[[dict], torch.Tensor] | None = None
         """batch -> the reference's per-token log-probabilities (set by ``attach``; None: reference-free)."""
@@ -91,11 +93,15 @@ class SequenceLogpsTask:
         """[local row] bool: the position has a target in a real sample."""
         return (batch[self.labels] != IGNORE_INDEX) & (batch[SAMPLE_INDEX] >= 0)
 
+    def summed_samples(self, batch: dict) -> int:
+        """How many of the row's packed samples ``sample_sums`` sums (the first ones)."""
+        return int(batch["cu_seqlens"].numel()) - 1
+
     def sample_sums(self, values: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per packed sample: the sum of ``values`` over its targets and their count, completed over
         the ranks holding pieces of the row (the sum differentiably)."""
-        samples = int(batch["cu_seqlens"].numel()) - 1
-        targets = self.targets(batch)
+        samples = self.summed_samples(batch)
+        targets = self.targets(batch) & (batch[SAMPLE_INDEX] < samples)
         where = batch[SAMPLE_INDEX][targets]
         sums = values.new_zeros(samples).index_add(0, where, values[targets])
         counts = values.new_zeros(samples).index_add(0, where, torch.ones_like(where, dtype=sums.dtype))

@@ -3,6 +3,8 @@ always built them) and ``muon`` (hidden matrices; the rest to ``optim.muon_fallb
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -27,7 +29,7 @@ def _muon(groups: Groups, train: TrainConfig, optim: OptimConfig) -> torch.optim
     return Muon(groups, lr=optim.muon_lr or train.lr, weight_decay=train.weight_decay, momentum=optim.muon_momentum,
                 nesterov=optim.muon_nesterov, ns_coefficients=optim.muon_ns_coefficients, eps=optim.muon_eps,
                 ns_steps=optim.muon_ns_steps, adjust_lr=optim.muon_adjust_lr, ns_dtype=optim.muon_ns_dtype,
-                orthogonalize=sharded_orthogonalize)
+                orthogonalize=functools.partial(sharded_orthogonalize, split_balance=optim.muon_split_balance))
 
 
 def takes_hidden_matrices(_name: str, param: nn.Parameter, hidden: bool) -> bool:

@@ -30,6 +30,9 @@ def optimizer_problems(model: nn.Module, train: TrainConfig, optim: OptimConfig,
             get_optimizer(name, where)
         except ValueError as exc:
             problems.append(str(exc))
+    if optim.muon_split_balance and optim.muon_split_balance < 1:
+        problems.append(f"optim.muon_split_balance {optim.muon_split_balance} is below 1, which no plan reaches "
+                        "(it is max / mean per rank): give a value >= 1, or 0 never to split a matrix's iteration")
     names = [clean_name(n) for n, p in model.named_parameters() if p.requires_grad]
     for index, group in enumerate(optim.groups):
         if not group.pattern:

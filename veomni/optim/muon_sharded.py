@@ -9,7 +9,8 @@ A DTensor's placements say how its matrices lie over the ranks:
   expert) gets an owner in that group by the balanced plan (``muon_plan.py``), its shards are
   gathered there (padded to equal size, as ``torch.chunk`` cuts them), orthogonalised, and
   scattered back. All gathers are issued first, asynchronously, so the owners' math overlaps
-  the transfers still in flight; the scatters likewise overlap the remaining math;
+  the transfers still in flight; the scatters likewise overlap the remaining math. A matrix the
+  plan gives a team of several ranks has its iteration split over them (``muon_split.py``);
 - ``Replicate`` dims (HSDP's replicas) do the same work in each replica group independently.
 
 Any other layout (two mesh dims splitting matrix dims) falls back to the whole tensor on every
@@ -20,7 +21,6 @@ on each, as ``Muon`` does itself.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,23 +29,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from veomni.optim.muon import newton_schulz, ns_dtype, orthogonalize_tensor
-from veomni.optim.muon_plan import ns_flops, plan_owners
-
-
-@dataclass
-class _Unit:
-    """One matrix split over ``group``: which output slot, which local piece, along which dim."""
-
-    slot: int
-    expert: int | None
-    """Index into the local stack of a 3-D tensor; None for a 2-D one."""
-    local: Tensor
-    dim: int
-    """Matrix dim (0 rows, 1 columns) the group splits."""
-    full: int
-    """That dim's global size."""
-    shape: tuple[int, int]
-    group: dist.ProcessGroup
+from veomni.optim.muon_plan import BALANCE_TARGET, ns_flops, plan_owners
+from veomni.optim.muon_split import ShardedMatrix, split_orthogonalize
 
 
 def _matrix_shard_dims(update: DTensor) -> list[tuple[int, int]]:
@@ -55,10 +40,12 @@ def _matrix_shard_dims(update: DTensor) -> list[tuple[int, int]]:
             if isinstance(p, Shard) and p.dim >= first_matrix_dim]
 
 
-def sharded_orthogonalize(params: list[Tensor], updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-    """``Muon.orthogonalize`` for a mix of plain and DTensor updates (see the module docstring)."""
+def sharded_orthogonalize(params: list[Tensor], updates: list[Tensor], group: dict[str, Any],
+                          split_balance: float = BALANCE_TARGET) -> list[Tensor]:
+    """``Muon.orthogonalize`` for a mix of plain and DTensor updates (see the module docstring);
+    ``split_balance`` is the plan's (``muon_plan.plan_owners``' ``target``)."""
     results: list[Tensor | None] = [None] * len(updates)
-    units: list[_Unit] = []
+    units: list[ShardedMatrix] = []
     pieces: dict[int, list[Tensor | None]] = {}
     for slot, update in enumerate(updates):
         if not isinstance(update, DTensor):
@@ -82,8 +69,8 @@ def sharded_orthogonalize(params: list[Tensor], updates: list[Tensor], group: di
             pieces[slot] = [None] * len(stack)
             for expert in stack:
                 piece = local if expert is None else local[expert]
-                units.append(_Unit(slot, expert, piece, matrix_dim, update.shape[tensor_dim], shape, pg))
-    _gather_orthogonalize_scatter(units, pieces, group)
+                units.append(ShardedMatrix(slot, expert, piece, matrix_dim, update.shape[tensor_dim], shape, pg))
+    _gather_orthogonalize_scatter(units, pieces, group, split_balance)
     for slot, parts in pieces.items():
         update = updates[slot]
         local = parts[0] if update.ndim == 2 else torch.stack(parts)
@@ -92,18 +79,22 @@ def sharded_orthogonalize(params: list[Tensor], updates: list[Tensor], group: di
     return results
 
 
-def _gather_orthogonalize_scatter(units: list[_Unit], pieces: dict[int, list], group: dict[str, Any]) -> None:
-    """Per process group, owners by the plan; gathers all issued before any math, then each owned
-    matrix orthogonalised as its gather lands and its scatter issued at once."""
-    by_group: dict[dist.ProcessGroup, list[_Unit]] = {}
+def _gather_orthogonalize_scatter(units: list[ShardedMatrix], pieces: dict[int, list], group: dict[str, Any],
+                                  split_balance: float) -> None:
+    """Per process group, teams by the plan. Units of one owner: gathers all issued before any
+    math, then each owned matrix orthogonalised as its gather lands and its scatter issued at once;
+    then the units whose iteration a team splits (``muon_split.py``)."""
+    by_group: dict[dist.ProcessGroup, list[ShardedMatrix]] = {}
     for unit in units:
         by_group.setdefault(unit.group, []).append(unit)
-    pending = []
+    pending, split = [], []
     for pg, members in by_group.items():
         size, me = dist.get_world_size(pg), dist.get_rank(pg)
-        plan = plan_owners([ns_flops(*u.shape, group["ns_steps"]) for u in members], size)
+        plan = plan_owners([ns_flops(*u.shape, group["ns_steps"]) for u in members], size,
+                           [min(u.shape) for u in members], split_balance)
+        split.append([(unit, team) for unit, team in zip(members, plan.teams) if len(team) > 1])
         gathers = []
-        for unit, owner in zip(members, plan.owners):
+        for unit, owner in ((u, team[0]) for u, team in zip(members, plan.teams) if len(team) == 1):
             chunk = math.ceil(unit.full / size)
             padded = _pad(unit.local, unit.dim, chunk)
             bucket = [torch.empty_like(padded) for _ in range(size)] if owner == me else None
@@ -125,6 +116,9 @@ def _gather_orthogonalize_scatter(units: list[_Unit], pieces: dict[int, list], g
         work.wait()
         piece = received.narrow(unit.dim, 0, unit.local.shape[unit.dim])
         pieces[unit.slot][0 if unit.expert is None else unit.expert] = piece
+    for team_units in split:
+        for (unit, _), piece in zip(team_units, split_orthogonalize(team_units, group)):
+            pieces[unit.slot][0 if unit.expert is None else unit.expert] = piece
 
 
 def _pad(tensor: Tensor, dim: int, size: int) -> Tensor:

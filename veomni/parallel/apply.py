@@ -28,6 +28,7 @@ from veomni.parallel.context import apply_context_parallel
 from veomni.parallel.cp_cost import auto_cp_mesh
 from veomni.parallel.expert import apply_expert_parallel
 from veomni.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from veomni.parallel.graph.aggregation import apply_block_sampling
 from veomni.parallel.graph.halo import apply_graph_parallel
 from veomni.parallel.graph.layer_pipeline import check_graph_stages
 from veomni.parallel.media.colocate import apply_media_routing
@@ -83,10 +84,11 @@ def _auto_cp_mesh(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, 
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, device_type: str,
-                row_tokens: int = 0, frozen_dtype: torch.dtype | None = None) -> nn.Module:
+                row_tokens: int = 0, frozen_dtype: torch.dtype | None = None, graph_hops: int = 0) -> nn.Module:
     """``row_tokens`` (the micro-batch budget) sizes the automatic Mesh-Attention choice;
     ``frozen_dtype`` stores the parameters that do not train in that dtype (a LoRA run's base in
-    bf16 on GPU), before anything shards them."""
+    bf16 on GPU), before anything shards them; ``graph_hops``: the hops of sampled graph
+    mini-batches (``data.graph_fanouts``), 0 for full-graph training."""
     if frozen_dtype is not None:
         store_frozen(model, frozen_dtype)
     problems = check_sequence_parallel(model, meshes.dims.sp, meshes.dims.cp)  # the launcher's check, for callers
@@ -104,7 +106,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, meshes: ParallelMeshes, d
     if meshes.dims.sp > 1:  # after cp: Ulysses wraps the context-parallel core (the hybrid)
         count = apply_sequence_parallel(model, top, meshes.sp.get_group())
         logger.info("Ulysses sequence parallelism (sp=%d) on %d attention modules", meshes.dims.sp, count)
-    if plan.message_passing:
+    if plan.message_passing and graph_hops:  # each rank's own mini-batches: no exchange
+        count = apply_block_sampling(model, plan, graph_hops)
+        logger.info("sampled-block aggregation on %d message-passing modules", count)
+    elif plan.message_passing:
         group = meshes.dp.get_group() if meshes.dims.dp_size > 1 else None
         count = apply_graph_parallel(model, plan, group)
         logger.info("graph aggregation on %d message-passing modules (%d partitions)", count, meshes.dims.dp_size)

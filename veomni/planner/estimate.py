@@ -104,7 +104,7 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
     optimizer_states = get_optimizer(cfg.train.optimizer).states
     activations = cost.activation_bytes_per_unit(model, compute_bytes, cfg.parallel.activation_checkpointing)
     activated = cost.activated_params(model)
-    graph = (graph_plan(cfg, dims, model, cost, activations)
+    graph = (graph_plan(cfg, dims, model, cost, activations, model_cfg)
              if plan.message_passing and isinstance(cost, GraphCost) else None)
     activations_per_rank = activations * cfg.data.tokens_per_micro_batch / dims.row_ranks
     attention = attention_modules(model, plan.attention) if dims.row_ranks > 1 else []

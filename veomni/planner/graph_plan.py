@@ -23,19 +23,24 @@ H is estimated for a random partition, ``N (1 - 1/P) (1 - (1 - 1/P)^D)``: a node
 partition when one of its D neighbours lives there. A locality-aware partition (METIS, BFS) cuts
 it, so the graph-parallel figure is an upper estimate; the training metrics report the bytes
 measured (``comm_bytes_graph_halo``, ``comm_bytes_pp_p2p``).
+
+Sampled mini-batch training (``data.graph_fanouts``) has none of these: its lines come from
+``veomni/planner/sampled_plan.py`` (memory per rank, feature bytes per epoch).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from veomni.config.schema import RunConfig
-from veomni.contract.graph_model import GraphCost
+from veomni.contract.graph_model import GraphCost, GraphModelConfig
 from veomni.data.graph.format import GraphFormatError, read_manifest
 from veomni.parallel.mesh import ParallelDims
+from veomni.planner.sampled_plan import sampled_plan_lines
 
 GiB = 2**30
 
@@ -45,12 +50,18 @@ class GraphSize:
     nodes: int
     edges: int
     source: str
+    features: int = 0
+    """From the manifest; 0 before the graph is built."""
+    labelled_nodes: int | None = None
+    """From the manifest's builder stats, when it has them."""
 
 
 def graph_size(cfg: RunConfig, dims: ParallelDims, avg_degree: float) -> GraphSize:
     try:
         meta = read_manifest(cfg.data.train_path or ".")
-        return GraphSize(int(meta["num_nodes"]), int(meta["num_edges"]), f"{cfg.data.train_path}/manifest.json")
+        train = meta.get("stats", {}).get("labelled_nodes")
+        return GraphSize(int(meta["num_nodes"]), int(meta["num_edges"]), f"{cfg.data.train_path}/manifest.json",
+                         int(meta.get("num_features", 0)), int(train) if train is not None else None)
     except GraphFormatError:  # not built yet (or not a graph folder: the launcher's data check says so)
         pass
     nodes = cfg.data.tokens_per_micro_batch * cfg.train.grad_accum * dims.dp_size
@@ -75,8 +86,14 @@ class GraphPlan:
 
 
 def graph_plan(cfg: RunConfig, dims: ParallelDims, model: nn.Module, cost: GraphCost,
-               activation_bytes_per_node: float) -> GraphPlan:
+               activation_bytes_per_node: float, model_config: Any = None) -> GraphPlan:
     size = graph_size(cfg, dims, cost.assumed_degree(model))
+    if cfg.data.graph_fanouts:  # sampled mini-batches: no histories, no halo exchange, no pipeline
+        features = size.features or (model_config.in_features if isinstance(model_config, GraphModelConfig) else 0)
+        lines = [f"graph         {size.nodes:,} nodes, {size.edges:,} edges (from {size.source})",
+                 *sampled_plan_lines(cfg, dims.dp_size, size.nodes, size.edges, features, size.labelled_nodes,
+                                     activation_bytes_per_node)]
+        return GraphPlan(lines, 0.0, 0.0)
     parts, stages, chunks = dims.dp_size, dims.pp, cfg.train.grad_accum
     layers, d, w = cost.aggregations(model), cost.history_width(model), cost.stage_width(model)
     stage_layers = math.ceil(layers / stages)  # graph models split layers evenly

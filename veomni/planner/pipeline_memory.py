@@ -28,6 +28,7 @@ import torch
 from veomni.config.schema import RunConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.contract.plan import match_modules
+from veomni.objectives.registry import frozen_copies
 from veomni.optim import get_optimizer
 from veomni.parallel.mesh import ParallelDims
 from veomni.parallel.pipeline.layout import (
@@ -100,6 +101,7 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     after = total - before - sum(block_sizes)
     shard = dims.shard_size
     optimizer_states = get_optimizer(cfg.train.optimizer).states
+    copies = frozen_copies(cfg)
     rows_per_mb = cfg.train.grad_accum // m
     tokens = rows_per_mb * cfg.data.tokens_per_micro_batch
     keep_whole = par.pp_schedule in SPLIT_BACKWARD_SCHEDULES or not par.reshard_after_forward
@@ -111,8 +113,8 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
     lines += [
              "memory / rank by pipeline rank (estimate, GiB; params/grads/optimizer fp32 sharded "
              f"1/{shard}):",
-             f"  {'pp rank':<8}{'stages':<10}{'blocks':>7}{'params (B)':>12}{'p+g+opt':>10}{'gathered':>10}"
-             f"{'in flight':>10}{'activ.':>9}{'total':>9}"]
+             f"  {'pp rank':<8}{'stages':<10}{'blocks':>7}{'params (B)':>12}{'p+g+opt':>10}"
+             + (f"{'reference':>10}" if copies else "") + f"{'gathered':>10}{'in flight':>10}{'activ.':>9}{'total':>9}"]
     for r in range(par.pp):
         ids = stage_ids(r, par.pp, v, par.pp_schedule)
         params, gathered, n_blocks, holds_head = 0, 0.0, 0, False
@@ -131,8 +133,11 @@ def pipeline_memory_lines(cfg: RunConfig, dims: ParallelDims, compute_bytes: int
         act_chunk = per_block_act * n_blocks / len(ids) * flight
         act_chunk += head_act * (m if par.pp_schedule == "GPipe" else 1) if holds_head else 0
         states = (4 + 4 + 4 * optimizer_states) * params / shard / GiB
+        reference = copies * 4 * params / shard / GiB  # an objective's frozen fp32 copy of these stages
         gathered_gb = compute_bytes * gathered / GiB
         act_gb = act_chunk * tokens / dims.row_ranks / GiB
+        total_gb = states + reference + gathered_gb + act_gb
         lines.append(f"  {r:<8}{','.join(map(str, ids)):<10}{n_blocks:>7}{params / 1e9:>12.3f}{states:>10.2f}"
-                     f"{gathered_gb:>10.2f}{flight:>10}{act_gb:>9.2f}{states + gathered_gb + act_gb:>9.2f}")
+                     + (f"{reference:>10.2f}" if copies else "")
+                     + f"{gathered_gb:>10.2f}{flight:>10}{act_gb:>9.2f}{total_gb:>9.2f}")
     return lines

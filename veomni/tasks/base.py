@@ -88,6 +88,14 @@ class BatchContract:
     media: str | None = None
     """The field holding a row's media items (``{modality: {"inputs", "positions"}}``, the layout
     of ``veomni.contract.media``): pipelines encode them before the first stage needs the features."""
+    loss_unit: str = ""
+    """What one loss unit is when it is not a row element ("pair" for a preference loss): the step's
+    ``loss_<loss unit>s`` and the eval's ``eval_loss_<loss unit>s`` are named after it; "" = ``unit``."""
+
+    @property
+    def loss_units_name(self) -> str:
+        """The loss units, plural, as metrics and the summary name them ("tokens", "pairs")."""
+        return f"{self.loss_unit or self.unit}s"
 
     def row_length(self, batch: Mapping[str, Any]) -> int:
         """Elements in the (local) row: the units of work this batch holds."""
@@ -98,11 +106,27 @@ class BatchContract:
 
 
 @dataclass(frozen=True)
+class ChanceLevel:
+    """A share among the task's eval metrics and what guessing scores on it: the summary reads
+    "<label> 83.3% (<guess>: 50%)"."""
+
+    metric: str
+    """The metric's name, without the ``eval_`` prefix ("rewards_accuracy")."""
+    label: str
+    """What it is, for a newcomer ("held-out pair accuracy")."""
+    level: float
+    """The share guessing scores, in [0, 1]."""
+    guess: str
+    """Who guesses ("a coin")."""
+
+
+@dataclass(frozen=True)
 class Baseline:
     """The eval loss of a predictor that ignores the inputs, computed from the eval targets."""
 
-    loss: float
-    """In the units of ``eval_loss`` (the task's loss, averaged over its loss units)."""
+    loss: float | None
+    """In the units of ``eval_loss`` (the task's loss, averaged over its loss units); None when the
+    loss has no model-free value and only ``chance`` levels are known."""
     name: str
     """The predictor in a few words, read after "6.12 for": "token frequencies alone"."""
     meaning: str
@@ -111,6 +135,8 @@ class Baseline:
     """The loss's unit ("nats"); "" when it has none worth naming."""
     perplexity: bool = False
     """The loss is a mean negative log-likelihood in nats: ``exp(loss)`` is reported as perplexity."""
+    chance: tuple[ChanceLevel, ...] = ()
+    """Eval metrics (shares) whose level without learning is known: the summary states each against it."""
 
 
 class Task(Protocol):

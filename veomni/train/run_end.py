@@ -54,7 +54,7 @@ class RunEnd:
             self.write_samples()
         sample = None
         if cfg.train.sample_prompt:
-            sample = sample_prompt(cfg, self.model, self.tokenizer, self.task, self.device)
+            sample = sample_prompt(cfg, self.model, self.tokenizer, self.task)
         self._report(history, sample)
 
     def stopped_end(self, history: list[dict[str, float]]) -> None:
@@ -84,6 +84,7 @@ class RunEnd:
                                  self.spec.hf_adapter is not None, str(self.output_dir), self.cfg.lora.rank > 0)
         if stopped:  # what to run next is the rest of this run
             commands = (("resume the run where it stopped", resume_command(self.launch, self.cfg.checkpoint.resume)),)
+        loss_units = self.task.contract.loss_units_name
         return RunSummary(
             step=self.step, unit=self.unit, eval_loss=self.last_eval.get("eval_loss"), baseline=self.baseline,
             training=training_stats(history, self.unit, self.step),
@@ -91,11 +92,12 @@ class RunEnd:
             output_dir=str(self.output_dir), checkpoint=checkpoint,
             next_commands=commands,
             sample=sample[1] if sample else None, sample_how=sample[0] if sample else "",
-            eval_covered=self.last_eval.get(f"eval_loss_{self.unit}s"), eval_batches=self.cfg.train.eval_batches,
+            eval_covered=self.last_eval.get(f"eval_loss_{loss_units}"), loss_units=loss_units,
+            eval_batches=self.cfg.train.eval_batches,
             eval_samples=self.last_eval.get("eval_samples"),
             eval_ranks=self.dims.dp_size,
             eval_metrics={k.removeprefix("eval_"): v for k, v in self.last_eval.items()
-                          if k not in ("eval_loss", "eval_baseline", f"eval_loss_{self.unit}s", "eval_samples")},
+                          if k not in ("eval_loss", "eval_baseline", f"eval_loss_{loss_units}", "eval_samples")},
             stopped=stopped, stage=os.environ.get(STAGE_ENV, ""), mfu_peak=self.peak_source,
             parameters=self.param_counts, lora=self.cfg.lora.rank > 0,
             eval_set=bool(self.cfg.data.eval_path),

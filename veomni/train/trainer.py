@@ -106,7 +106,8 @@ class Trainer(RunEnd):
                                    self._initialise)
         if self.objective.attach is not None:
             self.objective.attach(FrozenModels(self.runner.whole_model, self._frozen_copy, cfg.lora.rank > 0,
-                                               self.meshes.row.get_group() if self.dims.row_ranks > 1 else None))
+                                               self.meshes.row.get_group() if self.dims.row_ranks > 1 else None,
+                                               self.runner.pipeline))
         torch.manual_seed(cfg.train.seed)  # only rank 0 drew init values: realign every rank's RNG
         self.parts, self.model = self.runner.parts, self.runner.whole_model
         self.faults = FaultInjector(self.rank)
@@ -262,7 +263,7 @@ class Trainer(RunEnd):
             part.train()
         # Whole rows (the runner slices them) are the same on every cp x sp rank: add them over dp only.
         self.baseline = baseline.result((self.meshes.dp if self.runner.shards_rows else self.meshes.loss).get_group())
-        if self.baseline is not None and result:
+        if self.baseline is not None and self.baseline.loss is not None and result:
             result["eval_baseline"] = self.baseline.loss
         self.last_eval = result
         return result
@@ -299,9 +300,10 @@ class Trainer(RunEnd):
             yield last
 
     def _named(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """The runner's generic counts renamed after the task's unit (``tokens``, ``loss_tokens``)."""
+        """The runner's generic counts renamed after the task's units (``tokens``, ``loss_tokens``; a
+        preference loss's ``loss_pairs``)."""
         metrics[self._key("s")] = metrics.pop("units")
-        metrics[f"loss_{self._key('s')}"] = metrics.pop("loss_units")
+        metrics[f"loss_{self.task.contract.loss_units_name}"] = metrics.pop("loss_units")
         return metrics
 
     def run_step(self) -> dict[str, float]:

@@ -38,7 +38,7 @@ import torch
 
 from veomni.config.schema import DataConfig
 from veomni.contract.media import BadMediaMember, MediaItem, MediaLayout, MediaModelConfig, collate_items
-from veomni.data.chat.media_jsonl import jsonl_record
+from veomni.data.chat.media_jsonl import RecordLayout, conversation_layout, jsonl_record
 from veomni.data.chat.record_check import check_chat_jsonl
 from veomni.data.chat.template import ChatEncoder, EncodedChat, chat_markup, layout_token_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
@@ -52,6 +52,11 @@ if TYPE_CHECKING:  # transformers loads in a second; only text datasets need it
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+class UnreadableMedia(Exception):
+    """A media item whose bytes do not decode: a worker skips and counts its sample (a damaged
+    file among many must not stop a run), the preference kinds' launcher check refuses it."""
 
 
 @dataclass
@@ -110,9 +115,9 @@ class SampleProcessor:
         return meta
 
     def media(self, record: dict) -> dict[str, list[MediaItem]]:
-        """Every media item processed (a form's by its encoder's config); raises whatever the processor
-        raises on a damaged item, and an ``InvalidSampleError`` naming the sample and member on a
-        ``BadMediaMember``."""
+        """Every media item processed (a form's by its encoder's config); an ``UnreadableMedia`` naming
+        the sample and the member (or the file it was read from) on a damaged item, and an
+        ``InvalidSampleError`` naming them on a ``BadMediaMember``."""
         out = {}
         for name, fields in self.media_fields(record).items():
             config, out[name] = self.encoder_configs[self.layout.encoder_of(name)], []
@@ -121,6 +126,10 @@ class SampleProcessor:
                     out[name].append(self.processors[name](record[member], config))
                 except BadMediaMember as error:
                     raise InvalidSampleError(f"sample {record.get('__key__')!r}: member {member!r}: {error}") from None
+                except Exception as error:  # noqa: BLE001 - a decoder raises what it likes on damaged bytes
+                    source = record.get("__sources__", {}).get(member, f"member {member!r}")
+                    raise UnreadableMedia(f"sample {record.get('__key__')!r}: {name} {source} does not decode "
+                                          f"({type(error).__name__}: {error})") from error
         return out
 
     def __call__(self, record: dict, add_generation_prompt: bool = False) -> ChatSample:
@@ -197,43 +206,44 @@ class MultimodalChatDataset(PackedTextDataset):
     def _pack(self, items: list[ChatSample]) -> dict:
         return next(iter(self.process.values())).pack(items)
 
-    def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> ChatSample | None:
-        """The processed sample, or None (counted as bad) when a media item does not decode or
-        the sample cannot fit a row."""
+    record_layout: RecordLayout = staticmethod(conversation_layout)
+    """How a jsonl record's JSON becomes the chat member of the record it stands for."""
+
+    def _make(self, process: SampleProcessor, record: dict) -> Any:
+        """The item of one record (a webdataset record, or what a jsonl line stands for)."""
+        return process(record)
+
+    def _problem(self, item: ChatSample) -> str:
+        """Why ``item`` cannot train under the run's data config ('' when it can)."""
+        if len(item.chat.ids) > self.cfg.max_seq_len or item.cost > self.cfg.tokens_per_micro_batch:
+            return (f"{len(item.chat.ids)} tokens / cost {item.cost} exceed data.max_seq_len={self.cfg.max_seq_len} "
+                    f"or data.tokens_per_micro_batch={self.cfg.tokens_per_micro_batch}")
+        return ""
+
+    def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> Any:
+        """The processed item, or None (counted as bad) when a media item does not decode or is
+        missing, or the item cannot fit a row."""
         process = self.process[spec.name]
         folder = self.jsonl_folder.get(spec.name)
         key, url = (None, spec.path) if folder is not None else (record.get("__key__"), record.get("__url__", "?"))
         try:
             if folder is not None:  # a jsonl line naming its files: read as the shard record it stands for
-                record = jsonl_record(record, folder, process.kinds, process.json_key)
+                record = jsonl_record(record, folder, process.kinds, process.json_key, self.record_layout)
                 key = record["__key__"]
-            sample = process(record)
+            item = self._make(process, record)
         except InvalidSampleError as error:
             raise InvalidSampleError(f"{url}: {error}") from error
         except Exception as error:  # noqa: BLE001 - a corrupt or missing media file must not stop the run
-            logger.warning(
-                "%s: sample %s skipped: a media item does not decode or is missing (%s: %s)",
-                url,
-                key,
-                type(error).__name__,
-                error,
-            )
+            logger.warning("%s: sample %s skipped: a media item does not decode or is missing (%s: %s)", url, key,
+                           type(error).__name__, error)
             count_bad(stats, url, self.max_bad_fraction)
             return None
-        if len(sample.chat.ids) > self.cfg.max_seq_len or sample.cost > self.cfg.tokens_per_micro_batch:
-            logger.warning(
-                "%s: sample %s skipped: %d tokens / cost %d exceed data.max_seq_len=%d or "
-                "data.tokens_per_micro_batch=%d",
-                url,
-                key,
-                len(sample.chat.ids),
-                sample.cost,
-                self.cfg.max_seq_len,
-                self.cfg.tokens_per_micro_batch,
-            )
+        problem = self._problem(item)
+        if problem:
+            logger.warning("%s: sample %s skipped: %s", url, key, problem)
             count_bad(stats, url, self.max_bad_fraction)
             return None
-        return sample
+        return item
 
 
 def jsonl_folder(path: str) -> Path:
@@ -247,9 +257,14 @@ def _build_chat_media(request: DatasetRequest) -> MultimodalChatDataset:
 
 
 def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
+    """``media_token_problems``, then every jsonl record and the media files it names (``record_check.py``)."""
+    return media_token_problems(cfg, model_config) or check_chat_jsonl(cfg, {**model_config.media_kinds(),
+                                                                             **model_config.media_layout().forms})
+
+
+def media_token_problems(cfg: DataConfig, model_config: Any) -> list[str]:
     """The text kind's checks, then room in the LLM's vocabulary for the tokenizer with one placeholder
-    token per modality added (the tokenizer and the model config suffice: a worker would meet it first),
-    then every jsonl record and the media files it names (``record_check.py``)."""
+    token per modality added (the tokenizer and the model config suffice: a worker would meet it first)."""
     problems = check_text_data(cfg, model_config)
     if problems:
         return problems
@@ -263,10 +278,8 @@ def check_chat_media_data(cfg: DataConfig, model_config: Any) -> list[str]:
         return [str(error)]
     markers = [*layout.tokens(), *markup.tokens()]
     problems = layout_token_problems(tokenizer, layout, markup)
-    if problems:
+    if problems or len(tokenizer) <= model_config.vocab_size:
         return problems
-    if len(tokenizer) <= model_config.vocab_size:
-        return check_chat_jsonl(cfg, {**model_config.media_kinds(), **layout.forms})
     return [f"model.llm.vocab_size={model_config.vocab_size} has no room for the placeholder tokens {markers}: the "
             f"tokenizer ({cfg.tokenizer}) holds {len(tokenizer)} tokens with them; raise model.llm.vocab_size to at "
             f"least {len(tokenizer)}"]

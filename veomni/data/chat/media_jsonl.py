@@ -11,19 +11,24 @@ from LLaMA-Factory or Qwen-VL's own fine-tuning scripts:
   {"type": "text", "text": "What is it?"}]}``: each media part becomes its kind's marker where it
   stands, its file the next item of that kind.
 
-Paths are relative to the jsonl file's folder, or absolute (a ``file://`` prefix is dropped). A file
-must end with one of its kind's member suffixes (an image ``png`` / ``jpg`` / ``jpeg`` / ``webp``, a
-Qwen-VL video ``npz`` as ``video.npz`` members hold). ``jsonl_record`` turns a record into the
-webdataset record the shards hold (the chat ``json`` member and one member per file, numbered in
-marker order), so ``SampleProcessor`` reads both alike: the same processing, the same rows.
+A media part may also name no file (``{"type": "image"}``, TRL's vision format): its marker stands
+there and its file is the next of the ``<kind>s`` list. Paths are relative to the jsonl file's
+folder, or absolute (a ``file://`` prefix is dropped). A file must end with one of its kind's member
+suffixes (an image ``png`` / ``jpg`` / ``jpeg`` / ``webp``, a Qwen-VL video ``npz`` as ``video.npz``
+members hold). ``jsonl_record`` turns a record into the webdataset record the shards hold (the chat
+``json`` member, one member per file numbered in marker order, and ``__sources__``: member -> the
+file it was read from, for messages), so ``SampleProcessor`` reads both alike: the same processing,
+the same rows. A ``RecordLayout`` makes the chat member from the record's JSON: a conversation's
+(``conversation_layout``), or a preference pair's (``veomni/data/chat/media_preference.py``).
 ``record_media`` is the part the launcher's pre-pass shares (``record_check.py``): the messages and
 the files a record names, without reading them.
 """
 
 from __future__ import annotations
 
+import errno
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,6 +88,8 @@ def _flat_turn(turn: Any, kinds: Mapping[str, MediaKindLike], inline: dict[str, 
         elif kind in kinds and isinstance(part.get(kind), str):
             text.append(kinds[kind].placeholder)
             inline[kind].append(part[kind])
+        elif kind in kinds and kind not in part:  # no file here: the next of the '<kind>s' list
+            text.append(kinds[kind].placeholder)
         else:
             known = ", ".join(["text", *kinds])
             raise InvalidSampleError(f"sample {key!r}: turn {index}: a content part must be {{'type': T, T: ...}} "
@@ -102,7 +109,20 @@ def member_field(kind: MediaKindLike, name: str) -> str | None:
     return next((field for field in kind.fields if field.rsplit(".", 1)[-1] == extension), None)
 
 
-def jsonl_record(line: bytes, folder: Path, kinds: Mapping[str, MediaKindLike], json_key: str) -> dict:
+RecordLayout = Callable[[Any, Mapping[str, MediaKindLike], str], tuple[dict, dict[str, list[str]]]]
+"""(a jsonl record's JSON object, the kinds, its key) -> (the chat member's object with string contents,
+kind -> the files it names in marker order); an ``InvalidSampleError`` saying what is wrong."""
+
+
+def conversation_layout(obj: Any, kinds: Mapping[str, MediaKindLike], key: str) -> tuple[dict, dict[str, list[str]]]:
+    """A conversation record's chat member: its other fields and its ``messages`` (``record_media``)."""
+    messages, files = record_media(obj, kinds, key)
+    meta = {k: v for k, v in obj.items() if k not in ("conversations", *(f"{name}s" for name in kinds))}
+    return {**meta, "messages": messages}, files
+
+
+def jsonl_record(line: bytes, folder: Path, kinds: Mapping[str, MediaKindLike], json_key: str,
+                 layout: RecordLayout = conversation_layout) -> dict:
     """The webdataset record of a jsonl line (see the module docstring): the files are read here, so a
     missing one raises ``FileNotFoundError`` (the loader skips and counts the sample)."""
     key = line[:60].decode("utf-8", "replace").strip()
@@ -111,14 +131,17 @@ def jsonl_record(line: bytes, folder: Path, kinds: Mapping[str, MediaKindLike], 
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InvalidSampleError(f"sample {key!r} is not a utf-8 JSON object ({error})") from None
     key = record_key(obj, key)
-    messages, files = record_media(obj, kinds, key)
-    meta = {k: v for k, v in obj.items() if k not in ("conversations", *(f"{name}s" for name in kinds))}
-    record = {"__key__": key, json_key: json.dumps({**meta, "messages": messages}).encode()}
+    member, files = layout(obj, kinds, key)
+    record: dict[str, Any] = {"__key__": key, json_key: json.dumps(member).encode(), "__sources__": {}}
     for name, names in files.items():
         for index, file in enumerate(names):
             field = member_field(kinds[name], file)
             if field is None:
                 raise InvalidSampleError(f"sample {key!r}: {name} file {file!r} has none of the extensions "
                                          f"{[f.rsplit('.', 1)[-1] for f in kinds[name].fields]}")
-            record[f"{index:05d}.{field}"] = media_path(folder, file).read_bytes()
+            path = media_path(folder, file)
+            if not path.is_file():
+                raise FileNotFoundError(errno.ENOENT, f"sample {key!r}: {name} file not found", str(path))
+            record[f"{index:05d}.{field}"] = path.read_bytes()
+            record["__sources__"][f"{index:05d}.{field}"] = str(path)
     return record

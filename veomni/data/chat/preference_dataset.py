@@ -21,7 +21,7 @@ inconsistently), when a half is longer than ``data.max_seq_len``, or when the pa
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +54,8 @@ class PairTokens:
         return len(self.chosen.ids) + len(self.rejected.ids)
 
 
-def pair_messages(obj: Any, key: str) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
-    """``(prompt, chosen, rejected)`` messages of one pair object; an ``InvalidSampleError`` saying
-    what is wrong."""
+def check_pair_lists(obj: Any, key: str) -> None:
+    """An ``InvalidSampleError`` unless ``obj`` holds non-empty ``prompt``, ``chosen`` and ``rejected`` lists."""
     if not isinstance(obj, Mapping):
         raise InvalidSampleError(f"pair {key!r}: expected an object with 'prompt', 'chosen' and 'rejected' lists")
     for name in ("prompt", *HALVES):
@@ -65,6 +64,12 @@ def pair_messages(obj: Any, key: str) -> tuple[list[dict[str, str]], list[dict[s
             state = "is missing" if name not in obj else "is empty" if turns == [] else "is not a list of messages"
             raise InvalidSampleError(f"pair {key!r}: {name!r} {state} (TRL's conversational preference format: "
                                      "prompt, chosen and rejected are lists of messages)")
+
+
+def pair_messages(obj: Any, key: str) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+    """``(prompt, chosen, rejected)`` messages of one pair object; an ``InvalidSampleError`` saying
+    what is wrong."""
+    check_pair_lists(obj, key)
     prompt_turns = len(obj["prompt"])
     halves = []
     for name in HALVES:
@@ -82,17 +87,24 @@ def encode_pair(chat: TemplateChat, obj: Any, key: str) -> PairTokens:
     return PairTokens(chat.encode_reply(prompt, chosen, key), chat.encode_reply(prompt, rejected, key))
 
 
-def pair_problem(pair: PairTokens, key: str, cfg: DataConfig) -> str:
-    """Why a well-formed pair cannot train under ``cfg`` ('' when it can): nothing is ever cut."""
-    for name, half in zip(HALVES, (pair.chosen, pair.rejected)):
-        if len(half.ids) > cfg.max_seq_len:
-            return (f"pair {key!r}: its {name} half has {len(half.ids)} tokens, over data.max_seq_len="
+def pair_problem(key: str, cfg: DataConfig, lengths: tuple[int, int], costs: tuple[int, int],
+                 what: str = "tokens") -> str:
+    """Why a well-formed pair cannot train under ``cfg`` ('' when it can): nothing is ever cut.
+    ``lengths``: each half's tokens; ``costs``: each half's cost in a micro-batch, in ``what``."""
+    for name, length in zip(HALVES, lengths):
+        if length > cfg.max_seq_len:
+            return (f"pair {key!r}: its {name} half has {length} tokens, over data.max_seq_len="
                     f"{cfg.max_seq_len}; raise it or drop the pair")
-    if pair.size > cfg.tokens_per_micro_batch:
-        return (f"pair {key!r} has {pair.size} tokens (chosen {len(pair.chosen.ids)} + rejected "
-                f"{len(pair.rejected.ids)}) and cannot fit a micro-batch of data.tokens_per_micro_batch="
-                f"{cfg.tokens_per_micro_batch}; both halves must share one, so raise it or drop the pair")
+    if sum(costs) > cfg.tokens_per_micro_batch:
+        return (f"pair {key!r} has {sum(costs)} {what} (chosen {costs[0]} + rejected {costs[1]}) and cannot fit a "
+                f"micro-batch of data.tokens_per_micro_batch={cfg.tokens_per_micro_batch}; both halves must share "
+                "one, so raise it or drop the pair")
     return ""
+
+
+def token_pair_problem(pair: PairTokens, key: str, cfg: DataConfig) -> str:
+    lengths = (len(pair.chosen.ids), len(pair.rejected.ids))
+    return pair_problem(key, cfg, lengths, lengths)
 
 
 class ChatPreferenceDataset(ChatTextDataset):
@@ -110,7 +122,7 @@ class ChatPreferenceDataset(ChatTextDataset):
         try:
             key, obj = record_object(record, self.formats[spec.name], spec.text_key)
             pair = encode_pair(self.chat, obj, key)
-            problem = pair_problem(pair, key, self.cfg)
+            problem = token_pair_problem(pair, key, self.cfg)
             if problem:
                 raise InvalidSampleError(problem)
         except InvalidSampleError as error:  # the launcher refuses these; data changed since?
@@ -120,7 +132,7 @@ class ChatPreferenceDataset(ChatTextDataset):
         return pair
 
 
-def _records(path: str, fmt: str) -> Iterator[tuple[str, str, Any]]:
+def records_of(path: str, fmt: str) -> Iterator[tuple[str, str, Any]]:
     """``(file and line or member, format, raw record)`` of every record under ``path``."""
     fmt, files = resolve_files(path, fmt)
     for file in files:
@@ -134,24 +146,29 @@ def _records(path: str, fmt: str) -> Iterator[tuple[str, str, Any]]:
                     yield f"{file}:{number}", fmt, line
 
 
-def read_preferred_conversations(path: str, text_key: str = "json") -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """Each good pair of a split as the conversation it prefers (prompt + chosen), in file order: what
-    a preference run's greedy answers are scored against (``veomni.eval.chat_exact_match``); bad
-    pairs are skipped with a warning."""
-    for where, fmt, record in _records(path, "auto"):
+def read_pair_conversations(path: str, text_key: str = "json"
+                            ) -> Iterator[tuple[str, list[dict[str, str]], list[dict[str, str]]]]:
+    """Each good pair of a split as its two conversations, ``(key, prompt + chosen, prompt +
+    rejected)``, in file order: what a preference run's greedy answers are scored against
+    (``veomni.eval.chat_exact_match``); bad pairs are skipped with a warning."""
+    for where, fmt, record in records_of(path, "auto"):
         try:
             key, obj = record_object(record, fmt, text_key)
-            prompt, chosen, _ = pair_messages(obj, key)
+            prompt, chosen, rejected = pair_messages(obj, key)
         except InvalidSampleError as error:
             logger.warning("%s: skipped: %s", where, error)
             continue
-        yield key, [*prompt, *chosen]
+        yield key, [*prompt, *chosen], [*prompt, *rejected]
 
 
-def preference_problems(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """Every pair of the train sources and the eval split read, rendered and sized: a problem per bad
-    pair (the first ``MAX_LISTED``), naming file and record, and the count of the rest."""
-    chat = TemplateChat(tokenizer)
+PairCheck = Callable[[str, str, str, Any, str], str]
+"""(the source's path, where: file and line or member, format, raw record, its text key) -> why the pair
+is refused, or ''."""
+
+
+def pair_problems(cfg: DataConfig, kind: str, check: PairCheck) -> list[str]:
+    """``check`` on every pair of the train sources and the eval split: a problem per bad pair (the
+    first ``MAX_LISTED``), naming file and record, and the count of the rest."""
     paths = [(s.path, s.format or cfg.format, s.text_key or cfg.text_key) for s in cfg.sources] or \
         [(cfg.train_path, cfg.format, cfg.text_key)]
     if cfg.eval_path:
@@ -159,19 +176,29 @@ def preference_problems(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> 
     problems: list[str] = []
     bad = 0
     for path, fmt, text_key in paths:
-        for where, found, record in _records(path, fmt):
-            try:
-                key, obj = record_object(record, found, text_key)
-                problem = pair_problem(encode_pair(chat, obj, key), key, cfg)
-            except InvalidSampleError as error:
-                problem = str(error)
+        for where, found, record in records_of(path, fmt):
+            problem = check(path, where, found, record, text_key)
             if problem:
                 bad += 1
                 if len(problems) < MAX_LISTED:
-                    problems.append(f"data (chat_preference): {where}: {problem}")
+                    problems.append(f"data ({kind}): {where}: {problem}")
     if bad > len(problems):
-        problems.append(f"data (chat_preference): {bad - len(problems)} more bad pairs not listed")
+        problems.append(f"data ({kind}): {bad - len(problems)} more bad pairs not listed")
     return problems
+
+
+def preference_problems(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Every pair read, rendered and sized (``pair_problems``)."""
+    chat = TemplateChat(tokenizer)
+
+    def check(path: str, where: str, fmt: str, record: Any, text_key: str) -> str:
+        try:
+            key, obj = record_object(record, fmt, text_key)
+            return token_pair_problem(encode_pair(chat, obj, key), key, cfg)
+        except InvalidSampleError as error:
+            return str(error)
+
+    return pair_problems(cfg, "chat_preference", check)
 
 
 def check_preference_data(cfg: DataConfig, model_config: Any) -> list[str]:

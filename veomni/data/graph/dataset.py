@@ -35,11 +35,10 @@ from typing import Any
 
 import torch
 
-from veomni.config.schema import DataConfig
-from veomni.contract.graph_model import GraphModelConfig
-from veomni.data.graph.format import GraphData, check_graph, load_graph, read_manifest
-from veomni.data.graph.partition import chunk_nodes, metis_binding, partition_nodes
-from veomni.data.graph.views import edge_weights, empty_view, partition_views, split_labels
+from veomni.data.graph.format import read_manifest
+from veomni.data.graph.sampled import SampledGraphDataset
+from veomni.data.graph.source import check_graph_data, config_problems, model_problems, prepared_graph
+from veomni.data.graph.views import empty_view, partition_views, split_labels
 from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
 from veomni.errors import BadConfig, BadData
 
@@ -126,25 +125,11 @@ class GraphDataset(ResumableDataset):
         self.resume_at((merged["epoch"], 0))
 
 
-@functools.lru_cache(maxsize=1)
-def _prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int, chunks: int,
-                    seed: int) -> tuple[GraphData, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(graph, normalised edges, their weights, each node's partition, each node's chunk)."""
-    graph = load_graph(folder)
-    problems = check_graph(graph)
-    if problems:
-        raise BadData("the graph cannot be trained on: " + "; ".join(problems))
-    edges, weights = edge_weights(graph.edge_index, graph.num_nodes, norm, graph.edge_weight)
-    part = partition_nodes(graph.edge_index, graph.num_nodes, parts, method, seed)
-    chunk = chunk_nodes(graph.edge_index, part, parts, chunks, method, seed)
-    return graph, edges, weights, part, chunk
-
-
 @functools.lru_cache(maxsize=2)
 def _rank_views(folder: str, sha256: str, norm: str, method: str, parts: int, chunks: int, seed: int, rank: int,
                 split: str, stale_gradients: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """(chunk views, whole view) of one rank and split; cached so each eval does not recut them."""
-    graph, edges, weights, part, chunk = _prepared_graph(folder, sha256, norm, method, parts, chunks, seed)
+    graph, edges, weights, part, chunk = prepared_graph(folder, sha256, norm, method, parts, chunks, seed)
     if split == "train":
         fields = {"x": graph.x, "labels": split_labels(graph.y, graph.train_mask)}
     else:
@@ -156,51 +141,9 @@ def _rank_views(folder: str, sha256: str, norm: str, method: str, parts: int, ch
     return chunk_views, whole
 
 
-def config_problems(cfg: DataConfig, model_config: Any) -> list[str]:
-    """What the recipe gets wrong before any graph is read."""
-    problems = []
-    if not isinstance(model_config, GraphModelConfig):
-        problems.append(f"data.kind graph feeds models whose config has in_features, num_classes and "
-                        f"neighbour_norm (veomni.ops.graph.GraphModelConfig); {type(model_config).__name__} "
-                        "does not: pick a graph model (model.arch) or another data.kind")
-    if cfg.num_workers:
-        problems.append(f"data.num_workers={cfg.num_workers}: the graph kind keeps the whole graph in the "
-                        "training process and yields precomputed views; set data.num_workers: 0")
-    if cfg.graph_partitioner == "metis" and metis_binding() is None:
-        problems.append("data.graph_partitioner: metis needs pymetis or pyg_lib installed (`pip install pymetis`); "
-                        "or use bfs / auto")
-    return problems
+def build_graph_dataset(request: DatasetRequest) -> ResumableDataset:
+    """Full-graph views, or sampled mini-batches when the recipe sets ``data.graph_fanouts``."""
+    return SampledGraphDataset(request) if request.cfg.graph_fanouts else GraphDataset(request)
 
 
-def model_problems(path: str, manifest: dict[str, Any], model_config: GraphModelConfig) -> list[str]:
-    """The model's input and output sizes against the graph's manifest."""
-    problems = []
-    if model_config.in_features != manifest["num_features"]:
-        problems.append(f"model.in_features={model_config.in_features}, but the graph {path} has "
-                        f"{manifest['num_features']} features per node; set model.in_features: "
-                        f"{manifest['num_features']}")
-    if model_config.num_classes != manifest["num_classes"]:
-        problems.append(f"model.num_classes={model_config.num_classes}, but the graph {path} has "
-                        f"{manifest['num_classes']} classes; set model.num_classes: {manifest['num_classes']}")
-    return problems
-
-
-def check_graph_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """The launcher's pre-flight: the recipe, then each graph folder read and checked whole (its
-    checksum, edges, masks, features, labels), so bad input fails before any worker starts."""
-    problems = config_problems(cfg, model_config)
-    if problems:
-        return problems
-    for key, path in (("data.train_path", cfg.train_path), ("data.eval_path", cfg.eval_path)):
-        if not path or (key == "data.eval_path" and path == cfg.train_path):
-            continue
-        try:
-            graph = load_graph(path)
-        except ValueError as exc:
-            problems.append(f"{key}: {exc}")
-            continue
-        problems += [f"{key}: {p}" for p in check_graph(graph) + model_problems(path, graph.manifest, model_config)]
-    return problems
-
-
-register_dataset(DatasetKind("graph", GraphDataset, check=check_graph_data))
+register_dataset(DatasetKind("graph", build_graph_dataset, check=check_graph_data))

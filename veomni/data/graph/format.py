@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from veomni.errors import BadData
@@ -178,16 +179,40 @@ def file_problems(folder: Path, manifest: dict[str, Any]) -> list[str]:
     return problems
 
 
-def load_graph(folder: str | Path) -> GraphData:
+def mapped_tensor(path: Path, name: str) -> torch.Tensor:
+    """Tensor ``name`` of a safetensors file as a copy-on-write memory map of the file: nothing is
+    read until its elements are, and then only their pages (sampled training's feature rows)."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        info = json.loads(handle.read(length))[name]
+    dtypes = {"F32": numpy.float32, "F16": numpy.float16, "F64": numpy.float64}
+    if info["dtype"] not in dtypes:
+        raise GraphFormatError(f"{path}: {name} is {info['dtype']}; memory-mapped features are F32, F16 or F64")
+    array = numpy.memmap(path, dtype=dtypes[info["dtype"]], mode="c", offset=8 + length + info["data_offsets"][0],
+                         shape=tuple(info["shape"]))
+    return torch.from_numpy(array)
+
+
+def _read_tensors(path: Path, map_features: bool) -> dict[str, torch.Tensor]:
+    if not map_features:
+        return load_file(str(path))
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys() if name != "x"}
+        mapped = "x" in handle.keys()
+    return {**tensors, "x": mapped_tensor(path, "x")} if mapped else tensors
+
+
+def load_graph(folder: str | Path, map_features: bool = False) -> GraphData:
     """Read a graph folder; its files are verified against the manifest's sizes and checksums
-    first. The contents are not checked here: call ``check_graph`` (the dataset kind does)."""
+    first. The contents are not checked here: call ``check_graph`` (the dataset kind does).
+    ``map_features``: ``x`` is memory-mapped (``mapped_tensor``), not read into memory."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     problems = file_problems(folder, manifest)
     if problems:
         raise GraphFormatError("; ".join(problems))
     try:
-        tensors = load_file(str(folder / TENSORS))
+        tensors = _read_tensors(folder / TENSORS, map_features)
     except SafetensorError as exc:
         raise GraphFormatError(f"{folder / TENSORS} does not parse ({exc}); {REBUILD_HINT}") from None
     missing = [name for name in FIELDS if name not in tensors]

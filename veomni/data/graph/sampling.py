@@ -16,7 +16,18 @@ of the full-graph aggregate (for the mean, exactly the mean over the sampled nei
 every fanout at -1 a mini-batch's targets get exactly their full-graph outputs and gradients.
 
 Reproducible and resumable: the order of the targets is drawn per epoch, and the neighbours per
-mini-batch, each from a generator seeded by (seed, epoch[, index]); the state is (epoch, position).
+mini-batch, each from a generator seeded by (seed, stream, epoch[, index]); the state is (epoch,
+position). ``stream`` keeps the draws of data-parallel ranks (each sampling around its own
+partition's targets) apart; ``batches`` fixes the mini-batches per epoch, so that ranks whose
+partitions hold different numbers of targets take the same number of steps: an epoch's targets are
+split into ``batches`` parts whose sizes differ by at most one (``torch.tensor_split``).
+
+``order``: ``random`` shuffles an epoch's targets; ``proximity`` puts them in breadth-first order
+from a seeded root (BGL's proximity-aware order, ``veomni/data/graph/order.py``), so consecutive
+mini-batches share neighbours and a feature cache hits more.
+
+Features are read through ``fields["x"]``: a tensor, or a ``FeatureStore``
+(``veomni/data/graph/features.py``) that serves rows from disk and counts what it read.
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ from collections.abc import Iterator
 
 import torch
 
+from veomni.data.graph.features import FeatureStore
+from veomni.data.graph.order import bfs_ranks
 from veomni.errors import BadConfig
 
 _MIX = 1_000_003
@@ -41,28 +54,35 @@ class NeighbourSampler:
     """Mini-batches of ``targets`` with their sampled blocks (see the module docstring).
 
     ``edge_index``/``edge_weight``: the whole graph's normalised edges (source, destination);
-    ``fields``: per-node tensors [N, ...] gathered for the input nodes (``x``) or the targets
-    (``labels`` and every other field).
+    ``fields``: per-node tensors [N, ...] gathered for the input nodes (``x``, also a
+    ``FeatureStore``) or the targets (``labels`` and every other field). ``stream`` and
+    ``batches``: see the module docstring (0 batches: ``ceil(targets / batch_size)``).
     """
 
     def __init__(self, edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, targets: torch.Tensor,
-                 fields: dict[str, torch.Tensor], batch_size: int, fanouts: list[int], seed: int = 0) -> None:
+                 fields: dict[str, torch.Tensor | FeatureStore], batch_size: int, fanouts: list[int], seed: int = 0,
+                 stream: int = 0, batches: int = 0, order: str = "random") -> None:
         if batch_size < 1:
             raise BadConfig(f"sampling batch_size is {batch_size}; give a positive number of target nodes")
+        if order not in ("random", "proximity"):
+            raise BadConfig(f"sampling order {order!r}: random or proximity")
         if not fanouts or any(f == 0 or f < -1 for f in fanouts):
             raise BadConfig(f"sampling fanouts {fanouts}: give one per message-passing layer, each a positive "
                             "number of neighbours or -1 for all of them")
         src, dst = edge_index[0].long(), edge_index[1].long()
-        order = torch.argsort(dst, stable=True)
-        self.source, self.weight = src[order], edge_weight[order].float()
+        by_destination = torch.argsort(dst, stable=True)
+        self.source, self.weight = src[by_destination], edge_weight[by_destination].float()
         self.degree = torch.bincount(dst, minlength=num_nodes)
         self.start = torch.cumsum(self.degree, 0) - self.degree
         self.num_nodes, self.targets, self.fields = num_nodes, targets.long(), fields
-        self.batch_size, self.fanouts, self.seed = batch_size, list(fanouts), seed
+        self.batch_size, self.fanouts, self.seed, self.stream = batch_size, list(fanouts), seed, stream
+        self.batches = batches or -(-self.targets.numel() // batch_size)
+        self.order = order
         self.epoch, self.position = 0, 0
+        self._split: tuple[int, list[torch.Tensor]] = (-1, [])
 
     def __len__(self) -> int:
-        return -(-self.targets.numel() // self.batch_size)
+        return self.batches
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -72,13 +92,29 @@ class NeighbourSampler:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """The rest of this epoch's mini-batches, from the saved position; then the next epoch."""
-        order = self.targets[torch.randperm(self.targets.numel(), generator=_generator(self.seed, self.epoch))]
         while self.position < len(self):
             index = self.position
-            batch = order[index * self.batch_size:(index + 1) * self.batch_size]
             self.position += 1
-            yield self.mini_batch(batch, _generator(self.seed, self.epoch, index + 1))
+            yield self.batch_at(self.epoch, index)
         self.epoch, self.position = self.epoch + 1, 0
+
+    def epoch_targets(self, epoch: int) -> list[torch.Tensor]:
+        """The targets of each mini-batch of ``epoch``, in order: a seeded permutation, split."""
+        if self._split[0] == epoch:
+            return self._split[1]
+        generator = _generator(self.seed, self.stream, epoch)
+        if self.order == "proximity":
+            ranks = bfs_ranks(self.source, self.start, self.degree, generator)
+            order = self.targets[torch.argsort(ranks[self.targets])]
+        else:
+            order = self.targets[torch.randperm(self.targets.numel(), generator=generator)]
+        self._split = (epoch, list(torch.tensor_split(order, self.batches)))
+        return self._split[1]
+
+    def batch_at(self, epoch: int, index: int) -> dict[str, torch.Tensor]:
+        """Mini-batch ``index`` of ``epoch``: a function of (seed, stream, epoch, index) only."""
+        targets = self.epoch_targets(epoch)[index]
+        return self.mini_batch(targets, _generator(self.seed, self.stream, epoch, index + 1))
 
     def mini_batch(self, targets: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """The blocks around ``targets`` and the fields the model and the loss read."""
@@ -87,7 +123,7 @@ class NeighbourSampler:
             nodes, edge_index, edge_weight = self._hop(nodes, fanout, generator)
             blocks.append((nodes.numel(), edge_index, edge_weight))
         blocks.reverse()
-        batch = {name: value[nodes] if name == "x" else value[targets] for name, value in self.fields.items()}
+        batch = {name: _rows(value, nodes if name == "x" else targets) for name, value in self.fields.items()}
         batch.update(nodes=nodes, targets=targets,
                      block_sizes=torch.tensor([size for size, _, _ in blocks] + [targets.numel()]))
         for layer, (_, edge_index, edge_weight) in enumerate(blocks):
@@ -119,3 +155,7 @@ class NeighbourSampler:
         scale = degree.double() / taken.clamp(min=1).double()
         weight = (self.weight[edge].double() * scale[owner]).float()
         return nodes, torch.stack([local[source], owner]), weight
+
+
+def _rows(field: torch.Tensor | FeatureStore, nodes: torch.Tensor) -> torch.Tensor:
+    return field.gather(nodes) if isinstance(field, FeatureStore) else field[nodes]

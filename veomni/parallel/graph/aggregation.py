@@ -14,6 +14,7 @@ from torch import nn
 
 from veomni.contract.graph_model import message_passing_modules
 from veomni.contract.plan import ParallelPlan
+from veomni.errors import BadConfig
 from veomni.ops.graph import BlockAggregation, NeighbourAggregation
 
 
@@ -30,6 +31,26 @@ def replace_aggregations(model: nn.Module, plan: ParallelPlan, make: Callable[[i
     return len(modules)
 
 
-def apply_block_sampling(model: nn.Module, plan: ParallelPlan) -> int:
-    """Make every message-passing module read its layer's block of a sampled mini-batch."""
+def block_sampling_problems(model: nn.Module, plan: ParallelPlan, hops: int, pp: int) -> list[str]:
+    """What stops sampled training of ``model`` with ``hops`` sampled hops (``data.graph_fanouts``)
+    under ``pp`` pipeline stages: the launcher's check, and the installer's."""
+    layers = len(message_passing_modules(model, plan.message_passing))
+    problems = []
+    if not layers:
+        problems.append(f"data.graph_fanouts: {type(model).__name__} has no message-passing layers to sample for")
+    elif hops != layers:
+        problems.append(f"data.graph_fanouts has {hops} entries, the model has {layers} message-passing layers: "
+                        f"give one fanout per layer (e.g. {[10] * layers}; -1 takes every neighbour)")
+    if pp > 1:
+        problems.append(f"data.graph_fanouts with parallel.pp={pp}: sampled mini-batches train data-parallel "
+                        "(each rank its own partition's targets); set parallel.pp: 1, or empty data.graph_fanouts "
+                        "for GNNPipe")
+    return problems
+
+
+def apply_block_sampling(model: nn.Module, plan: ParallelPlan, hops: int | None = None) -> int:
+    """Make every message-passing module read its layer's block of a sampled mini-batch; ``hops``:
+    the sampled hops, refused (``BadConfig``) unless one per message-passing module."""
+    if hops is not None and (problems := block_sampling_problems(model, plan, hops, 1)):
+        raise BadConfig("; ".join(problems))
     return replace_aggregations(model, plan, BlockAggregation, "sampled training")

@@ -92,7 +92,10 @@ class RunSummary:
     eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """The last eval's other task metrics, without the ``eval_`` prefix (``accuracy``...)."""
     eval_covered: int | None = None
-    """The loss units the last eval scored (``eval_loss_<unit>s``); None: not known."""
+    """The loss units the last eval scored (``eval_loss_<loss units>``); None: not known."""
+    loss_units: str = ""
+    """What the loss averages over, plural ("tokens", "pairs": ``BatchContract.loss_units_name``);
+    "" = the ``unit``'s plural."""
     eval_samples: int | None = None
     """The held-out samples the last eval scored (``eval_samples``); None: not known."""
     eval_batches: int = 0
@@ -193,8 +196,8 @@ def _eval_lines(s: RunSummary) -> list[str]:
                else "no eval batches: the data.eval_path split gave none")
         return ["eval loss".ljust(LABEL) + f"none ({why})"]
     base = s.baseline
-    if base is None:
-        return ["eval loss".ljust(LABEL) + f"{s.eval_loss:.4g}"]
+    if base is None or base.loss is None:
+        return ["eval loss".ljust(LABEL) + f"{s.eval_loss:.4g}"] + _chance_lines(s)
     unit = f" {base.unit}" if base.unit else ""
     lines = ["eval loss".ljust(LABEL) + f"{s.eval_loss:.3f}{unit} vs {base.loss:.3f} for {base.name}"]
     gap = base.loss - s.eval_loss
@@ -208,15 +211,24 @@ def _eval_lines(s: RunSummary) -> list[str]:
         perplexities = f"{math.exp(s.eval_loss):,.1f} vs {math.exp(base.loss):,.1f}"
         lines.append("perplexity".ljust(LABEL) + perplexities)
     lines += _wrapped("baseline", base.meaning[:1].upper() + base.meaning[1:] + ".")
-    return lines
+    return lines + _chance_lines(s)
+
+
+def _chance_lines(s: RunSummary) -> list[str]:
+    """Each eval share whose chance level the task knows, against it ("a coin: 50%")."""
+    levels = s.baseline.chance if s.baseline is not None else ()
+    shares = [f"{c.label} {s.eval_metrics[c.metric]:.1%} ({c.guess}: {c.level:.0%})"
+              for c in levels if c.metric in s.eval_metrics]
+    return _wrapped("vs chance", ", ".join(shares)) if shares else []
 
 
 def _coverage_lines(s: RunSummary) -> list[str]:
     """How much of the held-out set the eval scored, and whether that depends on the process count."""
     if s.eval_covered is None:
         return []
-    scored = (f"{s.eval_samples:,} samples ({s.eval_covered:,} {s.unit}s)" if s.eval_samples is not None
-              else f"{s.eval_covered:,} {s.unit}s")
+    units = s.loss_units or f"{s.unit}s"
+    scored = (f"{s.eval_samples:,} samples ({s.eval_covered:,} {units})" if s.eval_samples is not None
+              else f"{s.eval_covered:,} {units}")
     if s.eval_batches == 0:
         return _wrapped("eval covered", f"{scored}: the whole held-out set (train.eval_batches 0), the same at any "
                                         "process count")
@@ -276,7 +288,8 @@ def format_summary(s: RunSummary) -> str:
     if s.sample is not None:
         lines.append("sample".ljust(LABEL) + f"{s.sample_how}:")
         lines += _sample_lines(s.sample)
-        if s.baseline is not None and s.eval_loss is not None and s.eval_loss >= s.baseline.loss:
+        if s.baseline is not None and s.baseline.loss is not None and s.eval_loss is not None \
+                and s.eval_loss >= s.baseline.loss:
             lines.append("  (the eval loss is not below the baseline yet: expect little structure)")
     if s.stage:
         lines.append("next".ljust(LABEL) + "the build goes on to its next stage by itself")
@@ -296,7 +309,7 @@ def summary_record(s: RunSummary) -> dict[str, Any]:
     record["next_commands"] = [{"what": what, "command": command} for what, command in s.next_commands]
     if s.training is not None:
         record["training"][f"{s.unit}s_per_s"] = record["training"].pop("throughput")
-    if s.eval_loss is not None and s.baseline is not None:
+    if s.eval_loss is not None and s.baseline is not None and s.baseline.loss is not None:
         record["below_baseline"] = s.baseline.loss - s.eval_loss
         if s.baseline.perplexity:
             record["eval_perplexity"] = math.exp(s.eval_loss)

@@ -23,12 +23,14 @@ from veomni.adapters.lora import adapted_model, base_dtype
 from veomni.config.schema import RunConfig
 from veomni.contract import ModelSpec
 from veomni.contract.plan import flatten_plan
+from veomni.errors import BadInput
 from veomni.parallel.apply import PIPELINE_HOOKS, parallelize
 from veomni.parallel.graph.layer_pipeline import GraphPipeline
 from veomni.parallel.materialize import build_sharded
 from veomni.parallel.mesh import ParallelMeshes
 from veomni.parallel.pipeline.rows import empty_row
-from veomni.parallel.pipeline.stages import Pipeline, build_pipeline, build_stage_parts
+from veomni.parallel.pipeline.schedule import Pipeline
+from veomni.parallel.pipeline.stages import build_pipeline, build_stage_parts
 from veomni.parallel.pipeline.tied import aliases, tied_names
 from veomni.tasks.base import EvalBatch, Task
 from veomni.train.runners.graph_pipeline import GraphPipelineRunner
@@ -126,16 +128,27 @@ def model_recipe(cfg: RunConfig, spec: ModelSpec, model_config: Any, meshes: Par
     build = functools.partial(adapted_model, functools.partial(spec.instantiate, model_config), cfg.lora)
     recipe = functools.partial(parallelize, cfg=cfg.parallel, meshes=meshes, device_type=device.type,
                                row_tokens=cfg.data.tokens_per_micro_batch,
-                               frozen_dtype=base_dtype(cfg.lora, device.type, cfg.parallel.mixed_precision))
+                               frozen_dtype=base_dtype(cfg.lora, device.type, cfg.parallel.mixed_precision),
+                               graph_hops=len(cfg.data.graph_fanouts))
     return build, recipe
 
 
 def build_frozen_copy(cfg: RunConfig, spec: ModelSpec, model_config: Any, meshes: ParallelMeshes,
                       device: torch.device, initialise: Callable[[nn.Module], None]) -> nn.Module:
     """A second copy of the model (an objective's reference policy), built and sharded like the
-    trained one, with every parameter frozen and in eval mode: no runner steps or saves it."""
+    trained one, with every parameter frozen and in eval mode: no runner steps or saves it. Under
+    a pipeline, an ``nn.ModuleList`` of this rank's stages of it, cut as the trained model's."""
     build, recipe = model_recipe(cfg, spec, model_config, meshes, device)
-    model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
+    if meshes.dims.pp > 1:
+        parts, indices = build_stage_parts(build, initialise, recipe, cfg.parallel, cfg.train.grad_accum,
+                                           meshes.pp, device, hooks=PIPELINE_HOOKS)
+        if len(parts) != len(indices):
+            raise BadInput("a frozen copy of a pipelined model whose encoders run outside the stages "
+                           "(parallel.encoder_colocate) is not supported: set parallel.encoder_colocate false, or "
+                           "train with LoRA (lora.rank > 0: the reference is the base, no copy)")
+        model: nn.Module = nn.ModuleList(parts)
+    else:
+        model = build_sharded(build=build, initialise=initialise, parallelize=recipe, device=device)
     model.requires_grad_(False)
     return model.eval()
 

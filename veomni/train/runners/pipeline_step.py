@@ -22,12 +22,12 @@ from torch import nn
 
 from veomni.contract.hooks import CostModel, has_moe
 from veomni.parallel.pipeline.rows import pack_rows, pad_row
-from veomni.parallel.pipeline.stages import Pipeline
+from veomni.parallel.pipeline.schedule import Pipeline
 from veomni.parallel.row_split import RowSplit, shard_batch
 from veomni.tasks.base import BatchContract, Task
 from veomni.train.distributed import all_reduce_values
 from veomni.train.moe_stats import PipelineMoEStats
-from veomni.train.step import count_global_loss_units, step_flops
+from veomni.train.step import add_task_metrics, count_global_loss_units, step_flops, task_metric_means
 
 
 def pipeline_rows(micro_batches: list[dict[str, Any]], microbatches: int, length: int,
@@ -67,9 +67,16 @@ def pipeline_forward_backward(pipeline: Pipeline, task: Task, micro_batches: lis
     # Over the world: the loss lives on the last stages only (each rank's sum over its slices);
     # units and FLOPs of the whole rows are counted by every stage and every rank of a row.
     copies = pp_size * row_ranks
-    total_loss, total_units, total_flops = all_reduce_values([loss_sum, units, flops])
+    # A row-loss task's metrics (pair rewards, say) live on the last stages too; every rank knows their names.
+    names = sorted(pipeline.row_task.metric_names) if pipeline.row_task is not None else []
+    extra: dict[str, list[float]] = {}
+    for row_metrics in pipeline.row_metrics.values():
+        add_task_metrics(extra, row_metrics)
+    total_loss, total_units, total_flops, *totals = all_reduce_values(
+        [loss_sum, units, flops, *(v for name in names for v in extra.get(name, (0.0, 0)))])
     metrics = {"loss": total_loss / global_loss_units, "units": int(round(total_units / copies)),
                "loss_units": int(global_loss_units), "flops": total_flops / copies}
+    metrics.update(task_metric_means(names, totals))
     if moe is not None:
         metrics.update(moe.finish(loss_group, pipeline.pp_group))
     return metrics

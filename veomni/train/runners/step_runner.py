@@ -15,6 +15,7 @@ from veomni.contract import ModelSpec
 from veomni.optim import build_optimizer, build_scheduler
 from veomni.parallel.mesh import ParallelDims, ParallelMeshes
 from veomni.tasks.base import EvalBatch, Task
+from veomni.tasks.staged import StagedModel
 from veomni.train.distributed import all_reduce_values
 from veomni.train.fault.guard import StepGuard
 from veomni.train.step import task_metric_means
@@ -25,6 +26,9 @@ class StepRunner(Protocol):
     """The modules this rank holds (the model, or its pipeline stages): checkpointed and stepped."""
     whole_model: nn.Module | None
     """The model when every rank runs all of it (for decoding a sample), else None."""
+    pipeline: StagedModel | None
+    """The stages and their forward-only walk under ``parallel.pp`` (an objective's reference runs
+    through it), else None."""
     shards_rows: bool
     """True when the runner cuts rows to this rank's cp x sp positions itself (a pipeline joins a
     step's loader rows first): the trainer then hands it whole rows."""
@@ -49,6 +53,7 @@ class StepRunner(Protocol):
 
 class RunnerBase:
     shards_rows = False
+    pipeline: StagedModel | None = None
 
     def __init__(self, parts: list[nn.Module], cfg: RunConfig, spec: ModelSpec, model_config: Any, task: Task,
                  meshes: ParallelMeshes) -> None:
@@ -72,7 +77,8 @@ class RunnerBase:
             return {}
         # how much of the held-out set the loss covers, in samples and in the task's loss units: the
         # summary states it
-        result = {"eval_loss": total_loss / total_units, f"eval_loss_{self.task.contract.unit}s": round(total_units),
+        result = {"eval_loss": total_loss / total_units,
+                  f"eval_loss_{self.task.contract.loss_units_name}": round(total_units),
                   "eval_samples": round(total_samples / samples_divisor)}
         result.update({f"eval_{k}": v for k, v in task_metric_means(names, totals).items()})
         return result
