@@ -93,18 +93,19 @@ def write_chat_tokenizer(out: Path, base: Path = BASE_TOKENIZER) -> Path:
     return out
 
 
-def make_conversation(rng: random.Random) -> tuple[dict, str, str, str]:
-    """``(conversation, task, the last user list, the last answer)``."""
+def make_conversation(rng: random.Random, lengths: tuple[int, int] = (3, 6)) -> tuple[dict, str, str, str]:
+    """``(conversation, task, the last user list, the last answer)``; lists of ``lengths`` digits (inclusive)."""
     task = rng.choice(tuple(SYSTEM))
     messages = [{"role": "system", "content": SYSTEM[task]}]
     for _ in range(2 if rng.random() < TWO_EXCHANGES else 1):
-        digits = [str(rng.randrange(10)) for _ in range(rng.randint(3, 6))]
+        digits = [str(rng.randrange(10)) for _ in range(rng.randint(*lengths))]
         answer = digits[::-1] if task == "reverse" else sorted(digits)
         messages += [{"role": "user", "content": " ".join(digits)}, {"role": "assistant", "content": " ".join(answer)}]
     return {"messages": messages, "task": task}, task, messages[-2]["content"], messages[-1]["content"]
 
 
-def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str, Counter]:
+def write_split(out: Path, first_index: int, count: int, seed: int,
+                lengths: tuple[int, int] = (3, 6)) -> dict[str, Counter]:
     """``count`` conversations into ``out`` (staged, then renamed); the last answers' counts per task,
     and the echo baseline's hits under ``"echo"``."""
     import webdataset  # here, not at the top: it imports torch, and a cached run needs neither
@@ -115,7 +116,7 @@ def write_split(out: Path, first_index: int, count: int, seed: int) -> dict[str,
     echo: Counter = Counter()
     with webdataset.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=SAMPLES_PER_SHARD, verbose=0) as writer:
         for index in range(first_index, first_index + count):
-            conversation, task, question, answer = make_conversation(rng)
+            conversation, task, question, answer = make_conversation(rng, lengths)
             writer.write({"__key__": f"chat_{index:07d}", "json": json.dumps(conversation).encode()})
             answers[task][answer] += 1
             echo[task] += question == answer

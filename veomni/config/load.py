@@ -8,7 +8,7 @@ How a flag names a key:
 
 - In the open ``model`` section every dot nests, at any depth:
   ``--model.encoders.image.num_layers 3`` sets ``num_layers`` in ``model: encoders: image:``.
-- A closed section (data, parallel, train, checkpoint, log, lora, preference) holds flat fields: ``--train.foo.bar``
+- A closed section (data, parallel, train, checkpoint, log, lora, preference, rl) holds flat fields: ``--train.foo.bar``
   is an unknown key, ``--train.lr.x`` is nested too deep. Only a field typed ``dict`` takes a
   key below it, and everything after the field name is ONE key of that dict, dots included:
   ``--checkpoint.init.encoders.image /p`` sets the key ``"encoders.image"``.

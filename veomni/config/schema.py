@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from veomni.config.objective_settings import PreferenceConfig, RLConfig  # noqa: F401 - part of the schema
 from veomni.config.optim_schema import OptimConfig, ParamGroupConfig  # noqa: F401 - part of the schema
 
 
@@ -269,7 +270,8 @@ class TrainConfig:
     """Consecutive skipped steps after which ``on_bad_steps`` acts."""
     objective: str = "sft"
     """What the run optimises (``veomni/objectives/``): ``sft`` the family's own loss; ``dpo``, ``ipo``,
-    ``simpo`` preference optimisation on pairs (the ``preference`` section, docs/post_training.md); a
+    ``simpo`` preference optimisation on pairs (the ``preference`` section, docs/post_training.md); ``grpo``
+    online RL with verifiable rewards (the ``rl`` section); a
     plug-in may register more."""
     on_bad_steps: Literal["rollback", "stop"] = "rollback"
     """``rollback``: reload the newest checkpoint and go on with the data after the bad window (stops
@@ -346,21 +348,6 @@ class LoraConfig:
 
 
 @dataclass
-class PreferenceConfig:
-    """The preference objectives' settings (``train.objective: dpo | ipo | simpo``, docs/post_training.md)."""
-
-    beta: float = 0.1
-    """DPO / IPO: strength of the pull towards the reference (IPO's tau); SimPO: the reward scale."""
-    label_smoothing: float = 0.0
-    """DPO / SimPO: the probability that a pair's preference is flipped (conservative DPO); in [0, 0.5)."""
-    simpo_gamma: float = 0.5
-    """SimPO: the target reward margin gamma."""
-    rpo_alpha: float = 0.0
-    """Weight of the chosen reply's negative log-likelihood (mean over its tokens) added to each pair's
-    loss (RPO, TRL's ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, alpha]``); 0: none."""
-
-
-@dataclass
 class ModelConfig:
     """``arch`` picks a registered model family; ``plugins`` lists the packages that register
     families (module names or package folders, see ``veomni.contract.load_plugins``); the remaining
@@ -386,3 +373,4 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)

@@ -17,6 +17,7 @@ from veomni.data.chat import (  # noqa: F401  (register the kinds)
     media_dataset,
     media_preference,
     preference_dataset,
+    prompt_dataset,
     text_dataset,
 )
 from veomni.data.graph import dataset as graph_dataset  # noqa: F401

@@ -7,14 +7,8 @@ labels only on the replies (``veomni/data/chat/preference_dataset.py``, ``media_
 family's task gives the token logits (``LogitsTask.forward``); this task turns them into each
 reply's summed log-probability and the pair losses of ``preference_loss.py``.
 
-A reply's log-probability is a sum over its tokens and the losses are non-linear in it, so the
-sum must be whole before the loss. ``prepare`` (on the whole row, before any split) marks each
-position with its sample (``sample_index``, a sequence field, so sequence and context parallelism
-slice it with the tokens); each rank sums its own positions per sample and the sums are completed
-over the ranks holding the row's pieces with a differentiable all-reduce (its backward sums the
-gradients the same way). Every such rank then holds every pair's loss and counts every pair, so
-the step's usual normalisation (global loss units, gradients averaged over data x row ranks)
-gives the gradient of the mean pair loss.
+A reply's log-probability is a sum over its tokens, completed over the ranks holding the row's
+pieces before the loss (``sequence_logps.py``).
 
 Under a pipeline (``parallel.pp > 1``) the task is a ``RowLossTask`` (``veomni/tasks/staged.py``):
 the last stage holds every position of a row (pipelines with split rows are refused at launch), so
@@ -37,13 +31,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
-import torch.nn.functional as F
 from torch import nn
 
 from veomni.adapters.lora import adapters_disabled
@@ -56,64 +45,33 @@ from veomni.objectives.preference_loss import (
     indifferent_loss,
 )
 from veomni.objectives.registry import FrozenModels, Objective, ObjectiveRequest, register_objective
-from veomni.tasks.base import IGNORE_INDEX, Baseline, ChanceLevel, LossOutput, Task
+from veomni.objectives.sequence_logps import SAMPLE_INDEX, LogitsTask, SequenceLogpsTask, sample_index
+from veomni.tasks.base import Baseline, ChanceLevel, LossOutput
 from veomni.tasks.staged import StagedModel
 
-SAMPLE_INDEX = "sample_index"
-"""Sequence field: the packed sample each position belongs to (-1 on padding)."""
 REFERENCE_LOGPS = "reference_logps"
 """Pipeline row field, on the last stage: the reference's summed log-probability of each sample."""
 PAIR_METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
                 "logps_rejected")
 
 
-@runtime_checkable
-class LogitsTask(Task, Protocol):
-    """A task whose model gives next-token logits for its row (language modelling, VLM)."""
-
-    def forward(self, model: nn.Module, batch: dict) -> torch.Tensor: ...
-
-
-def sample_index(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
-    """[row length] the packed sample of each position; -1 on the padding up to ``length``."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    index = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
-    return index if length is None else F.pad(index, (0, length - len(index)), value=-1)
-
-
-class PreferenceTask:
+class PreferenceTask(SequenceLogpsTask):
     """The family's ``LogitsTask`` trained on pairs with one of ``PREFERENCE_LOSSES``; under a
     pipeline a ``RowLossTask`` (``veomni/tasks/staged.py``)."""
 
     def __init__(self, inner: LogitsTask, loss: PairLossFn, options: PreferenceOptions) -> None:
-        self.inner, self.loss, self.options = inner, loss, options
+        super().__init__(inner, loss_unit="pair")
+        self.loss, self.options = loss, options
         self.metric_names = PAIR_METRICS + (("nll_chosen",) if options.rpo_alpha else ())
-        contract = inner.contract
-        self.contract = replace(contract, sequence_fields=(*contract.sequence_fields, SAMPLE_INDEX),
-                                pad_values={**contract.pad_values, SAMPLE_INDEX: -1}, loss_unit="pair")
-        self.labels = contract.target or "labels"
-        self.reference: Callable[[dict], torch.Tensor] | None = None
-        """batch -> the reference's per-token log-probabilities (set by ``attach``; None: reference-free)."""
         self.staged_reference: Callable[[list[dict]], list[torch.Tensor | None]] | None = None
         """Under a pipeline: rows -> per row, the reference's per-sample sums (None off the last stage)."""
-        self.row_group: dist.ProcessGroup | None = None
 
     def attach(self, models: FrozenModels, needs_reference: bool) -> None:
-        self.row_group = models.row_group
-        if not needs_reference:
+        if models.pipeline is None or not needs_reference:
+            super().attach(models, needs_reference)
             return
-        if models.pipeline is not None:
-            self.staged_reference = self._staged_reference(models, models.pipeline)
-        elif models.adapters:
-            policy = models.policy
-
-            def reference(batch: dict) -> torch.Tensor:
-                with adapters_disabled(policy):
-                    return self.token_logps(policy, batch)
-            self.reference = reference
-        else:
-            copy = models.frozen_copy()
-            self.reference = lambda batch: self.token_logps(copy, batch)
+        self.row_group = models.row_group
+        self.staged_reference = self._staged_reference(models, models.pipeline)
 
     def _staged_reference(self, models: FrozenModels,
                           pipeline: StagedModel) -> Callable[[list[dict]], list[torch.Tensor | None]]:
@@ -126,7 +84,7 @@ class PreferenceTask:
         @torch.no_grad()
         def reference(rows: list[dict]) -> list[torch.Tensor | None]:
             with switch():
-                return [None if out is None else self.sample_sums(self.logits_logps(out, row), row)[0]
+                return [None if out is None else self.sample_sums(self.target_logps(out, row), row)[0]
                         for row, out in zip(rows, pipeline.forward_rows(rows, parts))]
         return reference
 
@@ -141,26 +99,8 @@ class PreferenceTask:
     def count_loss_units(self, batch: dict) -> int:
         return (int(batch["cu_seqlens"].numel()) - 1) // 2
 
-    def logits_logps(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
-        """[local row] log-probability of each position's target (0 where there is none)."""
-        return -F.cross_entropy(logits.float(), batch[self.labels], ignore_index=IGNORE_INDEX, reduction="none")
-
-    def token_logps(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return self.logits_logps(self.inner.forward(model, batch), batch)
-
-    def sample_sums(self, token_logps: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sample of the row's pairs: the summed log-probability of its targets and their count,
-        completed over the ranks holding pieces of the row (the sum differentiably)."""
-        samples = 2 * self.count_loss_units(batch)  # a pipeline's filler row holds one sample and no pair
-        index = batch[SAMPLE_INDEX]
-        targets = (batch[self.labels] != IGNORE_INDEX) & (index >= 0) & (index < samples)
-        where = index[targets]
-        sums = token_logps.new_zeros(samples).index_add(0, where, token_logps[targets])
-        counts = token_logps.new_zeros(samples).index_add(0, where, torch.ones_like(where, dtype=sums.dtype))
-        if self.row_group is not None:
-            sums = dist_nn.all_reduce(sums, group=self.row_group)
-            dist.all_reduce(counts, group=self.row_group)
-        return sums, counts
+    def summed_samples(self, batch: dict) -> int:
+        return 2 * self.count_loss_units(batch)  # a pipeline's filler row holds one sample and no pair
 
     def pairs(self, token_logps: torch.Tensor, batch: dict, ref_sums: torch.Tensor | None) -> PairLogps:
         sums, counts = self.sample_sums(token_logps, batch)
@@ -203,7 +143,7 @@ class PreferenceTask:
 
     def row_loss(self, output: torch.Tensor, row: dict) -> LossOutput:
         """A pipeline row's pair losses from the last stage's logits."""
-        return self.pair_loss(self.pairs(self.logits_logps(output, row), row, row.get(REFERENCE_LOGPS)))
+        return self.pair_loss(self.pairs(self.target_logps(output, row), row, row.get(REFERENCE_LOGPS)))
 
     def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise TypeError("a preference loss reads whole pairs: pipelines call row_loss (a RowLossTask)")

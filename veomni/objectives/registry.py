@@ -25,7 +25,9 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -61,6 +63,25 @@ class FrozenModels:
     """The policy's pipeline under ``parallel.pp > 1``, else None."""
 
 
+@dataclass(frozen=True)
+class FeedRequest:
+    """What an objective that makes its own batches builds its feed from (``Objective.feed``)."""
+
+    feed: Any
+    """The run's data feed: ``next_step()`` gives this rank's micro-batches of the data kind,
+    ``step_metrics()`` its metrics."""
+    tokenizer: Any
+    device: torch.device
+    lockstep_group: dist.ProcessGroup | None
+    """The ranks that must run the same number of forward passes (FSDP gathers); None: one process."""
+    metrics_group: dist.ProcessGroup | None
+    """The data-parallel ranks over which per-rank metrics are summed; None: one process."""
+    seed: int
+    dp_rank: int
+    start_step: int
+    """The step the run starts at (after a resume)."""
+
+
 @dataclass
 class Objective:
     name: str
@@ -68,6 +89,12 @@ class Objective:
     """The task the run trains and evaluates with."""
     attach: Callable[[FrozenModels], None] | None = None
     """Called once after the policy is built; None: the objective needs no model of its own."""
+    feed: Callable[[FeedRequest], Any] | None = None
+    """Builds the feed the run trains from (``next_step()``, ``step_metrics()``) out of the data
+    kind's (online RL: rollouts from prompts), once attached; None: the data kind's batches."""
+    evaluates: bool = True
+    """Whether the held-out data are scored with the task's loss (false: the objective's data are
+    not what its task takes, e.g. prompts)."""
 
 
 ObjectiveFactory = Callable[[ObjectiveRequest], Objective]
@@ -84,15 +111,18 @@ class ObjectiveEntry:
     """Full frozen copies of the policy it holds when the run has no LoRA."""
     data_kinds: tuple[str, ...] = ()
     """The dataset kinds whose batches it can read (empty: any)."""
+    checks: Callable[[RunConfig], list[str]] | None = None
+    """The launcher's further checks of the run's settings for it (problems; empty: none)."""
 
 
 _OBJECTIVES: dict[str, ObjectiveEntry] = {}
 
 
 def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0,
-                       data_kinds: tuple[str, ...] = (), pipelines_split_rows: bool = False) -> None:
+                       data_kinds: tuple[str, ...] = (), pipelines_split_rows: bool = False,
+                       checks: Callable[[RunConfig], list[str]] | None = None) -> None:
     """Make ``train.objective: <name>`` build its objective with ``build``."""
-    entry = ObjectiveEntry(build, pipelines, pipelines_split_rows, frozen_copies, data_kinds)
+    entry = ObjectiveEntry(build, pipelines, pipelines_split_rows, frozen_copies, data_kinds, checks)
     if _OBJECTIVES.get(name, entry) != entry:
         raise ValueError(f"objective {name!r} is already registered")
     _OBJECTIVES[name] = entry
@@ -129,7 +159,7 @@ def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
         return [f"train.objective={cfg.train.objective} runs under a pipeline with whole rows only (parallel.pp="
                 f"{parallel.pp} with sp={parallel.sp}, cp={parallel.cp}): set parallel.sp and parallel.cp to 1, or "
                 "parallel.pp to 1 (sequence and context parallelism then apply)"]
-    return []
+    return entry.checks(cfg) if entry.checks is not None else []
 
 
 def frozen_copies(cfg: RunConfig) -> int:

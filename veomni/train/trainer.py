@@ -36,7 +36,7 @@ from veomni.contract import build_config, get_model_spec, load_plugins
 from veomni.data.build_loader import run_data
 from veomni.data.feed import build_feed
 from veomni.errors import BadInput
-from veomni.objectives import FrozenModels, ObjectiveRequest, build_objective
+from veomni.objectives import FeedRequest, FrozenModels, ObjectiveRequest, build_objective
 from veomni.parallel.comm_counter import COMM_COUNTER
 from veomni.parallel.comm_counter import KINDS as COMM_KINDS
 from veomni.parallel.mesh import ParallelDims, build_mesh
@@ -131,6 +131,11 @@ class Trainer(RunEnd):
             self._restore(self.resume_path)
         self.feed = build_feed(cfg, self.train_loader, self.meshes, self.spec, self.device, self._pending,
                                all_reduce_values)
+        if self.objective.feed is not None:
+            world = dist.group.WORLD if self.dims.world_size > 1 else None
+            self.feed = self.objective.feed(FeedRequest(self.feed, self.tokenizer, self.device, world,
+                                                        self.meshes.dp.get_group() if self.dims.dp_size > 1 else None,
+                                                        cfg.train.seed, self.meshes.dp_rank, self.step))
         # goes into the next step's metrics only
         self._once: dict[str, Any] = restart_record(self.output_dir, self.step, cfg.train.max_restarts)
         self._timer = StepTimer()
@@ -247,7 +252,7 @@ class Trainer(RunEnd):
     def evaluate(self) -> dict[str, float]:
         """``eval_loss`` (the task's loss) and ``eval_<name>`` for each extra task metric; {} without
         eval data. Also sets ``last_eval`` and ``baseline`` (the task's, on the same eval batches)."""
-        if not self.cfg.data.eval_path:
+        if not self.cfg.data.eval_path or not self.objective.evaluates:
             return {}
         self.watchdog.beat(f"eval at step {self.step}")
         for part in self.parts:

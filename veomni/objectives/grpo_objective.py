@@ -1,0 +1,45 @@
+"""``train.objective: grpo``: the GRPO task, the built-in rollout engine and the rollout feed,
+put together and registered (docs/post_training.md, online RL).
+
+The trainer sees an ``Objective`` like any other: a task (``GRPOTask``), an ``attach`` that takes
+the policy (and the reference when ``rl.kl_coef > 0``), and a ``feed`` that turns the data kind's
+prompt micro-batches into rollout rows (``RolloutFeed``, generating with ``PolicyEngine``: the
+trained model in the training processes). Held-out prompts are scored by ``scripts/eval_chat.sh``,
+not by the task's loss (``evaluates=False``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from veomni.objectives.grpo import GRPOTask
+from veomni.objectives.grpo_loss import GRPOOptions
+from veomni.objectives.registry import FeedRequest, FrozenModels, Objective, ObjectiveRequest, register_objective
+from veomni.objectives.rewards import reward_problems
+from veomni.objectives.rollout import PolicyEngine
+from veomni.objectives.rollout_feed import RolloutFeed
+from veomni.objectives.sequence_logps import LogitsTask
+
+
+def build_grpo(request: ObjectiveRequest) -> Objective:
+    inner = request.task
+    if not isinstance(inner, LogitsTask):
+        raise ValueError("train.objective=grpo needs a task that gives token logits (a LogitsTask: language "
+                         f"modelling, VLM); the family's task {type(inner).__name__} does not")
+    rl = request.cfg.rl
+    options = GRPOOptions(rl.clip_low, rl.clip_high, rl.aggregation, rl.kl_coef, rl.kl_estimator, rl.max_new_tokens)
+    task = GRPOTask(inner, options)
+    policy: list[nn.Module] = []
+
+    def attach(models: FrozenModels) -> None:
+        policy.append(models.policy)
+        task.attach(models, rl.kl_coef > 0)
+
+    def feed(feed_request: FeedRequest) -> RolloutFeed:
+        engine = PolicyEngine(policy[0], feed_request.device, feed_request.lockstep_group)
+        return RolloutFeed(feed_request, rl, engine, policy[0])
+
+    return Objective("grpo", task, attach, feed=feed, evaluates=False)
+
+
+register_objective("grpo", build_grpo, frozen_copies=1, data_kinds=("chat_prompts",), checks=reward_problems)
