@@ -75,7 +75,7 @@ from veomni.data.video.encoders import (  # noqa: E402
     load_vae,
 )
 
-FORMAT_VERSION = 3  # 2: shard_records (what a damaged shard lost); 3: condition_channels and image_dim
+FORMAT_VERSION = 2  # 2: shard_records (records per shard, what a damaged shard lost; publish_split writes it)
 SAMPLES_PER_SHARD = 1000
 CLIPS_PER_BUFFER = 64
 PROGRESS_EVERY = 500
@@ -100,7 +100,7 @@ class Conditioning:
 def inputs_sha256(clips: Path, vae: Path, text_encoder: Path, conditioning: Conditioning = Conditioning()) -> str:
     """What the latents depend on: the clip manifests, every file of the VAE and encoder folders and
     the conditioning asked for."""
-    digest = hashlib.sha256(f"condition={conditioning.condition}".encode())
+    digest = hashlib.sha256(b"condition" if conditioning.condition else b"")  # a text-to-video cache keeps its hash
     files = [clips / split / MANIFEST for split in ("train", "eval")]
     folders = (vae, text_encoder) + ((conditioning.image_encoder,) if conditioning.image_encoder else ())
     files += sorted(p for folder in folders for p in folder.iterdir() if p.is_file())
