@@ -85,14 +85,21 @@ class DiTModel(nn.Module):
         return embedder(batch["image_states"]), batch["image_cu_seqlens"]
 
     def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                      encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
+                      encoder_hidden_states_image: torch.Tensor | None = None,
+                      clean_first_frame: bool = False) -> torch.Tensor:
         """diffusers' calling convention: latents [B, C, F, H, W] (image-to-video: the noisy latent
         and the condition concatenated on channels, as ``WanImageToVideoPipeline`` passes them),
         timestep [B], text states [B, L, text_dim], image states [B, L_img, image_dim] ->
-        prediction [B, C_out, F, H, W]."""
+        prediction [B, C_out, F, H, W]. ``clean_first_frame``: latent frame 0 holds a clean first
+        frame (first-frame conditioning; its tokens take timestep 0, as ``clean`` rows in training)."""
         patch = self.config.patch_size
         images = None if encoder_hidden_states_image is None else list(encoder_hidden_states_image)
         batch = pack_latents(list(latents), list(encoder_hidden_states), timestep, patch, images)
+        if clean_first_frame:
+            if self.config.first_frame_probability <= 0:
+                raise ValueError("sampling from a first frame needs a model trained with first-frame conditioning "
+                                 "(model.first_frame_probability > 0); this one was trained without it")
+            batch["clean"] = batch["positions"][:, 0] == 0
         return torch.stack(unpack_tokens(self(batch["latents"], batch), batch, patch))
 
     def parallel_plan(self) -> ParallelPlan:

@@ -15,6 +15,13 @@ Every prompt is sampled with its caption's real tokens only (no padding, as in t
 prompts whose token counts agree run as one batch. The initial noise of prompt i is the i-th
 draw of one generator seeded with ``seed``, so a seed fixes the result whatever the batching.
 Latents are stored normalised, ``(z - shift) · scaling``; decoding undoes that.
+
+**From a first frame** (``first_frames``; a model trained with ``first_frame_probability`` > 0,
+Wan2.2 TI2V style): the frame's latent (the VAE's posterior mean of the frame alone, normalised:
+latent frame 0 of a clip that starts with it, for a per-frame or a causal Wan VAE) replaces latent
+frame 0 before every model call and after the last step, and the model reads those tokens as
+``clean`` (timestep 0), as diffusers' ``WanPipeline`` with ``expand_timesteps`` does: the sampler
+and its schedule are otherwise unchanged, and the unconditional (guidance) input keeps the frame.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ class VideoDenoiser(Protocol):
 
     def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor,
                       encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """``latents`` [B, C, F, H, W], ``timestep`` [B], text [B, L, text_dim] -> prediction like ``latents``."""
+        """``latents`` [B, C, F, H, W], ``timestep`` [B], text [B, L, text_dim] -> prediction like ``latents``.
+        Sampling from a first frame also passes ``clean_first_frame=True`` (``DiTModel.forward_video``)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,13 @@ class LatentFormat:
         scaling = torch.tensor(self.scaling_factor, dtype=latents.dtype, device=latents.device).view(view)
         shift = torch.tensor(self.shift_factor, dtype=latents.dtype, device=latents.device).view(view)
         return latents / scaling + shift
+
+    def normalise(self, z: torch.Tensor) -> torch.Tensor:
+        """``[B, C, ...]`` the VAE's ``z`` -> stored latents ``(z - shift) · scaling`` (``denormalise`` undone)."""
+        view = (1, -1) + (1,) * (z.dim() - 2)
+        scaling = torch.tensor(self.scaling_factor, dtype=z.dtype, device=z.device).view(view)
+        shift = torch.tensor(self.shift_factor, dtype=z.dtype, device=z.device).view(view)
+        return (z - shift) * scaling
 
     def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """``[C, F', H', W']`` of a clip of ``frames`` x ``height`` x ``width`` pixels."""
@@ -173,8 +188,10 @@ class VideoPipeline:
 
     @torch.no_grad()
     def sample_latents(self, prompts: list[str], frames: int, height: int, width: int, steps: int = 30,
-                       guidance: float = 4.0, seed: int = 0, objective: Objective | None = None) -> torch.Tensor:
-        """Normalised latents [B, C, F', H', W'] for ``prompts`` at ``frames`` x ``height`` x ``width`` pixels."""
+                       guidance: float = 4.0, seed: int = 0, objective: Objective | None = None,
+                       first_frames: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalised latents [B, C, F', H', W'] for ``prompts`` at ``frames`` x ``height`` x ``width`` pixels;
+        ``first_frames`` [B, C, 1, H', W'] (normalised latents): latent frame 0 held to them (module docstring)."""
         if not prompts:
             raise ValueError("no prompts to sample")
         if steps < 1:
@@ -185,6 +202,9 @@ class VideoPipeline:
         shape = self.latents.latent_shape(frames, height, width)
         generator = torch.Generator().manual_seed(seed)
         noise = torch.randn((len(prompts), *shape), generator=generator, dtype=torch.float32)
+        if first_frames is not None and tuple(first_frames.shape) != (len(prompts), shape[0], 1, *shape[2:]):
+            raise ValueError(f"first frame latents of shape {list(first_frames.shape)}, the sampler needs "
+                             f"{[len(prompts), shape[0], 1, *shape[2:]]} (one per prompt, at the clip's size)")
         texts = self.encode_prompts(prompts)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, text in enumerate(texts):
@@ -193,31 +213,50 @@ class VideoPipeline:
         for members in groups.values():
             x = noise[members].to(self.device)
             text = torch.stack([texts[i] for i in members])
+            first = None if first_frames is None else first_frames[members].to(self.device, torch.float32)
             sampler = self._flow if objective == "flow" else self._ddim
-            out[members] = sampler(x, text, steps, guidance).float().cpu()
+            out[members] = _hold(sampler(x, text, steps, guidance, first), first).float().cpu()
         return out
 
-    def _velocity(self, x: torch.Tensor, timestep: float | int, text: torch.Tensor, guidance: float) -> torch.Tensor:
+    def _velocity(self, x: torch.Tensor, timestep: float | int, text: torch.Tensor, guidance: float,
+                  first: torch.Tensor | None) -> torch.Tensor:
         t = torch.full((x.shape[0],), float(timestep), device=self.device)
-        conditional = self.model.forward_video(x, t, text).float()
+        x = _hold(x, first)
+        extra = {} if first is None else {"clean_first_frame": True}
+        conditional = self.model.forward_video(x, t, text, **extra).float()
         if guidance == 1.0:
             return conditional
         empty = torch.zeros(x.shape[0], 1, text.shape[-1], device=self.device, dtype=text.dtype)
-        return guided(conditional, self.model.forward_video(x, t, empty).float(), guidance)
+        return guided(conditional, self.model.forward_video(x, t, empty, **extra).float(), guidance)
 
-    def _flow(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
+    def _flow(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float,
+              first: torch.Tensor | None) -> torch.Tensor:
         sigmas = self.flow_sigmas(tuple(x.shape[1:]), steps).tolist()
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            x = euler_flow_step(x, self._velocity(x, 1000 * sigma, text, guidance), sigma, sigma_next)
+            x = euler_flow_step(x, self._velocity(x, 1000 * sigma, text, guidance, first), sigma, sigma_next)
         return x
 
-    def _ddim(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
+    def _ddim(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float,
+              first: torch.Tensor | None) -> torch.Tensor:
         scheduler = ddim_scheduler(self.task)
         scheduler.set_timesteps(steps)
         for step in scheduler.timesteps:
-            epsilon = self._velocity(x, int(step), text, guidance)
+            epsilon = self._velocity(x, int(step), text, guidance, first)
             x = scheduler.step(epsilon, step, x).prev_sample
         return x
+
+    @torch.no_grad()
+    def encode_frames(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 images [B, H, W, 3] -> normalised latents [B, C, 1, H', W'] of each image alone (the VAE's
+        posterior mean, as the latent precompute takes it)."""
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"first frames must be uint8 [B, H, W, 3]; got {frames.dtype} {list(frames.shape)}")
+        pixels = torch.from_numpy(frames).to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1
+        if self.latents.temporal_factor == 1:  # an image VAE
+            z = self.vae.encode(pixels).latent_dist.mean[:, :, None]
+        else:  # Wan's causal VAE: a one-frame clip is latent frame 0 of any clip starting with it
+            z = self.vae.encode(pixels[:, :, None]).latent_dist.mean
+        return self.latents.normalise(z.float()).cpu()
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
@@ -233,11 +272,19 @@ class VideoPipeline:
         return pixels.permute(0, 1, 3, 4, 2).cpu().numpy()
 
     def generate(self, prompts: list[str], frames: int, height: int, width: int, steps: int = 30,
-                 guidance: float = 4.0, seed: int = 0) -> np.ndarray:
-        """uint8 clips [B, F, H, W, 3] for ``prompts`` (the model is put in eval mode and restored after)."""
+                 guidance: float = 4.0, seed: int = 0, first_frames: np.ndarray | None = None) -> np.ndarray:
+        """uint8 clips [B, F, H, W, 3] for ``prompts``, from ``first_frames`` (uint8 [B, H, W, 3]) when given
+        (the model is put in eval mode and restored after)."""
         was_training = self.model.training
         self.model.eval()
         try:
-            return self.decode(self.sample_latents(prompts, frames, height, width, steps, guidance, seed))
+            first = None if first_frames is None else self.encode_frames(first_frames)
+            return self.decode(self.sample_latents(prompts, frames, height, width, steps, guidance, seed,
+                                                   first_frames=first))
         finally:
             self.model.train(was_training)
+
+
+def _hold(x: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [B, C, F, H, W] with latent frame 0 replaced by ``first`` [B, C, 1, H, W] (unchanged without)."""
+    return x if first is None else torch.cat([first.to(x.dtype), x[:, :, 1:]], dim=2)

@@ -32,6 +32,7 @@ class VideoModelFields:
     in_channels: int = 4
     out_channels: int = 4
     text_dim: int = 64
+    image_dim: int | None = None
 
 
 MODEL = VideoModelFields()

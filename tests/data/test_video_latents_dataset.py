@@ -36,6 +36,7 @@ class StubVideoConfig:
     in_channels: int = 4
     out_channels: int = 4
     text_dim: int = TEXT_DIM
+    image_dim: int | None = None
 
     def validate(self) -> None:
         pass

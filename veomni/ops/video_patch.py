@@ -28,6 +28,8 @@ class VideoModelConfig(Protocol):
     out_channels: int
     """The latent's channels (what the model predicts)."""
     text_dim: int
+    image_dim: int | None
+    """Width of the image encoder states the model cross-attends to (None: no image branch)."""
 
 
 def patch_grid(shape: tuple[int, ...] | torch.Size, patch: tuple[int, int, int]) -> tuple[int, int, int]:

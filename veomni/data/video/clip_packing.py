@@ -49,6 +49,10 @@ class LatentSample:
     """float32 [L, text_dim]: the text encoder's states of the caption's real tokens."""
     meta: dict[str, Any] = field(default_factory=dict)
     """The sample's json (``caption``, ``latent_shape``, ...)."""
+    condition: torch.Tensor | None = None
+    """float32 [Q, F, H, W]: image-to-video conditioning channels (``veomni.data.video.conditioning``)."""
+    image: torch.Tensor | None = None
+    """float32 [L, image_dim]: the image encoder's states of the first frame."""
 
     @property
     def caption(self) -> str:
@@ -137,7 +141,15 @@ def pack_row(samples: Sequence[LatentSample], patch: tuple[int, int, int]) -> di
     grids = [patch_grid(tuple(s.latent.shape), patch) for s in samples]
     lengths = [math.prod(g) for g in grids]
     text_lengths = [s.text.shape[0] for s in samples]
+    conditioning = {}
+    if samples[0].condition is not None:
+        conditioning["condition"] = torch.cat([patchify(s.condition.float(), patch) for s in samples])
+    if samples[0].image is not None:
+        conditioning["image_states"] = torch.cat([s.image.float() for s in samples])
+        conditioning["image_cu_seqlens"] = torch.tensor([0, *accumulate(len(s.image) for s in samples)],
+                                                        dtype=torch.int32)
     return {
+        **conditioning,
         "latents": torch.cat([patchify(s.latent.float(), patch) for s in samples]),
         "positions": torch.cat([grid_positions(g) for g in grids]),
         "sample_index": torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lengths)),

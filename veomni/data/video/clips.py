@@ -34,6 +34,7 @@ from veomni.data.builders import MANIFEST
 from veomni.data.kinds import DatasetKind, register_dataset
 from veomni.data.video.clip_format import Clip, decode_clip
 from veomni.data.video.clip_packing import LatentSample
+from veomni.data.video.conditioning import conditioning_problems
 from veomni.data.video.encoders import (
     EncoderError,
     LatentEncoder,
@@ -104,7 +105,10 @@ def clip_split_problems(name: str, path: str, cfg: DataConfig, model_config: Any
     source = f"{path} (encoded by the VAE at {cfg.vae}, text by the encoder at {cfg.text_encoder})"
     problems = [f"{name}: {path}: {problem} (the VAE at {cfg.vae})" for problem in problems]
     text_dim = text_encoder_width(Path(cfg.text_encoder))
-    return problems + latent_problems(name, source, geometry.latent_channels, text_dim, examples, cfg, model_config)
+    example = next(iter(examples.values()), "no sample")
+    # the loader encodes latents and captions only: conditioning is the precompute's (empty manifest)
+    return (problems + latent_problems(name, source, geometry.latent_channels, text_dim, examples, cfg, model_config)
+            + conditioning_problems(name, source, {}, example, model_config))
 
 
 def latent_examples(shapes: dict[str, int], geometry: VaeGeometry) -> tuple[dict[str, str], list[str]]:

@@ -125,9 +125,13 @@ class LatentEncoder:
             raise EncoderError(f"clip {clip.key}: {error} (the VAE at {self.path})") from None
 
     @torch.no_grad()
-    def encode(self, clips: list[Clip], batch_frames: int) -> list[torch.Tensor]:
-        """Normalised latents [C, F', H', W'] of clips of one batch key, ``batch_frames`` frames per call."""
+    def encode(self, clips: list[Clip], batch_frames: int, first_frame_only: bool = False) -> list[torch.Tensor]:
+        """Normalised latents [C, F', H', W'] of clips of one batch key, ``batch_frames`` frames per call.
+        ``first_frame_only``: of each clip's first frame followed by zero frames (0 in [-1, 1]: the
+        image-to-video condition latent, as diffusers' ``WanImageToVideoPipeline`` encodes it)."""
         pixels = [torch.from_numpy(c.frames).permute(0, 3, 1, 2).float() / 127.5 - 1 for c in clips]  # [F, 3, H, W]
+        if first_frame_only:
+            pixels = [torch.cat([p[:1], torch.zeros_like(p[1:])]) for p in pixels]
         if self.geometry.whole_clip:
             per_batch = max(1, batch_frames // pixels[0].shape[0])
             means = [self.vae.encode(torch.stack(pixels[i:i + per_batch]).transpose(1, 2)).latent_dist.mean
@@ -199,3 +203,42 @@ def load_text_encoder(path: Path) -> TextEncoder:
     text_encoder_width(path)  # a clear error for a folder that is not an encoder
     encoder = UMT5EncoderModel.from_pretrained(path).eval().requires_grad_(False)
     return TextEncoder(AutoTokenizer.from_pretrained(path), encoder, Path(path))
+
+
+@dataclass
+class ImageEncoder:
+    """A frozen transformers ``CLIPVisionModel`` and its image processor (one folder): the first
+    frame's image states of an image-to-video model, as Wan2.1 I2V takes them (the penultimate
+    layer's hidden states, class token and patches)."""
+
+    processor: Any
+    encoder: Any
+    path: Path
+
+    @torch.no_grad()
+    def encode(self, frames: list[Any]) -> list[torch.Tensor]:
+        """uint8 [H, W, 3] frames -> [L, hidden_size] states each."""
+        pixels = self.processor(images=list(frames), return_tensors="pt")["pixel_values"]
+        states = self.encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+        return [s.float().contiguous() for s in states]
+
+
+def image_encoder_width(path: Path) -> int:
+    """The image states' width (``hidden_size``) of a transformers ``CLIPVisionModel`` folder."""
+    config = read_config(path, "a transformers CLIPVisionModel folder")
+    if "hidden_size" not in config:
+        raise EncoderError(f"{path}/config.json has no hidden_size; the image states come from a CLIPVisionModel "
+                           "(save_pretrained of transformers.CLIPVisionModel)")
+    return config["hidden_size"]
+
+
+def load_image_encoder(path: Path) -> ImageEncoder:
+    """The frozen ``CLIPVisionModel`` and ``CLIPImageProcessor`` of a local folder (nothing downloads)."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    image_encoder_width(path)  # a clear error for a folder that is not one
+    if not (Path(path) / "preprocessor_config.json").is_file():
+        raise EncoderError(f"{path} has no preprocessor_config.json: save the CLIPImageProcessor beside the model "
+                           "(processor.save_pretrained(folder))")
+    encoder = CLIPVisionModel.from_pretrained(path).eval().requires_grad_(False)
+    return ImageEncoder(CLIPImageProcessor.from_pretrained(path), encoder, Path(path))

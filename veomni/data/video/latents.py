@@ -53,13 +53,19 @@ from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, reg
 from veomni.data.resume import every_consumer
 from veomni.data.sources import ReadStats, count_bad, iter_records, manifest_shard_records, resolve_files, tar_samples
 from veomni.data.video.clip_packing import LatentSample, best_fit_rows, check_fits, pack_row, patch_count
+from veomni.data.video.conditioning import (
+    NO_CONDITIONING,
+    Conditioning,
+    conditioning_problems,
+    decode_conditioning,
+)
 from veomni.errors import BadConfig, BadData
 
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "veomni.video_latents.v1"
 LATENT_MEMBER = "latent.safetensors"
-MODEL_FIELDS = ("patch_size", "in_channels", "out_channels", "text_dim")
+MODEL_FIELDS = ("patch_size", "in_channels", "out_channels", "text_dim", "image_dim")
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class VideoLatentsDataset(ResumableDataset):
         self.cfg, self.split, self.seed = cfg, request.split, request.seed
         self.patch = tuple(model.patch_size)
         self.channels, self.text_dim = model.out_channels, model.text_dim
+        self.conditioning = Conditioning.of(model)
 
     @staticmethod
     def _split_problems(name: str, path: str, cfg: DataConfig, model_config: Any) -> list[str]:
@@ -169,7 +176,7 @@ class VideoLatentsDataset(ResumableDataset):
 
     def _decode_record(self, record: dict) -> Any:
         """What every record read is turned into; any error makes it a counted corrupt record."""
-        return decode_sample(record, self.channels, self.text_dim)
+        return decode_sample(record, self.channels, self.text_dim, self.conditioning)
 
     def _to_sample(self, decoded: Any) -> LatentSample:
         """The sample of a decoded record this consumer keeps (a kind that encodes does it here);
@@ -240,8 +247,10 @@ class VideoLatentsDataset(ResumableDataset):
                                earliest["bad_prior_epochs"]))
 
 
-def decode_sample(record: dict, channels: int, text_dim: int) -> LatentSample:
-    """The sample of a shard record; ValueError (or the decoder's error) saying what is wrong."""
+def decode_sample(record: dict, channels: int, text_dim: int,
+                  conditioning: Conditioning = NO_CONDITIONING) -> LatentSample:
+    """The sample of a shard record (with the ``conditioning`` the model reads); ValueError (or the
+    decoder's error) saying what is wrong."""
     key = record.get("__key__", "?")
     for member in (LATENT_MEMBER, "json"):
         if member not in record:
@@ -260,7 +269,8 @@ def decode_sample(record: dict, channels: int, text_dim: int) -> LatentSample:
         raise BadData(f"text states of shape {list(text.shape)}, expected [L, {text_dim}]")
     if not (latent.is_floating_point() and text.is_floating_point()):
         raise BadData(f"latent {latent.dtype} / text {text.dtype} must be floating point")
-    return LatentSample(key, latent.float(), text.float(), meta)
+    condition, image = decode_conditioning(tensors, latent, conditioning)
+    return LatentSample(key, latent.float(), text.float(), meta, condition, image)
 
 
 # ----- the launch check: the manifest against the model ---------------------------------------
@@ -296,8 +306,9 @@ def split_problems(name: str, path: str, cfg: DataConfig, model_config: Any) -> 
     except ValueError as error:
         return [f"{name}: {error}"]
     examples = {shape: f"sample {manifest['example_keys'].get(shape, '?')!r}" for shape in manifest["shapes"]}
-    return latent_problems(name, path, manifest["latent_channels"], manifest["text_dim"], examples, cfg,
-                           model_config)
+    example = next(iter(examples.values()), "no sample")
+    return (latent_problems(name, path, manifest["latent_channels"], manifest["text_dim"], examples, cfg, model_config)
+            + conditioning_problems(name, path, manifest, example, model_config))
 
 
 def latent_problems(name: str, source: str, channels: int, text_dim: int, examples: dict[str, str],
@@ -307,16 +318,10 @@ def latent_problems(name: str, source: str, channels: int, text_dim: int, exampl
     largest against the budget; ``source`` says where the latents come from."""
     patch, budget = tuple(model_config.patch_size), cfg.tokens_per_micro_batch
     problems = []
-    conditioning = model_config.in_channels - model_config.out_channels
-    if conditioning:
-        problems.append(f"{name}: model.in_channels={model_config.in_channels} is out_channels="
-                        f"{model_config.out_channels} plus {conditioning} conditioning channels per latent position "
-                        f"(image-to-video), which the latents of {source} do not hold (first-frame conditioning "
-                        "data is not built yet); set model.in_channels equal to model.out_channels, and train "
-                        "image-to-video with model.first_frame_probability on the clips' own first frames")
-    elif channels != model_config.in_channels:
-        problems.append(f"{name}: latents of {source} have {channels} channels, model.in_channels="
-                        f"{model_config.in_channels}; set model.in_channels: {channels}")
+    if channels != model_config.out_channels:  # the conditioning channels are conditioning_problems'
+        field = "in_channels" if model_config.in_channels == model_config.out_channels else "out_channels"
+        problems.append(f"{name}: latents of {source} have {channels} channels, model.{field}="
+                        f"{getattr(model_config, field)}; set model.{field}: {channels}")
     if text_dim != model_config.text_dim:
         problems.append(f"{name}: text states of {source} are {text_dim} wide, model.text_dim={model_config.text_dim}; "
                         f"set model.text_dim: {text_dim}")
