@@ -32,6 +32,14 @@ def newest_checkpoint(run: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def chosen_checkpoint(run: Path, step: int | None) -> Path | None:
+    """The complete checkpoint of ``step`` in ``run`` (None: the newest); None if it has none."""
+    if step is None:
+        return newest_checkpoint(run)
+    checkpoint = run / "checkpoints" / f"step_{step:08d}"
+    return checkpoint if (checkpoint / COMPLETE).is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the Hugging Face folder to write")
@@ -44,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[build_chat_sft_model] training {args.recipe} into {run} first", flush=True)
         subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), str(REPO / args.recipe), "--train.output_dir",
                         str(run)], check=True)
-    checkpoint = newest_checkpoint(run) if args.step is None else run / "checkpoints" / f"step_{args.step:08d}"
-    if checkpoint is None or not (checkpoint / COMPLETE).is_file():
+    checkpoint = chosen_checkpoint(run, args.step)
+    if checkpoint is None:
         raise SystemExit(f"{run} holds no complete checkpoint {'' if args.step is None else f'of step {args.step} '}"
                          "after the SFT run (the SFT recipe's checkpoint.interval and keep_last decide which stay)")
     print(f"[build_chat_sft_model] exporting {checkpoint} to {args.out}", flush=True)
