@@ -1,12 +1,13 @@
 """Build the prompts of the GRPO recipe (``recipes/rl/tiny_chat_grpo.yaml``): the chat SFT tasks
-(reverse or sort a list of digits, ``data/build_chat_sft.py``) on longer lists than SFT saw.
+(reverse or sort a list of digits, ``data/build_chat_sft.py``) on lists of 6 digits, the longest SFT saw.
 
-Why this set: its answers are exact, so an exact-match reward checks them, and the SFT model is
-clearly imperfect on it: it learned lists of 3 to 6 digits and here gets 6 to 7, where it drops,
-repeats or misorders digits often enough to be wrong on many prompts (held-out greedy exact match
-47.0%) but right often enough in a group of sampled answers for GRPO to learn from the difference
-(at 7 to 8 digits it is never right, so every group's rewards are equal and nothing is learned).
-Records are ``chat_text``
+Why this set: its answers are exact, so an exact-match reward checks them, and the recipe's start
+(the chat SFT model at step 150 of 300) is clearly imperfect on it (held-out greedy exact match
+84.5%: it reverses almost always but misorders sorted lists) while its sampled answers are right
+often enough for a group of 8 to disagree, which is what GRPO learns from. Longer lists do not
+work: on 7 digits the SFT model is never right, greedy or sampled (0 of 448 samples at
+temperature 1.0), so every group's rewards are equal and nothing is learned
+(docs/post_training.md, the recipe's section). Records are ``chat_text``
 conversations (webdataset shards, ``json`` member) whose last assistant turn is the hidden answer,
 the ``chat_prompts`` kind's format; the tokenizer is the SFT set's (``<train-out>/../tokenizer``).
 
@@ -24,8 +25,8 @@ from build_chat_sft import write_chat_tokenizer, write_split  # noqa: E402  (the
 
 from veomni.data.builders import builder_main, write_generated_splits  # noqa: E402
 
-FORMAT_VERSION = 2
-LENGTHS = (6, 7)
+FORMAT_VERSION = 3
+LENGTHS = (6, 6)
 TRAIN_SAMPLES, EVAL_SAMPLES = 4_000, 200
 
 

@@ -54,6 +54,24 @@ def test_a_single_eval_draws_every_series_the_legend_names(tmp_path):
     assert {(31, 119, 180), (214, 39, 40), (120, 120, 120)} <= colours
 
 
+def test_an_rl_run_plots_its_reward_and_others_do_not(tmp_path):
+    """``reward.png`` holds the rising ``reward_mean`` line (low on the left, high on the right);
+    a run without rewards leaves none."""
+    (tmp_path / "rl").mkdir(), (tmp_path / "sft").mkdir()
+    reporter = MetricsReporter(tmp_path / "rl", LogConfig(progress_bar=False, interval=1000), {}, 10, 0, enabled=True)
+    for step in range(1, 5):
+        reporter.log(step, {"loss": 0.0, "tokens_per_s": 1.0, "mfu": 0.1, "reward_mean": step / 4})
+    reporter.close()
+    with Image.open(tmp_path / "rl" / "reward.png") as image:
+        rows = [y for y in range(30, 470) if image.getpixel((75, y)) == (31, 119, 180)]
+        rows_right = [y for y in range(30, 470) if image.getpixel((865, y)) == (31, 119, 180)]
+    assert rows and rows_right and min(rows) > max(rows_right)  # image rows grow downwards
+    plain = MetricsReporter(tmp_path / "sft", LogConfig(progress_bar=False, interval=1000), {}, 10, 0, enabled=True)
+    plain.log(1, {"loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1})
+    plain.close()
+    assert (tmp_path / "sft" / "loss.png").is_file() and not (tmp_path / "sft" / "reward.png").exists()
+
+
 def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_peak.CACHE_ENV, str(tmp_path))
     first, how_first = cpu_peak.cached_cpu_peak_flops()

@@ -1,4 +1,5 @@
-"""``loss.png``: the training loss, the eval losses and the eval baseline of a run, as a picture.
+"""``loss.png``: the training loss, the eval losses and the eval baseline of a run, as a picture
+(and ``reward.png``, the sampled reward's mean per step, for an RL run: its loss says little).
 
 Written to the output folder at every eval and at the end of every run (also a stopped one), so a
 run shows whether it learns without TensorBoard or wandb. Drawn with Pillow, which the project
@@ -15,6 +16,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 PLOT_FILE = "loss.png"
+REWARD_PLOT_FILE = "reward.png"
 SIZE = (900, 520)
 MARGIN = (70, 30, 30, 50)  # left, top, right, bottom
 TRAIN_COLOUR, EVAL_COLOUR, BASELINE_COLOUR, AXIS_COLOUR = (31, 119, 180), (214, 39, 40), (120, 120, 120), (0, 0, 0)
@@ -22,10 +24,10 @@ TRAIN_COLOUR, EVAL_COLOUR, BASELINE_COLOUR, AXIS_COLOUR = (31, 119, 180), (214, 
 Points = list[tuple[int, float]]
 
 
-def read_losses(metrics_file: Path) -> tuple[Points, Points, Points]:
-    """(train loss, eval loss, eval baseline) as (step, value) points from ``metrics.jsonl``; a
-    step repeated by a resume keeps its newest value."""
-    series: dict[str, dict[int, float]] = {"loss": {}, "eval_loss": {}, "eval_baseline": {}}
+def read_series(metrics_file: Path, keys: Sequence[str]) -> tuple[Points, ...]:
+    """Each of ``keys`` as (step, value) points from ``metrics.jsonl``; a step repeated by a resume
+    keeps its newest value."""
+    series: dict[str, dict[int, float]] = {key: {} for key in keys}
     if metrics_file.is_file():
         for line in metrics_file.read_text().splitlines():
             record = json.loads(line)
@@ -50,8 +52,15 @@ def _polyline(draw: ImageDraw.ImageDraw, points: Sequence[tuple[float, float]], 
             draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=colour)
 
 
-def draw_losses(train: Points, evals: Points, baseline: Points, out: Path, title: str) -> Path:
-    """Write the chart to ``out``: steps across, loss up, with labelled axis ends and a legend."""
+def read_losses(metrics_file: Path) -> tuple[Points, Points, Points]:
+    """(train loss, eval loss, eval baseline) points from ``metrics.jsonl``."""
+    return read_series(metrics_file, ("loss", "eval_loss", "eval_baseline"))
+
+
+def draw_losses(train: Points, evals: Points, baseline: Points, out: Path, title: str,
+                names: Sequence[str] = ("train loss", "eval loss", "eval baseline")) -> Path:
+    """Write the chart to ``out``: steps across, values up, with labelled axis ends and a legend
+    naming the three series (``names``)."""
     image = Image.new("RGB", SIZE, "white")
     draw = ImageDraw.Draw(image)
     left, top, right, bottom = MARGIN[0], MARGIN[1], SIZE[0] - MARGIN[2], SIZE[1] - MARGIN[3]
@@ -71,7 +80,7 @@ def draw_losses(train: Points, evals: Points, baseline: Points, out: Path, title
         _polyline(draw, [(x(s), y(v)) for s, v in train], TRAIN_COLOUR, dots=False)
         _polyline(draw, [(x(s), y(v)) for s, v in baseline], BASELINE_COLOUR, dots=False)
         _polyline(draw, [(x(s), y(v)) for s, v in evals], EVAL_COLOUR, dots=True)
-    legend = [("train loss", TRAIN_COLOUR), ("eval loss", EVAL_COLOUR), ("eval baseline", BASELINE_COLOUR)]
+    legend = [(name, colour) for name, colour in zip(names, (TRAIN_COLOUR, EVAL_COLOUR, BASELINE_COLOUR)) if name]
     for index, (name, colour) in enumerate(legend):
         draw.text((left + 120 + 130 * index, bottom + 28), f"--- {name}", fill=colour)
     image.save(out)
@@ -79,6 +88,11 @@ def draw_losses(train: Points, evals: Points, baseline: Points, out: Path, title
 
 
 def write_loss_plot(output_dir: Path) -> Path:
-    """``<output_dir>/loss.png`` from ``<output_dir>/metrics.jsonl``."""
+    """``<output_dir>/loss.png`` from ``<output_dir>/metrics.jsonl``, and ``reward.png`` beside it
+    when the metrics hold a sampled reward (``reward_mean``, ``train.objective: grpo``)."""
     train, evals, baseline = read_losses(output_dir / "metrics.jsonl")
+    (rewards,) = read_series(output_dir / "metrics.jsonl", ("reward_mean",))
+    if rewards:
+        draw_losses(rewards, [], [], output_dir / REWARD_PLOT_FILE, f"{output_dir.name}: mean sampled reward per step",
+                    names=("reward_mean", "", ""))
     return draw_losses(train, evals, baseline, output_dir / PLOT_FILE, f"{output_dir.name}: loss per step")

@@ -22,7 +22,7 @@ from typing import Any
 
 from veomni.checkpoint.manager import step_of
 from veomni.tasks.base import Baseline
-from veomni.train.report.loss_plot import PLOT_FILE
+from veomni.train.report.loss_plot import PLOT_FILE, REWARD_PLOT_FILE
 
 REPO = Path(__file__).resolve().parents[3]
 STAGE_ENV = "VEOMNI_STAGE"
@@ -284,6 +284,8 @@ def format_summary(s: RunSummary) -> str:
     if s.checkpoint is not None:
         lines.append(" " * LABEL + f"{shown(s.checkpoint)} (newest checkpoint)")
     lines.append(" " * LABEL + f"{shown(out / PLOT_FILE)} (training and eval loss, plotted)")
+    if (out / REWARD_PLOT_FILE).is_file():
+        lines.append(" " * LABEL + f"{shown(out / REWARD_PLOT_FILE)} (mean sampled reward, plotted)")
     lines.append(" " * LABEL + f"{shown(out / 'summary.json')} (these numbers)")
     if s.sample is not None:
         lines.append("sample".ljust(LABEL) + f"{s.sample_how}:")
