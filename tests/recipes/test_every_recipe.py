@@ -31,9 +31,13 @@ RECIPES = sorted(p.relative_to(REPO) for p in [*(REPO / "recipes").rglob("*.yaml
                                                *(REPO / "examples").rglob("recipe*.yaml")])
 
 
+SHELL_OPERATORS = ("&&", "||", ";", "|")
+
+
 def one_command(recipe: Path) -> list[str]:
     """The arguments after the recipe in the first ``bash scripts/train.sh RECIPE`` of its header
-    (continued lines joined, ``[optional]`` parts and trailing comments dropped)."""
+    (continued lines joined, ``[optional]`` parts and trailing comments dropped, up to a shell
+    operator that chains the next command: ``train.sh ... && bash scripts/eval_chat.sh ...``)."""
     header = []
     for line in (REPO / recipe).read_text().splitlines():
         if not line.startswith("#"):
@@ -42,7 +46,9 @@ def one_command(recipe: Path) -> list[str]:
     text = "\n".join(header).replace("\\\n", " ")
     found = re.search(rf"bash scripts/train\.sh {re.escape(str(recipe))}([^\n]*)", text)
     assert found, f"{recipe}: its header names no command (# bash scripts/train.sh {recipe} ...)"
-    return shlex.split(re.sub(r"\[[^\]]*\]", "", found.group(1)), comments=True)
+    args = shlex.split(re.sub(r"\[[^\]]*\]", "", found.group(1)), comments=True)
+    ends = [i for i, arg in enumerate(args) if arg in SHELL_OPERATORS]
+    return args[:ends[0]] if ends else args
 
 
 @pytest.fixture(scope="module")
