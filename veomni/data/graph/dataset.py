@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 
-from veomni.data.graph.format import read_manifest
 from veomni.data.graph.sampled import SampledGraphDataset
-from veomni.data.graph.source import check_graph_data, config_problems, model_problems, prepared_graph
+from veomni.data.graph.source import check_graph_data, checked_manifest, prepared_graph
 from veomni.data.graph.views import empty_view, partition_views, split_labels
 from veomni.data.kinds import DatasetKind, DatasetRequest, ResumableDataset, register_dataset
-from veomni.errors import BadConfig, BadData
+from veomni.errors import BadConfig
 
 STATE_FORMAT = "veomni.graph.v1"
 
@@ -54,13 +53,7 @@ class GraphDataset(ResumableDataset):
     def __init__(self, request: DatasetRequest) -> None:
         super().__init__(request.dp_rank, request.dp_size)
         cfg = request.cfg
-        problems = config_problems(cfg, request.model_config)
-        if problems:
-            raise BadConfig("; ".join(problems))
-        manifest = read_manifest(request.path)
-        problems = model_problems(request.path, manifest, request.model_config)
-        if problems:
-            raise BadData("; ".join(problems))
+        manifest = checked_manifest(cfg, request.path, request.model_config)
         self.split, self.seed, self.cfg = request.split, request.seed, cfg
         self.micro_batches = max(request.micro_batches, 1)
         self.chunk_views, self.whole = _rank_views(

@@ -35,13 +35,12 @@ from typing import Any
 import torch
 
 from veomni.data.graph.features import CachedFeatures, FeatureStore, TensorFeatures
-from veomni.data.graph.format import read_manifest
 from veomni.data.graph.prefetch import Prefetcher
 from veomni.data.graph.sampling import NeighbourSampler
-from veomni.data.graph.source import config_problems, model_problems, prepared_graph
+from veomni.data.graph.source import checked_manifest, prepared_graph
 from veomni.data.graph.views import split_labels
 from veomni.data.kinds import STEP_STATS, DatasetRequest, ResumableDataset
-from veomni.errors import BadConfig, BadData
+from veomni.errors import BadConfig
 
 STATE_FORMAT = "veomni.graph_sampled.v1"
 FEATURE_METRICS = {"sampled_feature_rows": "rows", "cross_partition_rows": "remote_rows",
@@ -64,13 +63,7 @@ class SampledGraphDataset(ResumableDataset):
     def __init__(self, request: DatasetRequest) -> None:
         super().__init__(request.dp_rank, request.dp_size)
         cfg = request.cfg
-        problems = config_problems(cfg, request.model_config)
-        if problems:
-            raise BadConfig("; ".join(problems))
-        manifest = read_manifest(request.path)
-        problems = model_problems(request.path, manifest, request.model_config)
-        if problems:
-            raise BadData("; ".join(problems))
+        manifest = checked_manifest(cfg, request.path, request.model_config)
         graph, edges, weights, part, _ = prepared_graph(
             str(Path(request.path).resolve()), manifest["files"]["graph.safetensors"]["sha256"],
             request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, 1, request.seed,

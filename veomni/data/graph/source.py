@@ -12,10 +12,10 @@ import torch
 
 from veomni.config.schema import DataConfig
 from veomni.contract.graph_model import GraphModelConfig
-from veomni.data.graph.format import GraphData, check_graph, load_graph
+from veomni.data.graph.format import GraphData, check_graph, load_graph, read_manifest
 from veomni.data.graph.partition import chunk_nodes, metis_binding, partition_nodes
 from veomni.data.graph.views import edge_weights
-from veomni.errors import BadData
+from veomni.errors import BadConfig, BadData
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,6 +77,19 @@ def model_problems(path: str, manifest: dict[str, Any], model_config: GraphModel
         problems.append(f"model.num_classes={model_config.num_classes}, but the graph {path} has "
                         f"{manifest['num_classes']} classes; set model.num_classes: {manifest['num_classes']}")
     return problems
+
+
+def checked_manifest(cfg: DataConfig, path: str, model_config: GraphModelConfig) -> dict[str, Any]:
+    """A dataset's own check of the recipe and of the folder it reads (the worker side of
+    ``check_graph_data``): the folder's manifest, or BadConfig / BadData naming every problem."""
+    problems = config_problems(cfg, model_config)
+    if problems:
+        raise BadConfig("; ".join(problems))
+    manifest = read_manifest(path)
+    problems = model_problems(path, manifest, model_config)
+    if problems:
+        raise BadData("; ".join(problems))
+    return manifest
 
 
 def check_graph_data(cfg: DataConfig, model_config: Any) -> list[str]:
