@@ -5,7 +5,8 @@
 
 Every (optimizer, lr) trains from the same initialisation on the same batches through
 ``scripts/train.sh`` (``NPROC_PER_NODE`` processes, default 1), evaluating every
-``--eval-interval`` steps on the same held-out micro-batches. Per optimizer the tuned lr is the one
+``--eval-interval`` steps on the same held-out micro-batches, one thread per process
+(``OMP_NUM_THREADS``, default 1). Per optimizer the tuned lr is the one
 with the lowest final eval loss; the table gives each run's final eval loss and median step time
 (separate runs: on a shared machine their times are not comparable; ``scripts/bench_muon.py`` times
 both optimizers in one job), and the tokens the tuned Muon run needed to reach the tuned AdamW
@@ -42,8 +43,12 @@ def train(out: Path, optimizer: str, lr: str, args: argparse.Namespace) -> None:
     if args.warmup_steps is not None:
         cmd += ["--train.warmup_steps", str(args.warmup_steps)]
     print(f"[muon_sweep] {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "NPROC_PER_NODE":
-                                                   os.environ.get("NPROC_PER_NODE", "1")})
+    # One thread per process unless told otherwise: on a shared machine two OpenMP threads per process
+    # wait on each other's barriers (a quick-start step measured 7x slower at load average ~10 with 2
+    # threads than with 1, same losses), which made separate runs' step times incomparable.
+    env = {**os.environ, "NPROC_PER_NODE": os.environ.get("NPROC_PER_NODE", "1"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run(cmd, check=True, cwd=REPO, env=env)
 
 
 def finished(out: Path, optimizer: str, lr: str) -> bool:
