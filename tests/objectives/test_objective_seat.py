@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +53,23 @@ def test_a_plugin_registers_an_objective_and_unknown_or_unsupported_ones_are_ref
     assert "does not run under a pipeline" in objective_problems(cfg, "chat_preference")[0]
     assert "set data.kind" in objective_problems(_run_config("dpo"), "chat_text")[0]
     assert objective_problems(_run_config("dpo"), "chat_preference") == []
+
+
+@pytest.mark.parametrize("lora, colocate, refused", [(0, True, True), (8, True, False), (0, False, False)])
+def test_a_frozen_copy_of_a_vlm_with_encoders_outside_the_pipeline_stages_is_refused_at_launch(
+        lora: int, colocate: bool, refused: bool) -> None:
+    """The builder cannot cut a frozen copy whose encoders run apart from the stages: the launcher
+    says so (and the two fixes) before any worker starts; with LoRA or the encoders in stage 0, no."""
+    from veomni.config.load import load_config
+    from veomni.launch import _validate_model
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "preference" / "tiny_vqa_dpo.yaml"
+    cfg = load_config(recipe, ["--parallel.pp", "2", "--lora.rank", str(lora),
+                               "--parallel.encoder_colocate", str(colocate).lower()])
+    *_, problems = _validate_model(cfg)
+    named = [p for p in problems if "keeps a frozen copy of the model" in p]
+    assert bool(named) == refused, problems
+    assert not refused or ("lora.rank > 0" in named[0] and "parallel.encoder_colocate false" in named[0])
 
 
 def _frozen_models(policy: torch.nn.Module, adapters: bool, built: list[int]) -> FrozenModels:

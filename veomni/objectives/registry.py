@@ -141,9 +141,10 @@ def build_objective(request: ObjectiveRequest) -> Objective:
     return objective_entry(request.cfg.train.objective).build(request)
 
 
-def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
+def objective_problems(cfg: RunConfig, data_kind: str, encoders_outside_stages: bool = False) -> list[str]:
     """The launcher's checks of ``train.objective`` (after the plug-ins are imported); ``data_kind``:
-    the dataset kind the run reads."""
+    the dataset kind the run reads; ``encoders_outside_stages``: whether a pipeline runs the model's
+    media encoders apart from its stages (``parallel.encoder_colocate`` on a model with encoders)."""
     try:
         entry = objective_entry(cfg.train.objective)
     except ValueError as error:
@@ -159,6 +160,11 @@ def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
         return [f"train.objective={cfg.train.objective} runs under a pipeline with whole rows only (parallel.pp="
                 f"{parallel.pp} with sp={parallel.sp}, cp={parallel.cp}): set parallel.sp and parallel.cp to 1, or "
                 "parallel.pp to 1 (sequence and context parallelism then apply)"]
+    if parallel.pp > 1 and encoders_outside_stages and frozen_copies(cfg) > 0:
+        return [f"train.objective={cfg.train.objective} keeps a frozen copy of the model, which a pipeline cannot "
+                f"cut with the encoders outside its stages (parallel.pp={parallel.pp}, parallel.encoder_colocate "
+                "true): train with LoRA (lora.rank > 0: the reference is the base with its adapters off, no copy) "
+                "or set parallel.encoder_colocate false"]
     return entry.checks(cfg) if entry.checks is not None else []
 
 
