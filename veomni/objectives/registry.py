@@ -107,8 +107,9 @@ class ObjectiveEntry:
     """Whether it runs under ``parallel.pp`` (the launcher refuses the run otherwise)."""
     pipelines_split_rows: bool = False
     """Whether it also runs under ``parallel.pp`` with rows split by ``parallel.sp`` / ``parallel.cp``."""
-    frozen_copies: int = 0
-    """Full frozen copies of the policy it holds when the run has no LoRA."""
+    frozen_copies: int | Callable[[RunConfig], int] = 0
+    """Full frozen copies of the policy it holds when the run has no LoRA (or the run's settings'
+    count of them, e.g. a reference held only for a KL penalty)."""
     data_kinds: tuple[str, ...] = ()
     """The dataset kinds whose batches it can read (empty: any)."""
     checks: Callable[[RunConfig], list[str]] | None = None
@@ -118,7 +119,8 @@ class ObjectiveEntry:
 _OBJECTIVES: dict[str, ObjectiveEntry] = {}
 
 
-def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0,
+def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False,
+                       frozen_copies: int | Callable[[RunConfig], int] = 0,
                        data_kinds: tuple[str, ...] = (), pipelines_split_rows: bool = False,
                        checks: Callable[[RunConfig], list[str]] | None = None) -> None:
     """Make ``train.objective: <name>`` build its objective with ``build``."""
@@ -162,9 +164,16 @@ def objective_problems(cfg: RunConfig, data_kind: str) -> list[str]:
     return entry.checks(cfg) if entry.checks is not None else []
 
 
+def reference_copies(cfg: RunConfig) -> int:
+    """Frozen copies of the starting model the run's objective holds with its settings (under LoRA
+    the base with its adapters off serves as each)."""
+    copies = objective_entry(cfg.train.objective).frozen_copies
+    return copies(cfg) if callable(copies) else copies
+
+
 def frozen_copies(cfg: RunConfig) -> int:
     """Full frozen copies of the model the run's objective holds (0 under LoRA: the base serves)."""
-    return 0 if cfg.lora.rank > 0 else objective_entry(cfg.train.objective).frozen_copies
+    return 0 if cfg.lora.rank > 0 else reference_copies(cfg)
 
 
 def _supervised(request: ObjectiveRequest) -> Objective:

@@ -36,7 +36,7 @@ from veomni.contract import build_model, get_model_spec
 from veomni.contract.graph_model import GraphCost
 from veomni.contract.hooks import attention_modules
 from veomni.contract.plan import flatten_plan, match_modules
-from veomni.objectives.registry import frozen_copies, objective_entry
+from veomni.objectives.registry import frozen_copies, reference_copies
 from veomni.optim import get_optimizer
 from veomni.parallel.mesh import ParallelDims
 from veomni.planner.graph_plan import graph_plan
@@ -144,7 +144,7 @@ def _memory_rows(cfg: RunConfig, dims: ParallelDims, est: Estimate) -> list[tupl
         (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
         *([(f"weight EMA (fp32, 1/{shard})", est.ema_gb)] if est.ema_gb else []),
         *([(f"reference model ({'the base: no copy' if lora else f'frozen fp32 copy, 1/{shard}'})", est.reference_gb)]
-          if objective_entry(cfg.train.objective).frozen_copies else []),
+          if reference_copies(cfg) else []),
         ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
          est.gathered_gb),
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
