@@ -57,4 +57,4 @@ def grpo_reference_copies(cfg: RunConfig) -> int:
 
 
 register_objective("grpo", build_grpo, frozen_copies=grpo_reference_copies, data_kinds=("chat_prompts",),
-                   checks=grpo_problems)
+                   checks=grpo_problems, rollouts=True)

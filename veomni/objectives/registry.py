@@ -114,6 +114,8 @@ class ObjectiveEntry:
     """The dataset kinds whose batches it can read (empty: any)."""
     checks: Callable[[RunConfig], list[str]] | None = None
     """The launcher's further checks of the run's settings for it (problems; empty: none)."""
+    rollouts: bool = False
+    """Whether it generates rollouts with the ``rl`` settings (the dry-run plan lists that phase)."""
 
 
 _OBJECTIVES: dict[str, ObjectiveEntry] = {}
@@ -122,9 +124,9 @@ _OBJECTIVES: dict[str, ObjectiveEntry] = {}
 def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False,
                        frozen_copies: int | Callable[[RunConfig], int] = 0,
                        data_kinds: tuple[str, ...] = (), pipelines_split_rows: bool = False,
-                       checks: Callable[[RunConfig], list[str]] | None = None) -> None:
+                       checks: Callable[[RunConfig], list[str]] | None = None, rollouts: bool = False) -> None:
     """Make ``train.objective: <name>`` build its objective with ``build``."""
-    entry = ObjectiveEntry(build, pipelines, pipelines_split_rows, frozen_copies, data_kinds, checks)
+    entry = ObjectiveEntry(build, pipelines, pipelines_split_rows, frozen_copies, data_kinds, checks, rollouts)
     if _OBJECTIVES.get(name, entry) != entry:
         raise ValueError(f"objective {name!r} is already registered")
     _OBJECTIVES[name] = entry

@@ -86,10 +86,14 @@ def completion_of(output: Any) -> Completion:
     return Completion(tokens, logprobs, "stop" if output.finish_reason == "stop" else "length")
 
 
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
 def vllm_problems(cfg: RunConfig) -> list[str]:
     """The launcher's checks for ``rl.rollout_engine: vllm``, before any worker starts."""
     problems = []
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         problems.append("rl.rollout_engine=vllm needs the vllm package, which is not installed: pip install vllm "
                         "(a CUDA build) in the run's environment, or set rl.rollout_engine: builtin")
     if cfg.train.device == "cpu" or not torch.cuda.is_available():
