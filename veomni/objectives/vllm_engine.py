@@ -6,7 +6,8 @@ and the ``external_launcher`` executor: it runs inside the torchrun process, as 
 mode does) and generates its own prompts, as the built-in engine does. The engine starts from the
 model's Hugging Face ``config.json`` alone (the family's HF adapter writes it; ``load_format:
 dummy``), so it never reads a checkpoint: ``sync_weights`` gathers every trained tensor in full
-(``DTensor.full_tensor``: FSDP shards and EP experts), renames it with the adapter's export naming
+(torch's ``get_model_state_dict`` with ``full_state_dict``: ``DTensor.full_tensor`` of FSDP shards
+and EP experts, names without wrapper segments), renames it with the adapter's export naming
 (``state_dict_to_hf``, what ``scripts/export_hf.sh`` writes and vLLM's model loads) and hands them
 to the engine's model through ``LLM.apply_model(lambda m: m.load_weights(...))``.
 
@@ -31,13 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from veomni.config.schema import RunConfig
 from veomni.contract import build_config, get_model_spec
 from veomni.generation import Completion, SamplingParams
 from veomni.objectives.rollout_engines import EngineRequest, register_rollout_engine
-from veomni.optim.groups import clean_name
 
 HFWeights = Callable[[nn.Module], Mapping[str, torch.Tensor]]
 
@@ -45,9 +45,8 @@ HFWeights = Callable[[nn.Module], Mapping[str, torch.Tensor]]
 def trained_hf_weights(model: nn.Module, adapter: Any, model_config: Any) -> dict[str, torch.Tensor]:
     """The model's full tensors (every shard and expert gathered: a collective, so every rank of
     the model's mesh calls it) under the Hugging Face names the adapter exports."""
-    full = {clean_name(name): (value.full_tensor() if isinstance(value, DTensor) else value).detach()
-            for name, value in model.state_dict().items()}
-    return adapter.state_dict_to_hf(full, model_config)
+    options = StateDictOptions(full_state_dict=True)  # every rank gets the full tensors, wrapper-free names
+    return adapter.state_dict_to_hf(get_model_state_dict(model, options=options), model_config)
 
 
 class VLLMEngine:
