@@ -82,7 +82,7 @@ def _train(rank: int, world: int, tmp: str, layout: str) -> tuple[list[dict], li
     return history, seen if rank == 0 else []
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", pytest.param("moe-ep2", marks=pytest.mark.full)])  # EP 2: 4-14 s under load
+@pytest.mark.parametrize("layout", ["fsdp2", pytest.param("moe-ep2", marks=pytest.mark.full)])  # EP 2: 4-14 s
 def test_grpo_trains_from_prompts_and_generates_with_the_trained_weights(tmp_path: Path, layout: str) -> None:
     results = run_distributed(_train, 2, str(tmp_path), layout)
     history, seen = results[0]
