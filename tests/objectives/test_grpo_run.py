@@ -65,17 +65,18 @@ def _train(rank: int, world: int, tmp: str, layout: str) -> tuple[list[dict], li
         # the trained weights, gathered, before this rollout, and the buffers (an MoE router's bias)
         weights = {**full_params(trainer.model), **{name: buffer.clone() for name, buffer in
                                                     trainer.model.named_buffers()}}
-        engine_generate = feed.engine.generate
+        engine_generate, engine_release = feed.engine.generate, feed.engine.release
         calls = []
 
         def spy(prompts, params):
             out = engine_generate(prompts, params)
             calls.append((prompts, params, out))
             return out
-        feed.engine.generate = spy
+        feed.engine.generate, feed.engine.release = spy, lambda: calls.append("released")
         rows = rollout(index)
-        feed.engine.generate = engine_generate
-        seen.append((weights, calls))
+        feed.engine.generate, feed.engine.release = engine_generate, engine_release
+        assert calls[-1] == "released" and calls.count("released") == 1, "the engine is released once, at the end"
+        seen.append((weights, calls[:-1]))
         return rows
     feed.rollout = recorded
     history = trainer.train()
@@ -89,6 +90,7 @@ def test_grpo_trains_from_prompts_and_generates_with_the_trained_weights(tmp_pat
     assert len(history) == 3 and len(seen) == 2, "two rollouts for three steps at two updates per rollout"
     for step, metrics in enumerate(history):
         assert set(UPDATE_METRICS) <= set(metrics), sorted(metrics)
+        assert metrics["update_time_s"] > 0 and metrics["update_peak_mem_gb"] == 0.0, "no GPU: no peak"
         assert (set(ROLLOUT_METRICS) <= set(metrics)) == (step != 1), "rollouts at steps 1 and 3 only"
     assert history[0]["ratio"] == 1.0 and history[1]["ratio"] != 1.0, "the second update reuses the rollout"
     cfg = grpo_run_config(tmp_path / "single", layout)
