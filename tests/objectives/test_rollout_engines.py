@@ -98,6 +98,10 @@ def test_the_launcher_refuses_vllm_without_the_package_or_a_gpu_before_any_worke
     assert "needs the vllm package, which is not installed: pip install vllm" in text
     assert "needs a CUDA device" in text and "train.device=cpu" in text
     assert "set rl.rollout_engine: builtin" in text
+    cfg = grpo_run_config(tmp_path)
+    cfg.rl.rollout_engine, cfg.data.kind = "vllm", "vlm_prompts"
+    assert any("takes token prompts (chat_prompts data), not the vlm_prompts kind's" in problem
+               for problem in vllm_engine.vllm_problems(cfg))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

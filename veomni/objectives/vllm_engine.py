@@ -41,6 +41,8 @@ from veomni.generation import Completion, SamplingParams
 from veomni.objectives.rollout_engines import EngineRequest, register_rollout_engine
 
 HFWeights = Callable[[nn.Module], Mapping[str, torch.Tensor]]
+TOKEN_PROMPT_KINDS = ("chat_prompts",)
+"""The data kinds whose prompts are token lists, what this engine passes to vLLM."""
 
 
 def trained_hf_weights(model: nn.Module, adapter: Any, model_config: Any) -> dict[str, torch.Tensor]:
@@ -104,6 +106,9 @@ def vllm_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"rl.rollout_engine=vllm generates a row on each rank, but parallel.sp={cfg.parallel.sp}, "
                         f"cp={cfg.parallel.cp} split rows over ranks that must draw the same completions: "
                         "set parallel.sp and parallel.cp to 1, or rl.rollout_engine: builtin")
+    if cfg.data.kind and cfg.data.kind not in TOKEN_PROMPT_KINDS:
+        problems.append(f"rl.rollout_engine=vllm takes token prompts ({', '.join(TOKEN_PROMPT_KINDS)} data), not the "
+                        f"{cfg.data.kind} kind's (prompts with images or videos): use rl.rollout_engine: builtin")
     if get_model_spec(cfg.model.arch).hf_adapter is None:
         problems.append(f"rl.rollout_engine=vllm loads the model by its Hugging Face names, and model.arch="
                         f"{cfg.model.arch} has no HF adapter: use rl.rollout_engine: builtin")
