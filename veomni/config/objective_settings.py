@@ -54,3 +54,10 @@ class RLConfig:
     """Reward functions by dotted path ``package.module.function`` (``veomni/objectives/rewards.py``); summed."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward (empty: all 1)."""
+    rollout_engine: str = "builtin"
+    """What generates the rollouts, by registered name (``veomni/objectives/rollout_engines.py``):
+    ``builtin`` (the trained model in the training processes) or ``vllm`` (an engine per rank on its GPU,
+    the trained weights pushed in after every update); a plug-in may register more."""
+    rollout_engine_memory: float = 0.3
+    """An external engine's share of its device's memory for its weights and KV cache (vLLM's
+    ``gpu_memory_utilization``), in (0, 1); the built-in engine ignores it."""

@@ -46,6 +46,7 @@ def check_ranges(cfg: RunConfig, origins: dict[str, str]) -> None:
         (0 <= cfg.rl.clip_low < 1, ("rl", "clip_low"), "must be in [0, 1)"),
         (cfg.rl.clip_high >= 0, ("rl", "clip_high"), "must be >= 0"),
         (cfg.rl.kl_coef >= 0, ("rl", "kl_coef"), "must be >= 0"),
+        (0 < cfg.rl.rollout_engine_memory < 1, ("rl", "rollout_engine_memory"), "must be in (0, 1)"),
         (not cfg.rl.reward_weights or len(cfg.rl.reward_weights) == len(cfg.rl.rewards), ("rl", "reward_weights"),
          "must give one weight per entry of rl.rewards (or be empty: all 1)"),
         (cfg.checkpoint.keep_last >= 1, ("checkpoint", "keep_last"), "must be >= 1"),

@@ -3,8 +3,9 @@ put together and registered (docs/post_training.md, online RL).
 
 The trainer sees an ``Objective`` like any other: a task (``GRPOTask``), an ``attach`` that takes
 the policy (and the reference when ``rl.kl_coef > 0``), and a ``feed`` that turns the data kind's
-prompt micro-batches into rollout rows (``RolloutFeed``, generating with ``PolicyEngine``: the
-trained model in the training processes). Held-out prompts are scored by ``scripts/eval_chat.sh``,
+prompt micro-batches into rollout rows (``RolloutFeed``, generating with the engine
+``rl.rollout_engine`` names: by default ``PolicyEngine``, the trained model in the training
+processes; ``rollout_engines.py``). Held-out prompts are scored by ``scripts/eval_chat.sh``,
 not by the task's loss (``evaluates=False``).
 """
 
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from veomni.config.schema import RunConfig
+from veomni.objectives import vllm_engine as vllm_engine  # registers the vllm engine
 from veomni.objectives.grpo import GRPOTask
 from veomni.objectives.grpo_loss import GRPOOptions
 from veomni.objectives.registry import FeedRequest, FrozenModels, Objective, ObjectiveRequest, register_objective
 from veomni.objectives.rewards import reward_problems
-from veomni.objectives.rollout import PolicyEngine
+from veomni.objectives.rollout_engines import EngineRequest, build_rollout_engine, rollout_engine_problems
 from veomni.objectives.rollout_feed import RolloutFeed
 from veomni.objectives.sequence_logps import LogitsTask
 
@@ -36,10 +39,22 @@ def build_grpo(request: ObjectiveRequest) -> Objective:
         task.attach(models, rl.kl_coef > 0)
 
     def feed(feed_request: FeedRequest) -> RolloutFeed:
-        engine = PolicyEngine(policy[0], feed_request.device, feed_request.lockstep_group)
+        engine = build_rollout_engine(EngineRequest(request.cfg, policy[0], feed_request.device,
+                                                    feed_request.lockstep_group, feed_request.tokenizer))
         return RolloutFeed(feed_request, rl, engine, policy[0])
 
     return Objective("grpo", task, attach, feed=feed, evaluates=False)
 
 
-register_objective("grpo", build_grpo, frozen_copies=1, data_kinds=("chat_prompts",), checks=reward_problems)
+def grpo_problems(cfg: RunConfig) -> list[str]:
+    """The launcher's checks: the rewards load, the rollout engine is registered and can run here."""
+    return reward_problems(cfg) + rollout_engine_problems(cfg)
+
+
+def grpo_reference_copies(cfg: RunConfig) -> int:
+    """The frozen reference: held only for the KL penalty."""
+    return int(cfg.rl.kl_coef > 0)
+
+
+register_objective("grpo", build_grpo, frozen_copies=grpo_reference_copies, data_kinds=("chat_prompts",),
+                   checks=grpo_problems, rollouts=True)

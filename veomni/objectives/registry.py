@@ -107,22 +107,26 @@ class ObjectiveEntry:
     """Whether it runs under ``parallel.pp`` (the launcher refuses the run otherwise)."""
     pipelines_split_rows: bool = False
     """Whether it also runs under ``parallel.pp`` with rows split by ``parallel.sp`` / ``parallel.cp``."""
-    frozen_copies: int = 0
-    """Full frozen copies of the policy it holds when the run has no LoRA."""
+    frozen_copies: int | Callable[[RunConfig], int] = 0
+    """Full frozen copies of the policy it holds when the run has no LoRA (or the run's settings'
+    count of them, e.g. a reference held only for a KL penalty)."""
     data_kinds: tuple[str, ...] = ()
     """The dataset kinds whose batches it can read (empty: any)."""
     checks: Callable[[RunConfig], list[str]] | None = None
     """The launcher's further checks of the run's settings for it (problems; empty: none)."""
+    rollouts: bool = False
+    """Whether it generates rollouts with the ``rl`` settings (the dry-run plan lists that phase)."""
 
 
 _OBJECTIVES: dict[str, ObjectiveEntry] = {}
 
 
-def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False, frozen_copies: int = 0,
+def register_objective(name: str, build: ObjectiveFactory, pipelines: bool = False,
+                       frozen_copies: int | Callable[[RunConfig], int] = 0,
                        data_kinds: tuple[str, ...] = (), pipelines_split_rows: bool = False,
-                       checks: Callable[[RunConfig], list[str]] | None = None) -> None:
+                       checks: Callable[[RunConfig], list[str]] | None = None, rollouts: bool = False) -> None:
     """Make ``train.objective: <name>`` build its objective with ``build``."""
-    entry = ObjectiveEntry(build, pipelines, pipelines_split_rows, frozen_copies, data_kinds, checks)
+    entry = ObjectiveEntry(build, pipelines, pipelines_split_rows, frozen_copies, data_kinds, checks, rollouts)
     if _OBJECTIVES.get(name, entry) != entry:
         raise ValueError(f"objective {name!r} is already registered")
     _OBJECTIVES[name] = entry
@@ -168,9 +172,16 @@ def objective_problems(cfg: RunConfig, data_kind: str, encoders_outside_stages: 
     return entry.checks(cfg) if entry.checks is not None else []
 
 
+def reference_copies(cfg: RunConfig) -> int:
+    """Frozen copies of the starting model the run's objective holds with its settings (under LoRA
+    the base with its adapters off serves as each)."""
+    copies = objective_entry(cfg.train.objective).frozen_copies
+    return copies(cfg) if callable(copies) else copies
+
+
 def frozen_copies(cfg: RunConfig) -> int:
     """Full frozen copies of the model the run's objective holds (0 under LoRA: the base serves)."""
-    return 0 if cfg.lora.rank > 0 else objective_entry(cfg.train.objective).frozen_copies
+    return 0 if cfg.lora.rank > 0 else reference_copies(cfg)
 
 
 def _supervised(request: ObjectiveRequest) -> Objective:

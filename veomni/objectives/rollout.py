@@ -4,7 +4,9 @@ A ``RolloutEngine`` takes token prompts and sampling settings (``veomni.generati
 and gives, per prompt, a ``veomni.generation.Completion``: the sampled tokens and each token's
 log-probability under the generating weights (log-softmax at temperature 1); ``sync_weights`` is
 called after every policy update, before the next rollout, so an engine that holds its own copy of
-the weights (an external server) takes the trained ones.
+the weights (an external server) takes the trained ones, and ``release`` after the rollout, so it
+can free its device memory while the policy trains. Engines are picked by ``rl.rollout_engine``
+(``rollout_engines.py``).
 
 The built-in ``PolicyEngine`` generates with the trained model itself, in the training processes,
 through ``veomni.generation`` (batched, with a KV cache): its weights *are* the trained weights
@@ -33,6 +35,11 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model: nn.Module) -> None: ...
 
+    def release(self) -> None:
+        """The rollout is over: free what the engine holds on the device until the next
+        ``sync_weights`` (an external engine's KV cache and weight copy), so the update has it."""
+        ...
+
 
 def lockstep_over(group: dist.ProcessGroup | None, device: torch.device) -> Callable[[bool], bool] | None:
     """``generate``'s lockstep over ``group``: whether every rank is done (None: one process)."""
@@ -57,6 +64,9 @@ class PolicyEngine:
 
     def sync_weights(self, model: nn.Module) -> None:
         """Nothing to push: generation runs the trained parameters themselves."""
+
+    def release(self) -> None:
+        """Nothing held: ``generate``'s KV cache is gone when it returns."""
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],

@@ -15,7 +15,9 @@ comes from the seed, the rollout and the data-parallel rank). Metrics of each ro
 data-parallel ranks: ``reward_mean``, ``reward_std``, ``accuracy`` (the share of completions whose
 first reward is 1, e.g. an exact match), ``response_length`` (mean tokens), ``rollout_tokens_per_s``
 (generated tokens of the run over the slowest rank's generation time), ``rollout_time_s``,
-``rollout_peak_mem_gb`` and ``finished`` (the share that ended at a stop token).
+``rollout_peak_mem_gb`` and ``finished`` (the share that ended at a stop token); of each step's update,
+``update_time_s`` and ``update_peak_mem_gb``. The engine is told to ``release`` its device memory
+once a rollout is done.
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ class RolloutFeed:
         self.step = request.start_step
         self.rows: list[dict[str, Any]] = []
         self.metrics: dict[str, float] = {}
+        self.update_started = time.perf_counter()
 
     def next_step(self) -> list[dict[str, Any]]:
         if self.step % self.rl.updates_per_rollout == 0 or not self.rows:
             self.rows = self.rollout(self.step // self.rl.updates_per_rollout)
         self.step += 1
+        if self.request.device.type == "cuda":  # the update's own peak from here on
+            torch.cuda.reset_peak_memory_stats(self.request.device)
+        self.update_started = time.perf_counter()
         return [dict(row) for row in self.rows]
 
     def rollout(self, index: int) -> list[dict[str, Any]]:
@@ -81,6 +87,7 @@ class RolloutFeed:
             lengths += [len(c.tokens) for c in completions]
             stopped += sum(c.finish_reason == "stop" for c in completions)
         elapsed = time.perf_counter() - started
+        self.engine.release()
         self.metrics = self._reduce(torch.cat(rewards), torch.cat(firsts), lengths, stopped, elapsed)
         return rows
 
@@ -101,8 +108,15 @@ class RolloutFeed:
                 "rollout_peak_mem_gb": float(slowest[1])}
 
     def step_metrics(self) -> dict[str, float]:
+        """The prompt feed's, the last rollout's (at a step that rolled out) and the update's: its time
+        from the rows handed over to these metrics and its peak memory (GPU only), the slowest rank's."""
+        update = torch.tensor([time.perf_counter() - self.update_started, _peak_memory_gb(self.request.device)],
+                              dtype=torch.float64)
+        if self.request.metrics_group is not None:
+            dist.all_reduce(update, op=dist.ReduceOp.MAX, group=self.request.metrics_group)
         metrics, self.metrics = self.metrics, {}
-        return {**self.request.feed.step_metrics(), **metrics}
+        return {**self.request.feed.step_metrics(), **metrics, "update_time_s": float(update[0]),
+                "update_peak_mem_gb": float(update[1])}
 
     def pending_state(self) -> list[list[Any]]:
         """The prompt feed's (a checkpoint records where the prompts stand; a rollout in progress is not

@@ -20,6 +20,9 @@ recipes. Memory per rank (bytes):
   mode, times the units a rank holds (the micro-batch budget, divided by the ``sp x cp`` ranks
   that split each row).
 
+An online-RL run (an objective registered with ``rollouts``) adds its rollout phase's table after the
+memory table, which is then the update phase's (``rollout_plan.py``).
+
 Under sequence or context parallelism a "sequence split" section follows: each way to split a
 row over the ``sp x cp`` ranks, with its attention traffic and buffers (``sequence_split.py``).
 """
@@ -36,10 +39,11 @@ from veomni.contract import build_model, get_model_spec
 from veomni.contract.graph_model import GraphCost
 from veomni.contract.hooks import attention_modules
 from veomni.contract.plan import flatten_plan, match_modules
-from veomni.objectives.registry import frozen_copies, objective_entry
+from veomni.objectives.registry import frozen_copies, objective_entry, reference_copies
 from veomni.optim import get_optimizer
 from veomni.parallel.mesh import ParallelDims
 from veomni.planner.graph_plan import graph_plan
+from veomni.planner.rollout_plan import RolloutMemory, rollout_lines, rollout_memory
 from veomni.planner.sequence_split import AttentionShape, sequence_split_lines
 
 GiB = 2**30
@@ -74,6 +78,8 @@ class Estimate:
     reference_gb: float = 0.0
     """The objective's frozen copies of the model (a preference run's reference policy; 0 under LoRA,
     whose reference is the base with its adapters off)."""
+    rollout: RolloutMemory | None = None
+    """Online RL with the built-in engine: the rollout phase's own memory (``rollout_plan.py``)."""
 
     @property
     def total_gb(self) -> float:
@@ -132,6 +138,8 @@ def estimate(cfg: RunConfig, dims: ParallelDims, compute_on_gpu: bool) -> Estima
         history_gb=graph.history_gb if graph else 0.0,
         sequence_lines=sequence_lines,
         reference_gb=frozen_copies(cfg) * 4 * total / shard / GiB,
+        rollout=(rollout_memory(cfg, model, plan.attention, compute_bytes)
+                 if objective_entry(cfg.train.objective).rollouts and cfg.rl.rollout_engine == "builtin" else None),
     )
 
 
@@ -144,7 +152,7 @@ def _memory_rows(cfg: RunConfig, dims: ParallelDims, est: Estimate) -> list[tupl
         (f"optimizer ({cfg.train.optimizer}, 1/{shard})", est.optimizer_gb),
         *([(f"weight EMA (fp32, 1/{shard})", est.ema_gb)] if est.ema_gb else []),
         *([(f"reference model ({'the base: no copy' if lora else f'frozen fp32 copy, 1/{shard}'})", est.reference_gb)]
-          if objective_entry(cfg.train.objective).frozen_copies else []),
+          if reference_copies(cfg) else []),
         ("gathered params (root + 2 blocks" + (f", E/{dims.ep} exp.)" if dims.ep > 1 else ")"),
          est.gathered_gb),
         (f"activations (checkpointing={cfg.parallel.activation_checkpointing})", est.activations_gb),
@@ -186,6 +194,8 @@ def format_report(cfg: RunConfig, dims: ParallelDims, est: Estimate, device_desc
         f"per step      {cfg.train.grad_accum} micro-batch(es) x {cfg.data.tokens_per_micro_batch} {unit}s x "
         f"{dims.dp_size} dp ranks = {step_units:,} {unit}s",
         *memory_lines,
+        *(rollout_lines(cfg, est.rollout, est.total_gb - est.activations_gb - est.history_gb)
+          if objective_entry(cfg.train.objective).rollouts else []),
         *est.sequence_lines,
     ]
     return "\n".join(lines)
