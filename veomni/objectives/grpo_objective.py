@@ -3,9 +3,10 @@ put together and registered (docs/post_training.md, online RL).
 
 The trainer sees an ``Objective`` like any other: a task (``GRPOTask``), an ``attach`` that takes
 the policy (and the reference when ``rl.kl_coef > 0``), and a ``feed`` that turns the data kind's
-prompt micro-batches into rollout rows (``RolloutFeed``, generating with ``PolicyEngine``: the
-trained model in the training processes). Held-out prompts are scored by ``scripts/eval_chat.sh``,
-not by the task's loss (``evaluates=False``).
+prompt micro-batches (``chat_prompts``; ``chat_media_prompts`` for a VLM, generated and packed with
+the model's ``MediaLayout``) into rollout rows (``RolloutFeed``, generating with ``PolicyEngine``: the
+trained model in the training processes). Held-out prompts are scored by ``scripts/eval_chat.sh``
+(``scripts/eval_vqa.sh`` for media prompts), not by the task's loss (``evaluates=False``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from veomni.objectives.rewards import reward_problems
 from veomni.objectives.rollout import PolicyEngine
 from veomni.objectives.rollout_feed import RolloutFeed
 from veomni.objectives.sequence_logps import LogitsTask
+
+MEDIA_PROMPTS = ("chat_media_prompts",)
+"""The data kinds whose prompts are chats with media, generated and trained with the model's layout."""
 
 
 def build_grpo(request: ObjectiveRequest) -> Objective:
@@ -36,10 +40,12 @@ def build_grpo(request: ObjectiveRequest) -> Objective:
         task.attach(models, rl.kl_coef > 0)
 
     def feed(feed_request: FeedRequest) -> RolloutFeed:
-        engine = PolicyEngine(policy[0], feed_request.device, feed_request.lockstep_group)
-        return RolloutFeed(feed_request, rl, engine, policy[0])
+        layout = feed_request.model_config.media_layout() if request.cfg.data.kind in MEDIA_PROMPTS else None
+        engine = PolicyEngine(policy[0], feed_request.device, feed_request.lockstep_group, layout)
+        return RolloutFeed(feed_request, rl, engine, policy[0], layout)
 
     return Objective("grpo", task, attach, feed=feed, evaluates=False)
 
 
-register_objective("grpo", build_grpo, frozen_copies=1, data_kinds=("chat_prompts",), checks=reward_problems)
+register_objective("grpo", build_grpo, frozen_copies=1, data_kinds=("chat_prompts", *MEDIA_PROMPTS),
+                   checks=reward_problems)
