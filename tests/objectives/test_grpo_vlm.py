@@ -5,9 +5,11 @@ packed rows the update trains on carry it.
 Checked against transformers, which this project did not write: every sampled completion's
 log-probabilities equal those ``Qwen2_5_VLForConditionalGeneration`` (built from the exported
 config, holding the gathered weights that generated the rollout) gives the finished sequence, fed
-its own image processor's pixels and computing its own M-RoPE positions. And the update's rows
-give the same log-probabilities on a one-process forward of our model (so the update sees what
-generation saw, the picture included), which they do not without their media. The launcher refuses
+its own image processor's pixels and computing its own M-RoPE positions (a video prompt is left
+out there: transformers recomputes the positions generation continued, ``veomni/generation/prompts.py``).
+And the update's rows give every completion's log-probabilities on a one-process forward of our
+model (so the update sees what generation saw, the picture included), which they do not without
+their media. The launcher refuses
 a missing or unreadable image, markers that do not pair with images, and a record without a hidden
 answer, naming file and line.
 """
@@ -26,6 +28,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from harness.gloo_ranks import run_distributed
 from models.omni.mrope_positions import token_types
+from models.omni.qwen_video import encode_video_member
+from tests.data.test_chat_media_jsonl import VIDEO_BUDGET
+from tests.data.test_media_preference_data import CLIP_FPS, clip
 from tests.omni_utils import TINY_QWEN_VL_CHAT, TOKENIZER, random_png
 from tests.parity_utils import assert_parity, full_params
 from tests.trainer_utils import tiny_run_config
@@ -39,6 +44,7 @@ from veomni.train.trainer import Trainer
 
 IMAGES = {"img/a.png": (61, 97, 0), "img/b.png": (37, 45, 1), "img/c.png": (90, 50, 2)}
 """file -> (height, width, seed) of its ``random_png``."""
+MODEL = {**TINY_QWEN_VL_CHAT, **VIDEO_BUDGET}
 
 
 def _turn(role: str, content) -> dict:
@@ -46,7 +52,7 @@ def _turn(role: str, content) -> dict:
 
 
 def prompt_lines() -> list[dict]:
-    """Four prompts: an image, two images, none, and an image in a Qwen content list after a turn."""
+    """Five prompts: an image, two images, none, an image in a Qwen content list after a turn, a video."""
     return [
         {"id": "p0", "images": ["img/a.png"], "question_type": "color",
          "messages": [_turn("user", "<image>What color?"), _turn("assistant", "red")]},
@@ -57,6 +63,8 @@ def prompt_lines() -> list[dict]:
                                   _turn("user", [{"type": "image", "image": "img/c.png"},
                                                  {"type": "text", "text": "Which way?"}]),
                                   _turn("assistant", "up")]},
+        {"id": "p4", "videos": ["clips/d.npz"],
+         "messages": [_turn("user", "<video>Which way?"), _turn("assistant", "up")]},
     ]
 
 
@@ -64,6 +72,8 @@ def write_prompts(folder: Path, lines: list[dict]) -> Path:
     for name, shape in IMAGES.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(random_png(*shape))
+    (folder / "clips" / "d.npz").parent.mkdir(parents=True, exist_ok=True)
+    (folder / "clips" / "d.npz").write_bytes(encode_video_member(clip(), CLIP_FPS))
     path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
@@ -71,10 +81,11 @@ def write_prompts(folder: Path, lines: list[dict]) -> Path:
 
 def vlm_grpo_config(tmp_path: Path) -> RunConfig:
     cfg = tiny_run_config(tmp_path, max_steps=1, objective="grpo", lr=1e-2, eval_batches=0)
-    cfg.model = ModelConfig(arch="qwen2_5_vl", options=dict(TINY_QWEN_VL_CHAT))
+    cfg.model = ModelConfig(arch="qwen2_5_vl", options=dict(MODEL))
     path = write_prompts(tmp_path / "set", prompt_lines())
     cfg.data = DataConfig(kind="chat_media_prompts", train_path=str(path), format="jsonl", text_key="json",
-                          tokenizer=str(TOKENIZER), max_seq_len=128, tokens_per_micro_batch=160)
+                          tokenizer=str(TOKENIZER), max_seq_len=96,
+                          tokens_per_micro_batch=120)  # each rank's prompts once (costs 14 to 65)
     cfg.checkpoint.interval = 0
     cfg.rl.group_size, cfg.rl.max_new_tokens = 2, 3
     return cfg
@@ -98,7 +109,7 @@ def _train(rank: int, world: int, tmp: str) -> list[tuple]:
         return rows
     feed.rollout = recorded
     trainer.train()
-    return seen if rank == 0 else []
+    return seen
 
 
 def _hf_logps(hf_model, config, sample, tokens: list[int], folder: Path) -> torch.Tensor:
@@ -132,28 +143,33 @@ def _row_logps(model, row: dict, media: bool) -> torch.Tensor:
 
 
 def test_vlm_rollouts_see_the_picture_and_equal_transformers_and_the_update_rows(tmp_path: Path) -> None:
-    seen = run_distributed(_train, 2, str(tmp_path))[0]
-    assert len(seen) == 1, "one rollout for the one step"
-    config = build_config("qwen2_5_vl", TINY_QWEN_VL_CHAT)
-    _, ours = build_model("qwen2_5_vl", TINY_QWEN_VL_CHAT)
-    with_images = 0
-    for index, (weights, calls, rows) in enumerate(seen):
-        ours.load_state_dict(weights)
-        folder = save_hf_pretrained("qwen2_5_vl", config, weights, tmp_path / f"hf{index}")
-        hf_model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+    seen = [rollout for rank in run_distributed(_train, 2, str(tmp_path)) for rollout in rank]
+    assert len(seen) == 2, "one rollout for the one step, on each rank"
+    config = build_config("qwen2_5_vl", MODEL)
+    _, ours = build_model("qwen2_5_vl", MODEL)
+    with_images = with_video = 0
+    weights = seen[0][0]  # one step: both ranks rolled out with the starting weights
+    ours.load_state_dict(weights)
+    hf_model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        save_hf_pretrained("qwen2_5_vl", config, weights, tmp_path / "hf")).eval()
+    for other, calls, rows in seen:
+        assert all(torch.equal(other[name], value) for name, value in weights.items())
         completions = []
         for prompts, out in calls:
             for sample, done in zip(prompts, out):
+                completions += done.logprobs
+                if sample.media.get("video"):  # transformers recomputes a video's positions (generation/prompts.py)
+                    with_video += 1
+                    continue
                 expected = _hf_logps(hf_model, config, sample, done.tokens, tmp_path / "set")
                 assert_parity(torch.tensor(done.logprobs), expected, f"rollout log-probabilities of {sample.key}")
                 with_images += bool(sample.media.get("image"))
-                completions += done.logprobs
         got = torch.cat([_row_logps(ours, row, media=True) for row in rows])
         assert_parity(got, torch.tensor(completions), "the update rows' log-probabilities")
         blind = torch.cat([_row_logps(ours, row, media=False) for row in rows])
         assert (blind - got).abs().max() > 1e-3, "without their media the rows give other log-probabilities"
         assert all(ADVANTAGES in row for row in rows)
-    assert with_images > 0
+    assert with_images > 0 and with_video > 0
 
 
 def test_the_launcher_refuses_bad_media_prompts_naming_file_and_line(tmp_path: Path) -> None:
@@ -169,10 +185,10 @@ def test_the_launcher_refuses_bad_media_prompts_naming_file_and_line(tmp_path: P
     path.write_text("".join(json.dumps(line) + "\n" for line in [*good, *bad]))
     cfg = DataConfig(kind="chat_media_prompts", train_path=str(path), format="jsonl", text_key="json",
                      tokenizer=str(TOKENIZER), max_seq_len=128, tokens_per_micro_batch=160)
-    problems = check_media_prompts_data(cfg, build_config("qwen2_5_vl", TINY_QWEN_VL_CHAT))
-    want = {5: "image file not found: '" + str(tmp_path / "set" / "img" / "gone.png"),
-            6: "image " + str(tmp_path / "set" / "img" / "broken.png") + " does not decode",
-            7: "more <image> placeholders than image items", 8: "'no_answer'"}
+    problems = check_media_prompts_data(cfg, build_config("qwen2_5_vl", MODEL))
+    want = {6: "image file not found: '" + str(tmp_path / "set" / "img" / "gone.png"),
+            7: "image " + str(tmp_path / "set" / "img" / "broken.png") + " does not decode",
+            8: "more <image> placeholders than image items", 9: "'no_answer'"}
     assert len(problems) == len(want), problems
     for problem, (line, why) in zip(problems, want.items()):
         assert problem.startswith(f"data (chat_media_prompts): {path}:{line}: "), problem
