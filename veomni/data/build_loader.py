@@ -1,7 +1,8 @@
 """Build a run's data loader from the registered dataset kinds.
 
 Importing this module registers the engine's own kinds (``packed_text``, ``chat_text``, ``chat_preference``,
-``chat_media``, ``chat_media_preference``, ``graph``, ``frames``, ``video_latents``, ``video_clips``);
+``chat_prompts``, ``chat_media``, ``chat_media_preference``,
+``chat_media_prompts``, ``graph``, ``frames``, ``video_latents``, ``video_clips``);
 plugin packages register theirs when ``veomni.contract.load_plugins`` imports them.
 """
 
@@ -16,6 +17,7 @@ from veomni.config.schema import DataConfig
 from veomni.data.chat import (  # noqa: F401  (register the kinds)
     media_dataset,
     media_preference,
+    media_prompts,
     preference_dataset,
     prompt_dataset,
     text_dataset,

@@ -3,10 +3,11 @@ put together and registered (docs/post_training.md, online RL).
 
 The trainer sees an ``Objective`` like any other: a task (``GRPOTask``), an ``attach`` that takes
 the policy (and the reference when ``rl.kl_coef > 0``), and a ``feed`` that turns the data kind's
-prompt micro-batches into rollout rows (``RolloutFeed``, generating with the engine
+prompt micro-batches (``chat_prompts``; ``chat_media_prompts`` for a VLM, generated and packed with
+the model's ``MediaLayout``) into rollout rows (``RolloutFeed``, generating with the engine
 ``rl.rollout_engine`` names: by default ``PolicyEngine``, the trained model in the training
-processes; ``rollout_engines.py``). Held-out prompts are scored by ``scripts/eval_chat.sh``,
-not by the task's loss (``evaluates=False``).
+processes; ``rollout_engines.py``). Held-out prompts are scored by ``scripts/eval_chat.sh``
+(``scripts/eval_vqa.sh`` for media prompts), not by the task's loss (``evaluates=False``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from veomni.objectives.rewards import reward_problems
 from veomni.objectives.rollout_engines import EngineRequest, build_rollout_engine, rollout_engine_problems
 from veomni.objectives.rollout_feed import RolloutFeed
 from veomni.objectives.sequence_logps import LogitsTask
+
+MEDIA_PROMPTS = ("chat_media_prompts",)
+"""The data kinds whose prompts are chats with media, generated and trained with the model's layout."""
 
 
 def build_grpo(request: ObjectiveRequest) -> Objective:
@@ -39,9 +43,10 @@ def build_grpo(request: ObjectiveRequest) -> Objective:
         task.attach(models, rl.kl_coef > 0)
 
     def feed(feed_request: FeedRequest) -> RolloutFeed:
+        layout = feed_request.model_config.media_layout() if request.cfg.data.kind in MEDIA_PROMPTS else None
         engine = build_rollout_engine(EngineRequest(request.cfg, policy[0], feed_request.device,
-                                                    feed_request.lockstep_group, feed_request.tokenizer))
-        return RolloutFeed(feed_request, rl, engine, policy[0])
+                                                    feed_request.lockstep_group, feed_request.tokenizer, layout))
+        return RolloutFeed(feed_request, rl, engine, policy[0], layout)
 
     return Objective("grpo", task, attach, feed=feed, evaluates=False)
 
@@ -56,5 +61,5 @@ def grpo_reference_copies(cfg: RunConfig) -> int:
     return int(cfg.rl.kl_coef > 0)
 
 
-register_objective("grpo", build_grpo, frozen_copies=grpo_reference_copies, data_kinds=("chat_prompts",),
-                   checks=grpo_problems, rollouts=True)
+register_objective("grpo", build_grpo, frozen_copies=grpo_reference_copies,
+                   data_kinds=("chat_prompts", *MEDIA_PROMPTS), checks=grpo_problems, rollouts=True)

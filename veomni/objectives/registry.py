@@ -80,6 +80,8 @@ class FeedRequest:
     dp_rank: int
     start_step: int
     """The step the run starts at (after a resume)."""
+    model_config: Any = None
+    """The family's model config (a VLM's gives the ``media_layout()`` its media prompts need)."""
 
 
 @dataclass

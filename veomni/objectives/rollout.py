@@ -1,6 +1,8 @@
 """The rollout engine seat and the rows a rollout trains on.
 
-A ``RolloutEngine`` takes token prompts and sampling settings (``veomni.generation.SamplingParams``)
+A ``RolloutEngine`` takes prompts (token ids; or, for a VLM, ``ChatSample`` chats with their images and
+videos, generated with the model's ``MediaLayout``: M-RoPE positions continued while decoding) and
+sampling settings (``veomni.generation.SamplingParams``)
 and gives, per prompt, a ``veomni.generation.Completion``: the sampled tokens and each token's
 log-probability under the generating weights (log-softmax at temperature 1); ``sync_weights`` is
 called after every policy update, before the next rollout, so an engine that holds its own copy of
@@ -23,15 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni.contract.media import MediaLayout
 from veomni.data.packing import pack_with_targets
 from veomni.generation import Completion, SamplingParams, generate
+from veomni.generation.prompts import Prompt, pack_prompts, prompt_ids
 from veomni.objectives.grpo import ADVANTAGES
 
 __all__ = ["Completion", "PolicyEngine", "RolloutEngine", "SamplingParams", "pack_rollouts"]
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Completion]: ...
 
     def sync_weights(self, model: nn.Module) -> None: ...
 
@@ -56,11 +60,14 @@ def lockstep_over(group: dist.ProcessGroup | None, device: torch.device) -> Call
 class PolicyEngine:
     """The built-in engine: the trained model generates in the training processes."""
 
-    def __init__(self, model: nn.Module, device: torch.device, group: dist.ProcessGroup | None) -> None:
-        self.model, self.device, self.group = model, device, group
+    def __init__(self, model: nn.Module, device: torch.device, group: dist.ProcessGroup | None,
+                 layout: MediaLayout | None = None) -> None:
+        """``layout``: the model's, for prompts with media (None: token prompts)."""
+        self.model, self.device, self.group, self.layout = model, device, group, layout
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return generate(self.model, prompts, params, lockstep=lockstep_over(self.group, self.device))
+    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Completion]:
+        return generate(self.model, prompts, params, layout=self.layout,
+                        lockstep=lockstep_over(self.group, self.device))
 
     def sync_weights(self, model: nn.Module) -> None:
         """Nothing to push: generation runs the trained parameters themselves."""
@@ -69,12 +76,16 @@ class PolicyEngine:
         """Nothing held: ``generate``'s KV cache is gone when it returns."""
 
 
-def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                  advantages: Sequence[float]) -> dict:
-    """One packed row of (prompt + completion) samples, targets on the completion tokens, each
-    position carrying its sample's advantage (``ADVANTAGES``)."""
-    samples = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    batch = pack_with_targets(samples, [[False] * len(p) + [True] * len(c) for p, c in zip(prompts, completions)])
-    lengths = torch.tensor([len(s) for s in samples])
+def pack_rollouts(prompts: Sequence[Prompt], completions: Sequence[Sequence[int]],
+                  advantages: Sequence[float], layout: MediaLayout | None = None) -> dict:
+    """One packed row of (prompt + completion) samples as generation saw them (``pack_prompts``: its
+    positions and, for chats, the prompts' media at their places, for the model's ``layout``), targets
+    on the completion tokens, each position carrying its sample's advantage (``ADVANTAGES``)."""
+    ids = [prompt_ids(p) for p in prompts]
+    targets = [[False] * len(p) + [True] * len(c) for p, c in zip(ids, completions)]
+    batch = pack_prompts(prompts, completions, layout)
+    batch["labels"] = pack_with_targets([[*p, *c] for p, c in zip(ids, completions)], targets)["labels"]
+    batch["num_samples"] = len(ids)
+    lengths = torch.tensor([len(p) + len(c) for p, c in zip(ids, completions)])
     batch[ADVANTAGES] = torch.repeat_interleave(torch.tensor(advantages, dtype=torch.float32), lengths)
     return batch

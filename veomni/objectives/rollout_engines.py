@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.config.schema import RunConfig
+from veomni.contract.media import MediaLayout
 from veomni.objectives.rollout import PolicyEngine, RolloutEngine
 
 
@@ -36,6 +37,8 @@ class EngineRequest:
     lockstep_group: dist.ProcessGroup | None
     """The ranks that must run the same number of forward passes (FSDP gathers); None: one process."""
     tokenizer: Any
+    layout: MediaLayout | None = None
+    """The model's media layout when the prompts carry images or videos (None: token prompts)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def build_rollout_engine(request: EngineRequest) -> RolloutEngine:
 
 
 def _builtin(request: EngineRequest) -> RolloutEngine:
-    return PolicyEngine(request.policy, request.device, request.lockstep_group)
+    return PolicyEngine(request.policy, request.device, request.lockstep_group, request.layout)
 
 
 register_rollout_engine("builtin", _builtin)

@@ -2,7 +2,9 @@
 
 The trainer asks its feed for each step's micro-batches and knows nothing more. The GRPO
 objective's feed (``RolloutFeed``) wraps the run's feed of prompt micro-batches (the
-``chat_prompts`` kind): every ``rl.updates_per_rollout`` steps it takes the next step's prompt
+``chat_prompts`` kind, or ``chat_media_prompts``: chats with images and videos, whose media the
+rollout rows carry so the update's forward sees them, as generation did): every
+``rl.updates_per_rollout`` steps it takes the next step's prompt
 micro-batches, has the engine sample ``rl.group_size`` completions of each prompt with the
 current (just trained) weights, scores them with the rewards, turns the rewards into group
 advantages and packs each prompt micro-batch's completions into one rollout row
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni.config.objective_settings import RLConfig
+from veomni.contract.media import MediaLayout
 from veomni.objectives.grpo import ROLLOUT_KEY
 from veomni.objectives.grpo_loss import group_advantages
 from veomni.objectives.registry import FeedRequest
@@ -42,8 +45,10 @@ def _peak_memory_gb(device: torch.device) -> float:
 
 
 class RolloutFeed:
-    def __init__(self, request: FeedRequest, rl: RLConfig, engine: RolloutEngine, policy: nn.Module) -> None:
-        self.request, self.rl, self.engine, self.policy = request, rl, engine, policy
+    def __init__(self, request: FeedRequest, rl: RLConfig, engine: RolloutEngine, policy: nn.Module,
+                 layout: MediaLayout | None = None) -> None:
+        """``layout``: the model's, for prompts with media (None: token prompts)."""
+        self.request, self.rl, self.engine, self.policy, self.layout = request, rl, engine, policy, layout
         self.rewards = Rewards(rl.rewards, rl.reward_weights)
         tokenizer = request.tokenizer
         self.stop = tuple(sorted({tokenizer.eos_token_id, *tokenizer.all_special_ids} - {None}))
@@ -70,7 +75,7 @@ class RolloutFeed:
         rows, rewards, firsts, lengths, stopped = [], [], [], [], 0
         group = self.rl.group_size
         for mb, batch in enumerate(prompt_batches):
-            prompts = [ids for ids in batch["prompt_ids"] for _ in range(group)]
+            prompts = [prompt for prompt in batch["prompts"] for _ in range(group)]
             metas = [meta for meta in batch["metas"] for _ in range(group)]
             seed = hash((self.request.seed, index, mb, self.request.dp_rank)) % 2**31
             params = SamplingParams(self.rl.max_new_tokens, self.rl.temperature, self.rl.top_p, self.rl.top_k,
@@ -80,7 +85,7 @@ class RolloutFeed:
             scores = self.rewards(texts, metas)
             first = torch.tensor([float(self.rewards.fns[0](t, m)) for t, m in zip(texts, metas)])
             advantages = group_advantages(scores, group, self.rl.scale_rewards)
-            rows.append({**pack_rollouts(prompts, [c.tokens for c in completions], advantages.tolist()),
+            rows.append({**pack_rollouts(prompts, [c.tokens for c in completions], advantages.tolist(), self.layout),
                          ROLLOUT_KEY: (index, mb)})
             rewards.append(scores)
             firsts.append(first)

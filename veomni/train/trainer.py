@@ -135,7 +135,8 @@ class Trainer(RunEnd):
             world = dist.group.WORLD if self.dims.world_size > 1 else None
             self.feed = self.objective.feed(FeedRequest(self.feed, self.tokenizer, self.device, world,
                                                         self.meshes.dp.get_group() if self.dims.dp_size > 1 else None,
-                                                        cfg.train.seed, self.meshes.dp_rank, self.step))
+                                                        cfg.train.seed, self.meshes.dp_rank, self.step,
+                                                        self.model_config))
         # goes into the next step's metrics only
         self._once: dict[str, Any] = restart_record(self.output_dir, self.step, cfg.train.max_restarts)
         self._timer = StepTimer()

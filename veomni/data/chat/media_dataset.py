@@ -215,10 +215,7 @@ class MultimodalChatDataset(PackedTextDataset):
 
     def _problem(self, item: ChatSample) -> str:
         """Why ``item`` cannot train under the run's data config ('' when it can)."""
-        if len(item.chat.ids) > self.cfg.max_seq_len or item.cost > self.cfg.tokens_per_micro_batch:
-            return (f"{len(item.chat.ids)} tokens / cost {item.cost} exceed data.max_seq_len={self.cfg.max_seq_len} "
-                    f"or data.tokens_per_micro_batch={self.cfg.tokens_per_micro_batch}")
-        return ""
+        return sample_problem(item, self.cfg)
 
     def _process(self, record: dict, spec: SourceSpec, stats: ReadStats) -> Any:
         """The processed item, or None (counted as bad) when a media item does not decode or is
@@ -244,6 +241,14 @@ class MultimodalChatDataset(PackedTextDataset):
             count_bad(stats, url, self.max_bad_fraction)
             return None
         return item
+
+
+def sample_problem(sample: ChatSample, cfg: DataConfig) -> str:
+    """Why ``sample`` cannot fit a row under ``cfg`` ('' when it can)."""
+    if len(sample.chat.ids) > cfg.max_seq_len or sample.cost > cfg.tokens_per_micro_batch:
+        return (f"{len(sample.chat.ids)} tokens / cost {sample.cost} exceed data.max_seq_len={cfg.max_seq_len} "
+                f"or data.tokens_per_micro_batch={cfg.tokens_per_micro_batch}")
+    return ""
 
 
 def jsonl_folder(path: str) -> Path:

@@ -29,7 +29,7 @@ skipped and counted like a ``chat_media`` sample.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,7 +42,7 @@ from veomni.data.chat.media_dataset import (
     jsonl_folder,
     media_token_problems,
 )
-from veomni.data.chat.media_jsonl import MediaKindLike, jsonl_record, record_media
+from veomni.data.chat.media_jsonl import MediaKindLike, RecordLayout, jsonl_record, record_media
 from veomni.data.chat.preference_dataset import HALVES, check_pair_lists, pair_messages, pair_problem, pair_problems
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.sources import InvalidSampleError
@@ -134,34 +134,48 @@ class MediaPreferenceDataset(MultimodalChatDataset):
         return next(iter(self.process.values())).pack([half for pair in items for half in (pair.chosen, pair.rejected)])
 
 
-def media_preference_problems(cfg: DataConfig, model_config: Any, tokenizer: Any) -> list[str]:
-    """Every pair read, its media decoded, rendered and sized (``pair_problems``)."""
-    processors: dict[str, PairProcessor] = {}
+MediaCheck = Callable[[SampleProcessor, dict], str]
+"""(the sample processor, a webdataset record) -> why the record's item cannot train ('' when it can);
+raises what reading it raises (``InvalidSampleError``, ``UnreadableMedia``, ``FileNotFoundError``)."""
+
+
+def media_record_problems(cfg: DataConfig, model_config: Any, tokenizer: Any, kind: str, layout: RecordLayout,
+                          check_item: MediaCheck) -> list[str]:
+    """``check_item`` on every record of the train and eval data (``pair_problems``), a jsonl line read
+    with its files as ``layout`` says: each problem names file and record."""
+    processors: dict[str, SampleProcessor] = {}
 
     def check(path: str, where: str, fmt: str, record: Any, text_key: str) -> str:
         if text_key not in processors:
-            processors[text_key] = PairProcessor(SampleProcessor(tokenizer, model_config, text_key, cfg.chat_markup))
-        pairs = processors[text_key]
+            processors[text_key] = SampleProcessor(tokenizer, model_config, text_key, cfg.chat_markup)
+        process = processors[text_key]
         try:
             if fmt == "jsonl":
-                record = jsonl_record(record, jsonl_folder(path), pairs.process.kinds, text_key, pair_layout)
-            return pairs(record).problem(cfg)
+                record = jsonl_record(record, jsonl_folder(path), process.kinds, text_key, layout)
+            return check_item(process, record)
         except (InvalidSampleError, UnreadableMedia, FileNotFoundError) as error:
             return str(error)
 
-    return pair_problems(cfg, "chat_media_preference", check)
+    return pair_problems(cfg, kind, check)
 
 
-def check_media_preference_data(cfg: DataConfig, model_config: Any) -> list[str]:
-    """The chat media kind's checks of the tokenizer and the vocabulary, then every pair (before any
-    worker starts)."""
+def check_media_records(cfg: DataConfig, model_config: Any, kind: str, layout: RecordLayout,
+                        check_item: MediaCheck) -> list[str]:
+    """The chat media kind's checks of the tokenizer and the vocabulary, then every record, its media
+    decoded (``media_record_problems``), before any worker starts."""
     problems = media_token_problems(cfg, model_config)
     if problems:
         return problems
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
-    return media_preference_problems(cfg, model_config, tokenizer)
+    return media_record_problems(cfg, model_config, tokenizer, kind, layout, check_item)
+
+
+def check_media_preference_data(cfg: DataConfig, model_config: Any) -> list[str]:
+    """Every pair read, its media decoded, rendered and sized (``check_media_records``)."""
+    return check_media_records(cfg, model_config, "chat_media_preference", pair_layout,
+                               lambda process, record: PairProcessor(process)(record).problem(cfg))
 
 
 def _build(request: DatasetRequest) -> MediaPreferenceDataset:

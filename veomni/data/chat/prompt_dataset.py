@@ -10,8 +10,10 @@ plus ``answer`` (the last assistant turn's content). So an SFT data set is an RL
 the held-out split is scored by ``scripts/eval_chat.sh`` as for SFT.
 
 A micro-batch holds whole prompts up to ``data.tokens_per_micro_batch`` prompt tokens:
-``{"prompt_ids": [[int]], "metas": [dict]}`` (lists, not a packed row: the objective generates
-from them). Position, epochs and resume are the text loader's (``PackedTextDataset``).
+``{"prompts": [[int]], "metas": [dict]}`` (lists, not a packed row: the objective generates
+from them; ``pack_prompt_items``). Position, epochs and resume are the text loader's
+(``PackedTextDataset``). The ``chat_media_prompts`` kind (``media_prompts.py``) gives the same
+items and micro-batches with each prompt a chat with its images and videos.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from veomni.data.chat.conversation import conversation_messages
+from veomni.data.chat.media_dataset import ChatSample
 from veomni.data.chat.text_dataset import ChatTextDataset, check_chat_template, record_object
 from veomni.data.kinds import DatasetKind, DatasetRequest, register_dataset
 from veomni.data.mixture import SourceSpec
@@ -32,8 +35,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PromptItem:
-    ids: list[int]
+    prompt: list[int] | ChatSample
+    """The prompt's token ids, or (``chat_media_prompts``) its chat with its media."""
     meta: Mapping[str, Any]
+
+
+def prompt_meta(obj: Any, key: str, answer: str) -> dict[str, Any]:
+    """What the rewards see: the record's fields but its conversation, the hidden ``answer`` and ``id``."""
+    extra = {k: v for k, v in obj.items() if k != "messages"} if isinstance(obj, dict) else {}
+    return {**extra, "answer": answer, "id": key}
+
+
+def pack_prompt_items(items: list[PromptItem]) -> dict:
+    """A micro-batch of prompts: ``{"prompts": [...], "metas": [dict], "num_samples": n}``."""
+    return {"prompts": [item.prompt for item in items], "metas": [dict(item.meta) for item in items],
+            "num_samples": len(items)}
 
 
 def prompt_and_answer(obj: Any, key: str) -> tuple[list[dict[str, str]], str]:
@@ -50,11 +66,10 @@ class ChatPromptsDataset(ChatTextDataset):
     """``ChatTextDataset`` whose item is a prompt and its metadata (see the module docstring)."""
 
     def _cost(self, item: PromptItem) -> int:
-        return len(item.ids)
+        return len(item.prompt)
 
     def _pack(self, items: list[PromptItem]) -> dict:
-        return {"prompt_ids": [item.ids for item in items], "metas": [dict(item.meta) for item in items],
-                "num_samples": len(items)}
+        return pack_prompt_items(items)
 
     def _encode(self, record: Any, spec: SourceSpec, stats: ReadStats) -> PromptItem | None:
         origin = record.get("__url__", spec.path) if isinstance(record, dict) else spec.path
@@ -68,8 +83,7 @@ class ChatPromptsDataset(ChatTextDataset):
             logger.warning("%s: skipped, counted as bad: %s", origin, error)
             count_bad(stats, origin, self.max_bad_fraction)
             return None
-        extra = {k: v for k, v in obj.items() if k != "messages"} if isinstance(obj, dict) else {}
-        return PromptItem(ids, {**extra, "answer": answer, "id": key})
+        return PromptItem(ids, prompt_meta(obj, key, answer))
 
 
 def _build_chat_prompts(request: DatasetRequest) -> ChatPromptsDataset:
