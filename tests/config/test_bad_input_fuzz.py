@@ -4,7 +4,8 @@ traceback and before any worker starts; a fresh clone's dry run plans without th
 error only a worker can meet (bad records) stops the run once, with its message, instead of being
 retried ``train.max_restarts`` times.
 
-The launcher runs in process (its ``main``); one ``train.sh`` run covers the worker's stop.
+The launcher runs in process (its ``main``); one ``train.sh`` run covers the worker's stop, in the
+full tier (a whole run with a restart of its workers: 40-220 s on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def test_vocabulary_without_room_for_placeholders_is_refused_in_the_launcher(vqa
     assert re.search(r"model\.llm\.vocab_size=8192 has no room for the placeholder tokens \['<image>'\]", output)
 
 
+@pytest.mark.full  # a whole run through scripts/train.sh (tests/conftest.py)
 def test_bad_records_stop_the_run_once_without_a_traceback(tmp_path):
     """Bad data is found by a worker only (the launcher reads one record per source): the run stops
     at once with the reader's message, not after ``train.max_restarts`` restarts with tracebacks."""

@@ -29,6 +29,18 @@ def train_sh(*args: str, env: dict | None = None, timeout: float = 240) -> subpr
                           capture_output=True, text=True, timeout=timeout)
 
 
+def dry_run(capfd, recipe: str, *args: str) -> subprocess.CompletedProcess:
+    """``train.sh RECIPE --dry-run ARGS`` without its interpreter start: a dry run of ``train.sh`` is
+    its launcher's ``main`` at the world it would start (2 CPU processes) and nothing after it, so a
+    plan runs that ``main`` in this process (``train.sh``'s own dry-run path:
+    ``test_qwen3_8b_dry_run_parameter_count``). Output captured at the descriptors, as ``train_sh``'s."""
+    from veomni.launch import main
+
+    status = main([recipe, "--launcher-world-size", "2", "--dry-run", *args])
+    captured = capfd.readouterr()
+    return subprocess.CompletedProcess([recipe, "--dry-run", *args], status, captured.out, captured.err)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--train.max_step", "3"], r"--train\.max_step: unknown key 'train\.max_step'; did you mean 'train\.max_steps'"),
     (["--train.lr", "fast"], r"--train\.lr: train\.lr: expected a number, got 'fast'"),

@@ -318,14 +318,14 @@ def test_audio_recipe_trains_with_pp2(tmp_path):
     assert all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)
 
 
-def test_pipeline_refusals_say_what_the_recipe_needs():
+def test_pipeline_refusals_say_what_the_recipe_needs(capfd):
     """What a pipeline asks of the recipe, said before any worker starts."""
-    from tests.launch.test_launch import train_sh
+    from tests.launch.test_launch import dry_run
     from tests.recipes.test_omni_recipes import RECIPES
 
-    result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2", "--train.grad_accum", "1")
+    result = dry_run(capfd, str(RECIPES / "tiny.yaml"), "--parallel.pp", "2", "--train.grad_accum", "1")
     assert result.returncode != 0 and "raise train.grad_accum" in result.stdout + result.stderr
-    result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.pp", "2")  # the plan, memory included
+    result = dry_run(capfd, str(RECIPES / "tiny.yaml"), "--parallel.pp", "2")  # the plan, memory included
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1F1B: 2 stages" in result.stdout + result.stderr
     with torch.device("meta"):  # a tied embedding and head, as the recipes have, is not refused

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from tests.launch.test_launch import REPO, train_sh
+from veomni.eval.chat_exact_match import main as chat_exact_match
 
 pytestmark = pytest.mark.full  # whole runs: the full tier (tests/conftest.py)
 
 RECIPE = REPO / "recipes" / "chat" / "tiny_chat_sft.yaml"
 
 
-def test_tiny_chat_recipe_trains_with_sp2_and_the_eval_command_scores_it(tmp_path):
+def test_tiny_chat_recipe_trains_with_sp2_and_the_eval_command_scores_it(tmp_path, capsys):
     data, out = tmp_path / "chat", tmp_path / "out"
     result = train_sh(str(RECIPE), "--parallel.sp", "2",
                       "--data.train_path", str(data / "train"), "--data.eval_path", str(data / "eval"),
@@ -32,10 +31,11 @@ def test_tiny_chat_recipe_trains_with_sp2_and_the_eval_command_scores_it(tmp_pat
     assert "sp=2 (Ulysses)" in result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert math.isfinite(summary["eval_loss"]) and summary["baseline"]["loss"] > 0, summary
-    scored = subprocess.run([sys.executable, "-m", "veomni.eval.chat_exact_match", str(out), "--limit", "10"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert scored.returncode == 0, scored.stderr[-3000:]
-    assert "exact match of greedy answers on 10 held-out conversations" in scored.stdout
+    capsys.readouterr()  # the command in this process (python -m veomni.eval.chat_exact_match without its start)
+    status = chat_exact_match([str(out), "--limit", "10"])
+    scored = capsys.readouterr()
+    assert status == 0, scored.err[-3000:]
+    assert "exact match of greedy answers on 10 held-out conversations" in scored.out
 
 
 def test_a_tokenizer_without_chat_template_stops_the_launcher(tmp_path):

@@ -14,7 +14,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from models.dit.config import ARCHITECTURE_FIELDS
-from tests.launch.test_launch import REPO, train_sh
+from tests.launch.test_launch import REPO, dry_run
 from veomni.config.load import load_config
 from veomni.data.builders import MANIFEST
 
@@ -45,14 +45,14 @@ def user_latents(folder: Path, text_dim: int) -> Path:
 
 @pytest.mark.parametrize("recipe, world, sp", [
     ("goku/goku_2b.yaml", 64, 4), ("goku/goku_8b.yaml", 128, 8), ("seaweed/seaweed_7b.yaml", 256, 4)])
-def test_full_size_recipes_plan(recipe, world, sp, tmp_path):
+def test_full_size_recipes_plan(recipe, world, sp, tmp_path, capfd):
     path = REPO / "recipes" / recipe
     if recipe == "goku/goku_2b.yaml":  # the README's command, in a fresh clone: planned without the latents
-        absent = train_sh(str(path), "--dry-run", "--world-size", str(world), "--gpus")
+        absent = dry_run(capfd, str(path), "--world-size", str(world), "--gpus")
         assert absent.returncode == 0 and "# plan" in absent.stdout, absent.stderr
         assert re.search(r"dry run: absent here.*data\.train_path.*Skipped until they exist", absent.stderr)
     latents = user_latents(tmp_path / "latents", load_config(path).model.options["text_dim"])
-    result = train_sh(str(path), "--dry-run", "--world-size", str(world), "--gpus", "--data.train_path", str(latents))
+    result = dry_run(capfd, str(path), "--world-size", str(world), "--gpus", "--data.train_path", str(latents))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"sp={sp} (Ulysses)" in out
@@ -63,15 +63,15 @@ def test_full_size_recipes_plan(recipe, world, sp, tmp_path):
     assert 1.0 < memory < 70.0, "the plan must fit an 80 GB GPU"
 
 
-def test_sequence_parallel_size_must_divide_the_heads():
-    result = train_sh(str(REPO / "recipes" / "goku" / "goku_2b.yaml"), "--dry-run", "--world-size", "64", "--gpus",
-                      "--parallel.sp", "8")
+def test_sequence_parallel_size_must_divide_the_heads(capfd):
+    result = dry_run(capfd, str(REPO / "recipes" / "goku" / "goku_2b.yaml"), "--world-size", "64", "--gpus",
+                     "--parallel.sp", "8")
     assert result.returncode == 2
     assert "parallel.sp=8 does not divide the 28 attention heads" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_wan_i2v_14b_recipe_plans_with_diffusers_parameter_count():
+def test_wan_i2v_14b_recipe_plans_with_diffusers_parameter_count(capfd):
     """The published Wan2.1-I2V-14B shape: the plan's parameter count is diffusers' own
     ``WanTransformer3DModel`` built from the recipe's fields (on the meta device, no weights), and
     the FLOPs count the image tokens. Planned as the README's command runs it, without latents."""
@@ -79,7 +79,7 @@ def test_wan_i2v_14b_recipe_plans_with_diffusers_parameter_count():
     options = load_config(path).model.options
     with torch.device("meta"):
         reference = WanTransformer3DModel(**{key: options[key] for key in ARCHITECTURE_FIELDS if key in options})
-    result = train_sh(str(path), "--dry-run", "--world-size", "64", "--gpus")
+    result = dry_run(capfd, str(path), "--world-size", "64", "--gpus")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "sp=8 (Ulysses)" in out

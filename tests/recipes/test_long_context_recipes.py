@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.test_launch import train_sh
+from tests.launch.test_launch import dry_run, train_sh
 
 pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
@@ -29,8 +29,8 @@ def _table(stdout: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("cp, extra", [(8, []), (16, ["--parallel.cp", "16"])], ids=["cp8", "cp16"])
-def test_128k_recipe_plans_at_cp_8_and_16(cp, extra):
-    result = train_sh(str(LONG / "tiny_128k.yaml"), "--dry-run", "--world-size", str(cp), "--gpus", *extra)
+def test_128k_recipe_plans_at_cp_8_and_16(cp, extra, capfd):
+    result = dry_run(capfd, str(LONG / "tiny_128k.yaml"), "--world-size", str(cp), "--gpus", *extra)
     assert result.returncode == 0, result.stderr
     assert f"cp={cp} (auto)" in result.stdout
     rows = _table(result.stdout)

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.launch.test_launch import REPO, train_sh
+from tests.launch.test_launch import REPO, dry_run, train_sh
 from tests.omni_utils import build_vqa
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 
@@ -81,8 +81,8 @@ def test_tiny_recipe_trains_with_sequence_parallelism_and_the_eval_command_score
     assert table["all"][0] == "20" and set(table) - {"all"} <= {"color", "shape", "count", "position", "size"}
 
 
-def test_full_size_recipe_plans_at_256_ranks():
-    result = train_sh(str(RECIPES / "seed1.5_vl.yaml"), "--dry-run", "--world-size", "256", "--gpus")
+def test_full_size_recipe_plans_at_256_ranks(capfd):
+    result = dry_run(capfd, str(RECIPES / "seed1.5_vl.yaml"), "--world-size", "256", "--gpus")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     llm_active = int(re.search(r"llm\s+[\d,]+ parameters, ([\d,]+) activated", out).group(1).replace(",", ""))
@@ -92,7 +92,7 @@ def test_full_size_recipe_plans_at_256_ranks():
     assert "ep=8" in out
 
 
-def test_context_parallelism_is_refused_before_workers_start():
-    result = train_sh(str(RECIPES / "tiny.yaml"), "--dry-run", "--parallel.cp", "2")
+def test_context_parallelism_is_refused_before_workers_start(capfd):
+    result = dry_run(capfd, str(RECIPES / "tiny.yaml"), "--parallel.cp", "2")
     assert result.returncode != 0
     assert "context parallelism is not supported for models with encoders" in result.stdout + result.stderr

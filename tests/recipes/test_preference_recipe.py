@@ -10,8 +10,6 @@ The start here is a random model of the recipe's shape, not the chat SFT model t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,13 +18,14 @@ import yaml
 from tests.launch.test_launch import REPO, train_sh
 from veomni.checkpoint.hf_io import save_hf_pretrained
 from veomni.contract import build_model
+from veomni.eval.chat_exact_match import main as chat_exact_match
 
 pytestmark = pytest.mark.full  # a whole run: the full tier (tests/conftest.py)
 
 RECIPE = REPO / "recipes" / "preference" / "tiny_chat_dpo.yaml"
 
 
-def test_dpo_recipe_trains_and_the_eval_scores_it_against_its_start(tmp_path):
+def test_dpo_recipe_trains_and_the_eval_scores_it_against_its_start(tmp_path, capsys):
     recipe = yaml.safe_load(RECIPE.read_text())
     assert recipe["preference"]["rpo_alpha"] > 0 and recipe["train"]["objective"] == "dpo"
     options = {k: v for k, v in recipe["model"].items() if k != "arch"}
@@ -45,11 +44,12 @@ def test_dpo_recipe_trains_and_the_eval_scores_it_against_its_start(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     metrics = summary["eval_metrics"]
     assert 0 <= metrics["rewards_accuracy"] <= 1 and metrics["nll_chosen"] > 0, summary
-    scored = subprocess.run([sys.executable, "-m", "veomni.eval.chat_exact_match", str(out), "--limit", "8",
-                             "--max-answer-tokens", "4", "--json", str(tmp_path / "scores.json")],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert scored.returncode == 0, scored.stderr[-3000:]
+    capsys.readouterr()  # the command in this process (python -m veomni.eval.chat_exact_match without its start)
+    status = chat_exact_match([str(out), "--limit", "8", "--max-answer-tokens", "4", "--json",
+                               str(tmp_path / "scores.json")])
+    scored = capsys.readouterr()
+    assert status == 0, scored.err[-3000:]
     scores = json.loads((tmp_path / "scores.json").read_text())
     assert scores["conversations"] == 8 and scores["start_model"] == str(start), scores
     assert {"accuracy", "rejected"} <= set(scores) and {"accuracy", "rejected"} == set(scores["start"]), scores
-    assert "= the chosen reply" in scored.stdout and "the run's checkpoint.init_from_hf" in scored.stdout
+    assert "= the chosen reply" in scored.out and "the run's checkpoint.init_from_hf" in scored.out

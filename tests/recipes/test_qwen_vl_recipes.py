@@ -3,8 +3,9 @@
 LLM and vision tower apart, with the memory per rank at 64 GPUs; the tiny one from its random
 Hugging Face folder (whose options the launcher compares with the recipe's) or, when the folder is
 absent, saying that the run builds it first; the tiny video recipe (our own initialisation) at tiny's
-parameter count, saying that the run builds its data first. Run through the launcher module with this
-interpreter (what ``scripts/train.sh --dry-run`` runs after its venv). The tiny video recipe also trains
+parameter count, saying that the run builds its data first. Planned by the launcher's ``main`` in this
+process (what ``scripts/train.sh --dry-run`` runs after its venv, without an interpreter start per
+plan). The tiny video recipe also trains
 a few steps through ``scripts/train.sh`` on a small build of the video QA set, and the VQA eval scores
 its checkpoint (full tier)."""
 
@@ -19,6 +20,8 @@ import sys
 import pytest
 
 from tests.launch.test_launch import REPO, train_sh
+from tests.omni_utils import qwen_vl_random_builder
+from veomni import launch
 
 RECIPES = REPO / "recipes" / "qwen2.5-vl"
 PUBLISHED_7B = 8_292_166_656
@@ -30,12 +33,12 @@ def _count(pattern: str, text: str) -> float:
     return float(re.search(pattern, text).group(1).replace(",", ""))
 
 
-def _dry_run(recipe: str, world: int, *extra: str, gpus: bool = True) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "veomni.launch", str(RECIPES / recipe), "--dry-run", "--world-size", str(world),
-         *(["--gpus"] if gpus else []), *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return result.stdout + result.stderr
+def _dry_run(capsys, recipe: str, world: int, *extra: str, gpus: bool = True) -> str:
+    status = launch.main([str(RECIPES / recipe), "--dry-run", "--world-size", str(world),
+                          *(["--gpus"] if gpus else []), *extra])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    return captured.out + captured.err
 
 
 def _check_counts(out: str, published: float, exact: bool) -> None:
@@ -45,42 +48,40 @@ def _check_counts(out: str, published: float, exact: bool) -> None:
 
 
 @pytest.mark.parametrize("world", [8, 64])
-def test_7b_recipe_plans_with_the_published_parameter_count(world):
-    out = _dry_run("qwen2.5_vl_7b.yaml", world)
+def test_7b_recipe_plans_with_the_published_parameter_count(world, capsys):
+    out = _dry_run(capsys, "qwen2.5_vl_7b.yaml", world)
     _check_counts(out, PUBLISHED_7B, exact=True)
     assert f"world={world}" in out
     assert 0 < _count(r"memory / rank[^\n]*\n(?:.*\n)*?\s+total\s+([\d.]+)", out) < GPU_MEMORY_GIB
 
 
-def test_72b_recipe_plans_within_one_percent_of_the_published_count_at_64_gpus():
-    out = _dry_run("qwen2.5_vl_72b.yaml", 64)
+def test_72b_recipe_plans_within_one_percent_of_the_published_count_at_64_gpus(capsys):
+    out = _dry_run(capsys, "qwen2.5_vl_72b.yaml", 64)
     _check_counts(out, PUBLISHED_72B, exact=False)
     assert "world=64" in out and "sp=4" in out
     assert 0 < _count(r"memory / rank[^\n]*\n(?:.*\n)*?\s+total\s+([\d.]+)", out) < GPU_MEMORY_GIB
 
 
-def test_tiny_recipe_plans_from_its_random_folder(tmp_path):
+def test_tiny_recipe_plans_from_its_random_folder(tmp_path, capsys):
     folder = tmp_path / "random"
-    out = _dry_run("tiny.yaml", 2, "--checkpoint.init_from_hf", str(folder), gpus=False)
+    out = _dry_run(capsys, "tiny.yaml", 2, "--checkpoint.init_from_hf", str(folder), gpus=False)
     assert "the run builds checkpoint.init_from_hf" in out and "build_qwen_vl_random.py" in out
-    subprocess.run([sys.executable, str(REPO / "data" / "build_qwen_vl_random.py"), "--out", str(folder)],
-                   cwd=REPO, check=True, capture_output=True, timeout=300)
-    out = _dry_run("tiny.yaml", 2, "--checkpoint.init_from_hf", str(folder), gpus=False)
+    qwen_vl_random_builder().main(["--out", str(folder)])
+    out = _dry_run(capsys, "tiny.yaml", 2, "--checkpoint.init_from_hf", str(folder), gpus=False)
     assert "the run builds checkpoint.init_from_hf" not in out  # the folder exists: its config was compared
     _check_counts(out, 3_645_024, exact=True)  # the folder's parameters, every one of them
 
 
-def test_prepare_without_its_folder_is_refused():
-    result = subprocess.run(
-        [sys.executable, "-m", "veomni.launch", str(RECIPES / "tiny.yaml"), "--dry-run", "--world-size", "2",
-         "--checkpoint.init_from_hf", "null"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert "checkpoint.prepare builds checkpoint.init_from_hf, which is not set" in result.stderr
+def test_prepare_without_its_folder_is_refused(capsys):
+    status = launch.main([str(RECIPES / "tiny.yaml"), "--dry-run", "--world-size", "2",
+                          "--checkpoint.init_from_hf", "null"])
+    assert status == 2
+    assert "checkpoint.prepare builds checkpoint.init_from_hf, which is not set" in capsys.readouterr().err
 
 
-def test_tiny_video_recipe_plans_and_says_it_builds_its_data_first(tmp_path):
+def test_tiny_video_recipe_plans_and_says_it_builds_its_data_first(tmp_path, capsys):
     videos = tmp_path / "video_qa"
-    out = _dry_run("tiny_video.yaml", 2, "--data.train_path", str(videos / "train"), "--data.eval_path",
+    out = _dry_run(capsys, "tiny_video.yaml", 2, "--data.train_path", str(videos / "train"), "--data.eval_path",
                    str(videos / "eval"), gpus=False)
     assert "the run builds data.train_path, data.eval_path first with build_video_qa.py" in out
     _check_counts(out, 3_645_024, exact=True)  # tiny.yaml's dimensions

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.launch.test_launch import REPO, train_sh
+from tests.launch.test_launch import REPO, dry_run
 from veomni.config.load import config_to_dict, load_config
 from veomni.contract import build_config
 
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier
 SWEEP = ["baseline", "r1p5", "r2", "r4", "r8"]
 
 
-def test_full_size_recipe_dry_run_reports_virtual_width_overhead():
+def test_full_size_recipe_dry_run_reports_virtual_width_overhead(capfd):
     recipe = REPO / "recipes" / "vwn" / "vwn_r8_4b.yaml"
-    result = train_sh(str(recipe), "--dry-run", "--world-size", "64", "--gpus")
+    result = dry_run(capfd, str(recipe), "--world-size", "64", "--gpus")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "r = n/m = 8 (m=8, n=64)" in out and "D'=20480" in out
@@ -30,10 +30,10 @@ def test_full_size_recipe_dry_run_reports_virtual_width_overhead():
     assert 0 < overhead < 10
 
 
-def test_full_size_moe_recipe_dry_run_counts_activated_experts():
+def test_full_size_moe_recipe_dry_run_counts_activated_experts(capfd):
     """The paper's MoE-A3.3B setting over the (assumed) Qwen3-30B-A3B backbone, experts split 8-way."""
-    result = train_sh(str(REPO / "recipes" / "vwn" / "vwn_r8_moe_a3b.yaml"), "--dry-run", "--world-size", "64",
-                      "--gpus")
+    result = dry_run(capfd, str(REPO / "recipes" / "vwn" / "vwn_r8_moe_a3b.yaml"), "--world-size", "64",
+                     "--gpus")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "ep=8" in out and "r = n/m = 8 (m=8, n=64)" in out
