@@ -14,7 +14,7 @@ import torch
 
 from veomni.data.graph.features import CachedFeatures, TensorFeatures
 from veomni.data.graph.format import GraphData, load_graph, save_graph
-from veomni.data.graph.order import bfs_ranks
+from veomni.data.graph.order import bfs_ranks, components, proximity_order, undirected
 from veomni.data.graph.sampling import NeighbourSampler
 from veomni.data.graph.views import edge_weights
 
@@ -65,14 +65,8 @@ def test_the_cache_serves_the_matrix_rows_and_evicts_by_its_policy(policy):
     assert stats["bytes_read"] == (rows - stats["hits"]) * 3 * 4 and stats["load_s"] > 0
 
 
-def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots():
-    edges, n = _grid(6)
-    keep = torch.rand(edges.shape[1], generator=torch.Generator().manual_seed(2)) < 0.6  # several components
-    edges = edges[:, keep]
-    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, torch.arange(n), {}, 4, [1])
-    got = bfs_ranks(sampler.source, sampler.start, sampler.degree, torch.Generator().manual_seed(9))
-    roots = torch.randperm(n, generator=torch.Generator().manual_seed(9)).tolist()
-    into = {v: sampler.source[sampler.start[v]:sampler.start[v] + sampler.degree[v]].tolist() for v in range(n)}
+def _queue_bfs(into: dict[int, list[int]], roots: list[int]) -> list[int]:
+    """The nodes in the order a queue BFS visits them, restarting at the next unvisited root."""
     order: list[int] = []
     seen: set[int] = set()
     for root in roots:
@@ -87,7 +81,48 @@ def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots():
                 if neighbour not in seen:
                     seen.add(neighbour)
                     queue.append(neighbour)
-    assert torch.argsort(got).tolist() == order
+    return order
+
+
+def _directed_pieces() -> tuple[torch.Tensor, int, dict[int, list[int]]]:
+    """A grid with 30% of its directed edges kept (several components, some edges one way only) and
+    each node's neighbours either way, ascending, written from the edge list."""
+    edges, n = _grid(6)
+    edges = edges[:, torch.rand(edges.shape[1], generator=torch.Generator().manual_seed(2)) < 0.3]
+    into: dict[int, set[int]] = {v: set() for v in range(n)}
+    for a, b in edges.T.tolist():
+        into[a].add(b)
+        into[b].add(a)
+    return edges, n, {v: sorted(neighbours) for v, neighbours in into.items()}
+
+
+def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots():
+    edges, n, into = _directed_pieces()
+    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, torch.arange(n), {}, 4, [1])
+    source, start, degree = undirected(sampler.source, sampler.degree)
+    assert len(set(components(source, degree).tolist())) > 1
+    got = bfs_ranks(source, start, degree, torch.Generator().manual_seed(9))
+    roots = torch.randperm(n, generator=torch.Generator().manual_seed(9)).tolist()
+    assert torch.argsort(got).tolist() == _queue_bfs(into, roots)
+
+
+def test_the_proximity_order_interleaves_bfs_sequences_round_robin():
+    edges, n, into = _directed_pieces()
+    targets = torch.arange(1, n, 2)
+    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, targets, {}, 4, [1], seed=5, order="proximity",
+                               sequences=3)
+    roots = torch.Generator().manual_seed(7)
+    sequences = [[v for v in _queue_bfs(into, torch.randperm(n, generator=roots).tolist()) if v % 2] for _ in range(3)]
+    expected: list[int] = []
+    for at in range(targets.numel()):
+        for sequence in sequences:
+            if sequence[at] not in expected:
+                expected.append(sequence[at])
+    got = proximity_order(*undirected(sampler.source, sampler.degree), targets, 3, torch.Generator().manual_seed(7))
+    assert got.tolist() == expected
+    epoch = torch.cat(sampler.epoch_targets(4))
+    assert sorted(epoch.tolist()) == targets.tolist() and torch.equal(epoch, torch.cat(sampler.epoch_targets(4)))
+    assert not torch.equal(epoch, torch.cat(sampler.epoch_targets(5)))
 
 
 def _hit_rate(edges: torch.Tensor, n: int, order: str, policy: str) -> float:

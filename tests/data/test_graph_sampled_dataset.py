@@ -30,6 +30,8 @@ from veomni.data.graph.views import edge_weights
 from veomni.data.kinds import STEP_STATS, DatasetRequest
 from veomni.errors import BadConfig
 from veomni.parallel.graph.aggregation import apply_block_sampling, block_sampling_problems
+from veomni.tasks import NodeClassificationTask
+from veomni.tasks.base import count_samples
 
 NODES, SEED, BATCH = 90, 7, 6
 
@@ -98,6 +100,15 @@ def test_eval_gives_held_out_nodes_their_full_graph_outputs(folder):
             assert torch.equal(batch["test_labels"] >= 0, data.test_mask[batch["targets"]])
             targets += batch["targets"].tolist()
         assert sorted(targets) == (held_out & (owner == rank)).nonzero()[:, 0].tolist()
+
+
+def test_a_sampled_mini_batch_counts_its_targets_as_samples_a_full_graph_batch_its_nodes(folder):
+    path, _ = folder
+    contract = NodeClassificationTask().contract
+    batch = next(iter(_dataset(path, "eval")))
+    assert count_samples(batch, contract) == batch["targets"].numel() < contract.row_length(batch)
+    whole = next(iter(_dataset(path, "eval", fanouts=())))
+    assert count_samples(whole, contract) == contract.row_length(whole) == whole["x"].shape[0]
 
 
 def test_a_resumed_dataset_yields_the_same_next_mini_batches(folder):

@@ -2,10 +2,22 @@
 mini-batches hold nearby nodes and share much of their sampled neighbourhoods, and a feature
 cache of recent rows serves them (BGL, Liu et al. NSDI 2023, section 4.1).
 
-Each epoch runs one BFS over the in-edges (an undirected graph stores both directions) from a
-seeded random root, restarting from a random unvisited node when a component is exhausted, with
-each level in order of discovery; the targets are sorted by their visit rank and cut into
-consecutive mini-batches. A new root every epoch keeps the order from repeating.
+One sequence is a BFS over the graph's edges taken either way (``undirected``: neighbours in
+ascending id order) from a seeded random permutation of the nodes: the first node of the
+permutation is the root, and when a component is exhausted the BFS restarts at the next
+unvisited node of the permutation; each level is in order of discovery. ``bfs_ranks`` computes
+exactly that queue BFS without a Python step per component or per node: the components first
+(``components``: min-label hooking with pointer jumping, a few passes over the edges), then one
+level-synchronous BFS from every component's root at once (a Python step per level of the deepest
+component), the nodes finally sorted by (their component's root's place in the permutation, visit
+index).
+
+BGL mixes randomness into the order (a single BFS makes every mini-batch a tight ball, whose
+gradients are correlated): ``proximity_order`` takes ``sequences`` BFS sequences from independent
+random roots and interleaves them round-robin over the targets (the i-th target of every sequence,
+then the (i+1)-th...), keeping each target's first appearance. A mini-batch then holds a stretch of
+each sequence, and the next one the following stretches. A new draw every epoch keeps the order
+from repeating.
 """
 
 from __future__ import annotations
@@ -13,34 +25,87 @@ from __future__ import annotations
 import torch
 
 
-def bfs_ranks(source: torch.Tensor, start: torch.Tensor, degree: torch.Tensor,
-              generator: torch.Generator) -> torch.Tensor:
-    """Each node's visit rank [N] in a BFS over in-edges (``source`` sorted by destination, the
-    run of node v at ``start[v]`` of length ``degree[v]``), roots drawn from ``generator``."""
+def destinations(degree: torch.Tensor) -> torch.Tensor:
+    """The destination of every in-edge of the CSR (``source`` sorted by destination)."""
+    return torch.repeat_interleave(torch.arange(degree.numel()), degree)
+
+
+def undirected(source: torch.Tensor, degree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(source, start, degree) of the CSR of every node's neighbours either way, each once and in
+    ascending order: proximity does not care which way an edge points."""
     num_nodes = degree.numel()
-    rank = torch.full((num_nodes,), -1, dtype=torch.long)
-    roots = torch.randperm(num_nodes, generator=generator)
-    visited, next_root = 0, 0
-    frontier = torch.empty(0, dtype=torch.long)
-    while visited < num_nodes:
-        if frontier.numel() == 0:
-            while rank[roots[next_root]] >= 0:
-                next_root += 1
-            frontier = roots[next_root:next_root + 1]
-            rank[frontier] = visited
-            visited += 1
+    destination = destinations(degree)
+    key = torch.unique(torch.cat([destination * num_nodes + source, source * num_nodes + destination]))
+    neighbour, degree = key % num_nodes, torch.bincount(key // num_nodes, minlength=num_nodes)
+    return neighbour, torch.cumsum(degree, 0) - degree, degree
+
+
+def components(source: torch.Tensor, degree: torch.Tensor) -> torch.Tensor:
+    """Each node's component [N], named by its smallest node id (min-label hooking, pointer jumping)."""
+    destination = destinations(degree)
+    label = torch.arange(degree.numel())
+    while True:
+        root_a, root_b = label[source], label[destination]
+        low = torch.minimum(root_a, root_b)
+        hooked = label.clone()
+        hooked.scatter_reduce_(0, root_a, low, reduce="amin")  # each root to the smallest root it touches
+        hooked.scatter_reduce_(0, root_b, low, reduce="amin")
+        while True:  # every node straight to its root
+            jumped = hooked[hooked]
+            if torch.equal(jumped, hooked):
+                break
+            hooked = jumped
+        if torch.equal(hooked, label):
+            return label
+        label = hooked
+
+
+def bfs_ranks(source: torch.Tensor, start: torch.Tensor, degree: torch.Tensor, generator: torch.Generator,
+              component: torch.Tensor | None = None) -> torch.Tensor:
+    """Each node's visit rank [N] in a queue BFS over a symmetric CSR (``undirected``: the neighbours
+    of node v at ``source[start[v]:start[v] + degree[v]]``), roots from a permutation drawn from
+    ``generator`` (module docstring). ``component``: ``components(source, degree)``, if known."""
+    num_nodes = degree.numel()
+    component = components(source, degree) if component is None else component
+    place = torch.empty(num_nodes, dtype=torch.long)
+    place[torch.randperm(num_nodes, generator=generator)] = torch.arange(num_nodes)
+    root_place = torch.full((num_nodes,), num_nodes, dtype=torch.long).scatter_reduce_(
+        0, component, place, reduce="amin")[component]  # the place of each node's component's root
+    frontier = (place == root_place).nonzero()[:, 0]
+    frontier = frontier[torch.argsort(root_place[frontier])]
+    visit = torch.full((num_nodes,), -1, dtype=torch.long)
+    visit[frontier] = torch.arange(frontier.numel())
+    visited = frontier.numel()
+    while frontier.numel():
         counts = degree[frontier]
         owner = torch.repeat_interleave(torch.arange(frontier.numel()), counts)
         offset = torch.arange(owner.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         reached = source[start[frontier][owner] + offset]
-        reached = reached[rank[reached] < 0]
-        if reached.numel() == 0:
-            frontier = reached
-            continue
+        reached = reached[visit[reached] < 0]
         nodes, inverse = torch.unique(reached, return_inverse=True)
         first = torch.full((nodes.numel(),), reached.numel(), dtype=torch.long)
         first.scatter_reduce_(0, inverse, torch.arange(reached.numel()), reduce="amin")
         frontier = nodes[torch.argsort(first)]  # order of discovery
-        rank[frontier] = torch.arange(visited, visited + frontier.numel())
+        visit[frontier] = torch.arange(visited, visited + frontier.numel())
         visited += frontier.numel()
+    by_visit = torch.argsort(visit)
+    order = by_visit[torch.argsort(root_place[by_visit], stable=True)]
+    rank = torch.empty(num_nodes, dtype=torch.long)
+    rank[order] = torch.arange(num_nodes)
     return rank
+
+
+def proximity_order(source: torch.Tensor, start: torch.Tensor, degree: torch.Tensor, targets: torch.Tensor,
+                    sequences: int, generator: torch.Generator, component: torch.Tensor | None = None) -> torch.Tensor:
+    """``targets`` in BGL's order: ``sequences`` BFS sequences (``bfs_ranks``, roots drawn in turn
+    from ``generator``) interleaved round-robin over the targets, each target at its first
+    appearance (module docstring). One sequence: the targets sorted by their BFS rank."""
+    count = targets.numel()
+    component = components(source, degree) if component is None else component
+    appearance = torch.full((count,), sequences * count, dtype=torch.long)
+    for sequence in range(sequences):
+        ranks = bfs_ranks(source, start, degree, generator, component)[targets]
+        position = torch.empty(count, dtype=torch.long)
+        position[torch.argsort(ranks)] = torch.arange(count)  # the target's place in this sequence
+        appearance = torch.minimum(appearance, position * sequences + sequence)
+    return targets[torch.argsort(appearance)]
