@@ -14,7 +14,7 @@ import torch
 
 from veomni.data.graph.features import CachedFeatures, TensorFeatures
 from veomni.data.graph.format import GraphData, load_graph, save_graph
-from veomni.data.graph.order import bfs_ranks, components, proximity_order, undirected
+from veomni.data.graph.order import bfs_visit, components, proximity_order, undirected
 from veomni.data.graph.sampling import NeighbourSampler
 from veomni.data.graph.views import edge_weights
 
@@ -101,9 +101,37 @@ def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots():
     sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, torch.arange(n), {}, 4, [1])
     source, start, degree = undirected(sampler.source, sampler.degree)
     assert len(set(components(source, degree).tolist())) > 1
-    got = bfs_ranks(source, start, degree, torch.Generator().manual_seed(9))
+    got, sequence = bfs_visit(source, start, degree, torch.Generator().manual_seed(9))
+    assert (sequence == 0).all()
     roots = torch.randperm(n, generator=torch.Generator().manual_seed(9)).tolist()
     assert torch.argsort(got).tolist() == _queue_bfs(into, roots)
+
+
+def _sequences_bfs(into: dict[int, list[int]], place: list[int], count: int) -> list[list[int]]:
+    """The nodes of each of ``count`` BFS sequences, in visit order: the roots are the first
+    ``count`` nodes of ``place`` and each component's first; all expand level by level, a node
+    going to the first root (in ``place`` order) to reach it; the i-th root leads sequence i % count."""
+    first_of: dict[int, int] = {}  # component -> its first node in place order, by a flood fill
+    for node in place:
+        if node not in first_of:
+            for member in _queue_bfs(into, [node]):
+                first_of[member] = node
+    roots = [v for at, v in enumerate(place) if at < count or first_of[v] == v]
+    owner = {root: root for root in roots}
+    levels, frontier = [list(roots)], roots
+    while frontier:
+        reached = []
+        for node in frontier:
+            for neighbour in into[node]:
+                if neighbour not in owner:
+                    owner[neighbour] = owner[node]
+                    reached.append(neighbour)
+        levels.append(reached)
+        frontier = reached
+    visit = [node for level in levels for node in level]
+    lead = {root: index % count for index, root in enumerate(roots)}
+    by_root = sorted(visit, key=lambda v: place.index(owner[v]))  # stable: visit order within a root
+    return [[v for v in by_root if lead[owner[v]] == k] for k in range(count)]
 
 
 def test_the_proximity_order_interleaves_bfs_sequences_round_robin():
@@ -111,13 +139,9 @@ def test_the_proximity_order_interleaves_bfs_sequences_round_robin():
     targets = torch.arange(1, n, 2)
     sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, targets, {}, 4, [1], seed=5, order="proximity",
                                sequences=3)
-    roots = torch.Generator().manual_seed(7)
-    sequences = [[v for v in _queue_bfs(into, torch.randperm(n, generator=roots).tolist()) if v % 2] for _ in range(3)]
-    expected: list[int] = []
-    for at in range(targets.numel()):
-        for sequence in sequences:
-            if sequence[at] not in expected:
-                expected.append(sequence[at])
+    place = torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
+    sequences = [[v for v in sequence if v % 2] for sequence in _sequences_bfs(into, place, 3)]
+    expected = [sequence[at] for at in range(n) for sequence in sequences if at < len(sequence)]
     got = proximity_order(*undirected(sampler.source, sampler.degree), targets, 3, torch.Generator().manual_seed(7))
     assert got.tolist() == expected
     epoch = torch.cat(sampler.epoch_targets(4))

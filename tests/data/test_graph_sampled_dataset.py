@@ -130,10 +130,12 @@ def test_a_resumed_dataset_yields_the_same_next_mini_batches(folder):
     assert SampledGraphDataset.merge_positions([state, {**state, "epoch": 0}]) == {"epoch": 0}
 
 
-@pytest.mark.parametrize("fanouts,size,needle", [([3, 0], 4, "not 0"), ([-2], 4, "not -2"),
-                                                 ([3], 0, "graph_batch_size=0")])
-def test_bad_sampling_options_are_named(fanouts, size, needle):
-    problems = sampling_problems(DataConfig(graph_fanouts=fanouts, graph_batch_size=size))
+@pytest.mark.parametrize("fanouts,size,sequences,needle", [([3, 0], 4, 1, "not 0"), ([-2], 4, 1, "not -2"),
+                                                           ([3], 0, 1, "graph_batch_size=0"),
+                                                           ([3], 4, 0, "graph_order_sequences=0")])
+def test_bad_sampling_options_are_named(fanouts, size, sequences, needle):
+    problems = sampling_problems(DataConfig(graph_fanouts=fanouts, graph_batch_size=size,
+                                            graph_order_sequences=sequences))
     assert len(problems) == 1 and needle in problems[0]
 
 

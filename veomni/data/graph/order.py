@@ -5,7 +5,7 @@ cache of recent rows serves them (BGL, Liu et al. NSDI 2023, section 4.1).
 One sequence is a BFS over the graph's edges taken either way (``undirected``: neighbours in
 ascending id order) from a seeded random permutation of the nodes: the first node of the
 permutation is the root, and when a component is exhausted the BFS restarts at the next
-unvisited node of the permutation; each level is in order of discovery. ``bfs_ranks`` computes
+unvisited node of the permutation; each level is in order of discovery. ``bfs_visit`` computes
 exactly that queue BFS without a Python step per component or per node: the components first
 (``components``: min-label hooking with pointer jumping, a few passes over the edges), then one
 level-synchronous BFS from every component's root at once (a Python step per level of the deepest
@@ -13,11 +13,14 @@ component), the nodes finally sorted by (their component's root's place in the p
 index).
 
 BGL mixes randomness into the order (a single BFS makes every mini-batch a tight ball, whose
-gradients are correlated): ``proximity_order`` takes ``sequences`` BFS sequences from independent
-random roots and interleaves them round-robin over the targets (the i-th target of every sequence,
-then the (i+1)-th...), keeping each target's first appearance. A mini-batch then holds a stretch of
-each sequence, and the next one the following stretches. A new draw every epoch keeps the order
-from repeating.
+gradients are correlated: on a graph of class-pure communities, one class at a time). With
+``sequences`` > 1 the BFS starts from more roots at once: the first ``sequences`` nodes of the
+permutation as well as each component's root, all expanding level by level together (a node
+reached at the same level by several goes to the one whose root comes first in the permutation);
+the i-th root leads sequence i mod ``sequences``. ``proximity_order`` interleaves the sequences
+round-robin over the targets (the first target of every sequence, then the second...), so a
+mini-batch holds a stretch of each sequence, and the next one the following stretches. One BFS
+pass, whatever the number of sequences. A new draw every epoch keeps the order from repeating.
 """
 
 from __future__ import annotations
@@ -60,52 +63,58 @@ def components(source: torch.Tensor, degree: torch.Tensor) -> torch.Tensor:
         label = hooked
 
 
-def bfs_ranks(source: torch.Tensor, start: torch.Tensor, degree: torch.Tensor, generator: torch.Generator,
-              component: torch.Tensor | None = None) -> torch.Tensor:
-    """Each node's visit rank [N] in a queue BFS over a symmetric CSR (``undirected``: the neighbours
-    of node v at ``source[start[v]:start[v] + degree[v]]``), roots from a permutation drawn from
-    ``generator`` (module docstring). ``component``: ``components(source, degree)``, if known."""
+def bfs_visit(source: torch.Tensor, start: torch.Tensor, degree: torch.Tensor, generator: torch.Generator,
+              sequences: int = 1, component: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, sequence), each [N]: the node's place in the BFS order and the BFS sequence that
+    reached it (module docstring). The CSR is symmetric (``undirected``: the neighbours of node v at
+    ``source[start[v]:start[v] + degree[v]]``); the roots come from a permutation drawn from
+    ``generator``. ``component``: ``components(source, degree)``, if known."""
     num_nodes = degree.numel()
     component = components(source, degree) if component is None else component
     place = torch.empty(num_nodes, dtype=torch.long)
     place[torch.randperm(num_nodes, generator=generator)] = torch.arange(num_nodes)
-    root_place = torch.full((num_nodes,), num_nodes, dtype=torch.long).scatter_reduce_(
+    component_root = torch.full((num_nodes,), num_nodes, dtype=torch.long).scatter_reduce_(
         0, component, place, reduce="amin")[component]  # the place of each node's component's root
-    frontier = (place == root_place).nonzero()[:, 0]
-    frontier = frontier[torch.argsort(root_place[frontier])]
+    frontier = ((place == component_root) | (place < sequences)).nonzero()[:, 0]
+    frontier = frontier[torch.argsort(place[frontier])]
+    owner = torch.full((num_nodes,), -1, dtype=torch.long)  # the root whose sequence reached the node
+    owner[frontier] = frontier
+    sequence = torch.full((num_nodes,), -1, dtype=torch.long)
+    sequence[frontier] = torch.arange(frontier.numel()) % sequences
     visit = torch.full((num_nodes,), -1, dtype=torch.long)
     visit[frontier] = torch.arange(frontier.numel())
     visited = frontier.numel()
     while frontier.numel():
         counts = degree[frontier]
-        owner = torch.repeat_interleave(torch.arange(frontier.numel()), counts)
-        offset = torch.arange(owner.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        reached = source[start[frontier][owner] + offset]
-        reached = reached[visit[reached] < 0]
+        by = torch.repeat_interleave(torch.arange(frontier.numel()), counts)
+        offset = torch.arange(by.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        reached = source[start[frontier][by] + offset]
+        fresh = visit[reached] < 0
+        reached, by = reached[fresh], frontier[by[fresh]]
         nodes, inverse = torch.unique(reached, return_inverse=True)
         first = torch.full((nodes.numel(),), reached.numel(), dtype=torch.long)
         first.scatter_reduce_(0, inverse, torch.arange(reached.numel()), reduce="amin")
-        frontier = nodes[torch.argsort(first)]  # order of discovery
+        first = first.sort().values  # order of discovery; the first to reach a node takes it
+        frontier = reached[first]
+        owner[frontier], sequence[frontier] = owner[by[first]], sequence[by[first]]
         visit[frontier] = torch.arange(visited, visited + frontier.numel())
         visited += frontier.numel()
     by_visit = torch.argsort(visit)
-    order = by_visit[torch.argsort(root_place[by_visit], stable=True)]
+    order = by_visit[torch.argsort(place[owner[by_visit]], stable=True)]
     rank = torch.empty(num_nodes, dtype=torch.long)
     rank[order] = torch.arange(num_nodes)
-    return rank
+    return rank, sequence
 
 
 def proximity_order(source: torch.Tensor, start: torch.Tensor, degree: torch.Tensor, targets: torch.Tensor,
                     sequences: int, generator: torch.Generator, component: torch.Tensor | None = None) -> torch.Tensor:
-    """``targets`` in BGL's order: ``sequences`` BFS sequences (``bfs_ranks``, roots drawn in turn
-    from ``generator``) interleaved round-robin over the targets, each target at its first
-    appearance (module docstring). One sequence: the targets sorted by their BFS rank."""
-    count = targets.numel()
-    component = components(source, degree) if component is None else component
-    appearance = torch.full((count,), sequences * count, dtype=torch.long)
-    for sequence in range(sequences):
-        ranks = bfs_ranks(source, start, degree, generator, component)[targets]
-        position = torch.empty(count, dtype=torch.long)
-        position[torch.argsort(ranks)] = torch.arange(count)  # the target's place in this sequence
-        appearance = torch.minimum(appearance, position * sequences + sequence)
-    return targets[torch.argsort(appearance)]
+    """``targets`` in BGL's order: the BFS of ``bfs_visit`` with ``sequences`` sequences, each
+    sequence's targets in BFS order, interleaved round-robin (module docstring)."""
+    rank, sequence = bfs_visit(source, start, degree, generator, sequences, component)
+    ordered = targets[torch.argsort(rank[targets])]
+    of = sequence[ordered]
+    counts = torch.bincount(of, minlength=sequences)
+    position = torch.empty_like(ordered)
+    position[torch.argsort(of, stable=True)] = (torch.arange(ordered.numel())
+                                                - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts))
+    return ordered[torch.argsort(position * sequences + of)]
