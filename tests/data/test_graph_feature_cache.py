@@ -84,11 +84,12 @@ def _queue_bfs(into: dict[int, list[int]], roots: list[int]) -> list[int]:
     return order
 
 
-def _directed_pieces() -> tuple[torch.Tensor, int, dict[int, list[int]]]:
-    """A grid with 30% of its directed edges kept (several components, some edges one way only) and
-    each node's neighbours either way, ascending, written from the edge list."""
+def _directed_pieces(kept: float = 0.3) -> tuple[torch.Tensor, int, dict[int, list[int]]]:
+    """A grid with a share ``kept`` of its directed edges (0.3: several components, some edges one
+    way only; 1: the whole grid, one component) and each node's neighbours either way, ascending,
+    written from the edge list."""
     edges, n = _grid(6)
-    edges = edges[:, torch.rand(edges.shape[1], generator=torch.Generator().manual_seed(2)) < 0.3]
+    edges = edges[:, torch.rand(edges.shape[1], generator=torch.Generator().manual_seed(2)) < kept]
     into: dict[int, set[int]] = {v: set() for v in range(n)}
     for a, b in edges.T.tolist():
         into[a].add(b)
@@ -96,11 +97,12 @@ def _directed_pieces() -> tuple[torch.Tensor, int, dict[int, list[int]]]:
     return edges, n, {v: sorted(neighbours) for v, neighbours in into.items()}
 
 
-def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots():
-    edges, n, into = _directed_pieces()
+@pytest.mark.parametrize("kept", [0.3, 1.0], ids=["pieces", "whole"])
+def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots(kept):
+    edges, n, into = _directed_pieces(kept)
     sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, torch.arange(n), {}, 4, [1])
     source, start, degree = undirected(sampler.source, sampler.degree)
-    assert len(set(components(source, degree).tolist())) > 1
+    assert (len(set(components(source, degree).tolist())) > 1) == (kept < 1)
     got, sequence = bfs_visit(source, start, degree, torch.Generator().manual_seed(9))
     assert (sequence == 0).all()
     roots = torch.randperm(n, generator=torch.Generator().manual_seed(9)).tolist()
@@ -134,8 +136,9 @@ def _sequences_bfs(into: dict[int, list[int]], place: list[int], count: int) -> 
     return [[v for v in by_root if lead[owner[v]] == k] for k in range(count)]
 
 
-def test_the_proximity_order_interleaves_bfs_sequences_round_robin():
-    edges, n, into = _directed_pieces()
+@pytest.mark.parametrize("kept", [0.3, 1.0], ids=["pieces", "whole"])
+def test_the_proximity_order_interleaves_bfs_sequences_round_robin(kept):
+    edges, n, into = _directed_pieces(kept)
     targets = torch.arange(1, n, 2)
     sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, targets, {}, 4, [1], seed=5, order="proximity",
                                sequences=3)
