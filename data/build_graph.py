@@ -21,7 +21,11 @@ Two kinds:
   order, edges drawn per block pair with binomial counts so that a fraction ``h`` of the ``n * d / 2``
   undirected edges are inside a community; features are the class centroid (scaled by ``s``)
   plus unit Gaussian noise, so the features alone classify poorly and averaging over
-  neighbours (mostly of the same class) classifies well.
+  neighbours (mostly of the same class) classifies well. With ``b`` > 1 or ``w`` > 0 the graph has
+  locality: ``b * c`` equal blocks on a ring (block k is of class k mod c), each of the ``n * d / 2``
+  drawn edges joins a random node to a random node of its own block with probability ``h``, else of
+  a block at most ``w`` steps along the ring (``w`` 0: any block); a BFS then sweeps along the ring,
+  which is what BGL's proximity-aware order needs to make a feature cache hit.
 
 Both split the labelled nodes 60/20/20 into train/val/test, stratified by class and seeded. The
 graph is transductive: the train and eval data are the same folder (when ``--eval-out`` differs
@@ -60,7 +64,8 @@ from veomni.data.graph.format import UNLABELLED, GraphData, save_graph
 FORMAT_VERSION = 1
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 SBM_OPTIONS = {"n": ("nodes", int, 20_000), "d": ("avg-degree", float, 10.0), "c": ("communities", int, 8),
-               "f": ("sbm-features", int, 64), "h": ("intra-fraction", float, 0.8), "s": ("signal", float, 0.15)}
+               "f": ("sbm-features", int, 64), "h": ("intra-fraction", float, 0.8), "s": ("signal", float, 0.15),
+               "b": ("blocks-per-class", int, 1), "w": ("ring-window", int, 0)}
 """Folder-name key -> (flag, type, default)."""
 SPLIT = (0.6, 0.2)
 """Train and validation fractions of each class; the rest is test."""
@@ -126,10 +131,30 @@ def undirected(pairs: torch.Tensor, num_nodes: int) -> torch.Tensor:
 
 
 # ----- sbm ---------------------------------------------------------------------------------------
-def sbm_graph(n: int, d: float, c: int, f: int, h: float, s: float, seed: int) -> GraphData:
-    """The stochastic block model of the module docstring, fully vectorised."""
+def ring_pairs(block: torch.Tensor, blocks: int, m: int, h: float, w: int, generator: torch.Generator) -> torch.Tensor:
+    """[2, m] node pairs of the ring of blocks (module docstring), fully vectorised."""
+    members = torch.argsort(block, stable=True)
+    sizes = torch.bincount(block, minlength=blocks)
+    starts = torch.cumsum(sizes, 0) - sizes
+    one = torch.randint(block.numel(), (m,), generator=generator)
+    reach = w if w else blocks - 1
+    sign = 1 - 2 * torch.randint(2, (m,), generator=generator)
+    step = torch.randint(1, reach + 1, (m,), generator=generator) * sign
+    other = (block[one] + torch.where(torch.rand(m, generator=generator) < h, 0, step)) % blocks
+    return torch.stack([one, members[starts[other] + (torch.rand(m, generator=generator) * sizes[other]).long()]])
+
+
+def sbm_graph(n: int, d: float, c: int, f: int, h: float, s: float, seed: int, b: int = 1, w: int = 0) -> GraphData:
+    """The stochastic block model of the module docstring (a ring of blocks with ``b``, ``w``), vectorised."""
     generator = torch.Generator().manual_seed(seed)
     y = (torch.arange(n) * c // n)[torch.randperm(n, generator=generator)]  # equal communities, random ids
+    if b > 1 or w:
+        block = (torch.arange(n) * (b * c) // n)[torch.randperm(n, generator=generator)]
+        y = block % c
+        return _sbm_data(y, undirected(ring_pairs(block, b * c, int(n * d / 2), h, w, generator), n), c, f, s, seed,
+                         f"sbm-n{n}-d{d:g}-c{c}-f{f}-h{h:g}-s{s:g}-b{b}-w{w}",
+                         f"{b * c} blocks on a ring ({b} per class), average degree {d:g}, {h:.0%} of edges inside a "
+                         f"block, the rest to a block at most {w or b * c} steps away", generator)
     members = torch.argsort(y, stable=True)
     sizes = torch.bincount(y, minlength=c).double()
     starts = torch.cumsum(sizes, 0) - sizes
@@ -145,13 +170,20 @@ def sbm_graph(n: int, d: float, c: int, f: int, h: float, s: float, seed: int) -
         ends = [starts[k] + torch.floor(torch.rand(count, generator=generator, dtype=torch.float64) * sizes[k])
                 for k in (a, b)]
         pairs.append(members[torch.stack(ends).long()])
-    edge_index = undirected(torch.cat(pairs, dim=1), n)
+    return _sbm_data(y, undirected(torch.cat(pairs, dim=1), n), c, f, s, seed,
+                     f"sbm-n{n}-d{d:g}-c{c}-f{f}-h{h:g}-s{s:g}",
+                     f"{c} communities, average degree {d:g}, {h:.0%} of edges inside a community", generator)
+
+
+def _sbm_data(y: torch.Tensor, edge_index: torch.Tensor, c: int, f: int, s: float, seed: int, name: str, shape: str,
+              generator: torch.Generator) -> GraphData:
+    """The graph with its features (noisy class centroids) and stratified splits."""
+    n = y.numel()
     centroids = torch.randn(c, f, generator=generator)
     x = s * centroids[y] + torch.randn(n, f, generator=generator)
     masks = stratified_masks(y, c, seed)
-    return GraphData(x, y, edge_index, *masks, num_classes=c, name=f"sbm-n{n}-d{d:g}-c{c}-f{f}-h{h:g}-s{s:g}",
-                     description=f"stochastic block model: {c} communities, average degree {d:g}, {h:.0%} of edges "
-                                 f"inside a community; features = {s:g} x class centroid + N(0, 1) noise",
+    return GraphData(x, y, edge_index, *masks, num_classes=c, name=name,
+                     description=f"stochastic block model: {shape}; features = {s:g} x class centroid + N(0, 1) noise",
                      source=f"generated by data/build_graph.py (seed {seed})",
                      class_names=[f"community {k}" for k in range(c)])
 

@@ -14,7 +14,7 @@ import torch
 
 from veomni.data.graph.features import CachedFeatures, TensorFeatures
 from veomni.data.graph.format import GraphData, load_graph, save_graph
-from veomni.data.graph.order import bfs_ranks
+from veomni.data.graph.order import bfs_visit, components, proximity_order, undirected
 from veomni.data.graph.sampling import NeighbourSampler
 from veomni.data.graph.views import edge_weights
 
@@ -65,14 +65,8 @@ def test_the_cache_serves_the_matrix_rows_and_evicts_by_its_policy(policy):
     assert stats["bytes_read"] == (rows - stats["hits"]) * 3 * 4 and stats["load_s"] > 0
 
 
-def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots():
-    edges, n = _grid(6)
-    keep = torch.rand(edges.shape[1], generator=torch.Generator().manual_seed(2)) < 0.6  # several components
-    edges = edges[:, keep]
-    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, torch.arange(n), {}, 4, [1])
-    got = bfs_ranks(sampler.source, sampler.start, sampler.degree, torch.Generator().manual_seed(9))
-    roots = torch.randperm(n, generator=torch.Generator().manual_seed(9)).tolist()
-    into = {v: sampler.source[sampler.start[v]:sampler.start[v] + sampler.degree[v]].tolist() for v in range(n)}
+def _queue_bfs(into: dict[int, list[int]], roots: list[int]) -> list[int]:
+    """The nodes in the order a queue BFS visits them, restarting at the next unvisited root."""
     order: list[int] = []
     seen: set[int] = set()
     for root in roots:
@@ -87,7 +81,75 @@ def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots():
                 if neighbour not in seen:
                     seen.add(neighbour)
                     queue.append(neighbour)
-    assert torch.argsort(got).tolist() == order
+    return order
+
+
+def _directed_pieces(kept: float = 0.3) -> tuple[torch.Tensor, int, dict[int, list[int]]]:
+    """A grid with a share ``kept`` of its directed edges (0.3: several components, some edges one
+    way only; 1: the whole grid, one component) and each node's neighbours either way, ascending,
+    written from the edge list."""
+    edges, n = _grid(6)
+    edges = edges[:, torch.rand(edges.shape[1], generator=torch.Generator().manual_seed(2)) < kept]
+    into: dict[int, set[int]] = {v: set() for v in range(n)}
+    for a, b in edges.T.tolist():
+        into[a].add(b)
+        into[b].add(a)
+    return edges, n, {v: sorted(neighbours) for v, neighbours in into.items()}
+
+
+@pytest.mark.parametrize("kept", [0.3, 1.0], ids=["pieces", "whole"])
+def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots(kept):
+    edges, n, into = _directed_pieces(kept)
+    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, torch.arange(n), {}, 4, [1])
+    source, start, degree = undirected(sampler.source, sampler.degree)
+    assert (len(set(components(source, degree).tolist())) > 1) == (kept < 1)
+    got, sequence = bfs_visit(source, start, degree, torch.Generator().manual_seed(9))
+    assert (sequence == 0).all()
+    roots = torch.randperm(n, generator=torch.Generator().manual_seed(9)).tolist()
+    assert torch.argsort(got).tolist() == _queue_bfs(into, roots)
+
+
+def _sequences_bfs(into: dict[int, list[int]], place: list[int], count: int) -> list[list[int]]:
+    """The nodes of each of ``count`` BFS sequences, in visit order: the roots are the first
+    ``count`` nodes of ``place`` and each component's first; all expand level by level, a node
+    going to the first root (in ``place`` order) to reach it; the i-th root leads sequence i % count."""
+    first_of: dict[int, int] = {}  # component -> its first node in place order, by a flood fill
+    for node in place:
+        if node not in first_of:
+            for member in _queue_bfs(into, [node]):
+                first_of[member] = node
+    roots = [v for at, v in enumerate(place) if at < count or first_of[v] == v]
+    owner = {root: root for root in roots}
+    levels, frontier = [list(roots)], roots
+    while frontier:
+        reached = []
+        for node in frontier:
+            for neighbour in into[node]:
+                if neighbour not in owner:
+                    owner[neighbour] = owner[node]
+                    reached.append(neighbour)
+        levels.append(reached)
+        frontier = reached
+    visit = [node for level in levels for node in level]
+    lead = {root: index % count for index, root in enumerate(roots)}
+    by_root = sorted(visit, key=lambda v: place.index(owner[v]))  # stable: visit order within a root
+    return [[v for v in by_root if lead[owner[v]] == k] for k in range(count)]
+
+
+@pytest.mark.parametrize("kept", [0.3, 1.0], ids=["pieces", "whole"])
+def test_the_proximity_order_interleaves_bfs_sequences_round_robin(kept):
+    edges, n, into = _directed_pieces(kept)
+    targets = torch.arange(1, n, 2)
+    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, targets, {}, 4, [1], seed=5, order="proximity",
+                               sequences=3)
+    place = torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
+    sequences = [[v for v in sequence if v % 2] for sequence in _sequences_bfs(into, place, 3)]
+    expected = [sequence[at] for at in range(n) for sequence in sequences if at < len(sequence)]
+    got = proximity_order(*undirected(sampler.source, sampler.degree), targets, 3, torch.Generator().manual_seed(7))
+    assert got.tolist() == expected
+    epoch = torch.cat(sampler.epoch_targets(4))
+    assert sorted(epoch.tolist()) == targets.tolist() and torch.equal(epoch, torch.cat(sampler.epoch_targets(4)))
+    assert not torch.equal(epoch, torch.cat(sampler.epoch_targets(5)))
 
 
 def _hit_rate(edges: torch.Tensor, n: int, order: str, policy: str) -> float:

@@ -30,6 +30,8 @@ from veomni.data.graph.views import edge_weights
 from veomni.data.kinds import STEP_STATS, DatasetRequest
 from veomni.errors import BadConfig
 from veomni.parallel.graph.aggregation import apply_block_sampling, block_sampling_problems
+from veomni.tasks import NodeClassificationTask
+from veomni.tasks.base import count_samples
 
 NODES, SEED, BATCH = 90, 7, 6
 
@@ -100,6 +102,15 @@ def test_eval_gives_held_out_nodes_their_full_graph_outputs(folder):
         assert sorted(targets) == (held_out & (owner == rank)).nonzero()[:, 0].tolist()
 
 
+def test_a_sampled_mini_batch_counts_its_targets_as_samples_a_full_graph_batch_its_nodes(folder):
+    path, _ = folder
+    contract = NodeClassificationTask().contract
+    batch = next(iter(_dataset(path, "eval")))
+    assert count_samples(batch, contract) == batch["targets"].numel() < contract.row_length(batch)
+    whole = next(iter(_dataset(path, "eval", fanouts=())))
+    assert count_samples(whole, contract) == contract.row_length(whole) == whole["x"].shape[0]
+
+
 def test_a_resumed_dataset_yields_the_same_next_mini_batches(folder):
     path, _ = folder
     straight = list(itertools.islice(iter(_dataset(path, rank=1)), 10))
@@ -119,10 +130,12 @@ def test_a_resumed_dataset_yields_the_same_next_mini_batches(folder):
     assert SampledGraphDataset.merge_positions([state, {**state, "epoch": 0}]) == {"epoch": 0}
 
 
-@pytest.mark.parametrize("fanouts,size,needle", [([3, 0], 4, "not 0"), ([-2], 4, "not -2"),
-                                                 ([3], 0, "graph_batch_size=0")])
-def test_bad_sampling_options_are_named(fanouts, size, needle):
-    problems = sampling_problems(DataConfig(graph_fanouts=fanouts, graph_batch_size=size))
+@pytest.mark.parametrize("fanouts,size,sequences,needle", [([3, 0], 4, 1, "not 0"), ([-2], 4, 1, "not -2"),
+                                                           ([3], 0, 1, "graph_batch_size=0"),
+                                                           ([3], 4, 0, "graph_order_sequences=0")])
+def test_bad_sampling_options_are_named(fanouts, size, sequences, needle):
+    problems = sampling_problems(DataConfig(graph_fanouts=fanouts, graph_batch_size=size,
+                                            graph_order_sequences=sequences))
     assert len(problems) == 1 and needle in problems[0]
 
 

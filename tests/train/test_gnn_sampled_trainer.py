@@ -5,6 +5,7 @@ mid-epoch repeats the uninterrupted losses bit for bit; the launcher refuses bad
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -112,6 +113,9 @@ def test_two_ranks_sampling_their_partitions_equal_one_process(graph_dir):
         evals = [m for m in history if "eval_accuracy" in m]
         assert len(evals) == 2 and all(0 <= m["eval_test_accuracy"] <= 1 for m in evals)
         assert all(m["eval_loss_nodes"] == int(_val_mask().sum()) for m in evals)  # every validation node
+    held_out = NODES - int(community_graph(NODES, CLASSES, FEATURES, seed=4)["train_mask"].sum())
+    summary = json.loads((graph_dir / "two" / "out" / "summary.json").read_text())
+    assert summary["eval_samples"] == held_out  # the eval's targets, not the input nodes of its blocks
 
 
 def _stop_after(rank, world, tmp, steps):

@@ -118,6 +118,10 @@ class DataConfig:
     graph_batch_order: Literal["random", "proximity"] = "random"
     """Sampled graph training: the targets of an epoch shuffled, or in breadth-first order from a
     seeded root (BGL's proximity-aware order: consecutive mini-batches share neighbours)."""
+    graph_order_sequences: int = 1
+    """Sampled graph training, ``proximity`` order: BFS sequences from independent random roots
+    interleaved round-robin over the targets (BGL's randomised order: each mini-batch holds a stretch
+    of every sequence, less correlated, a little less cache-friendly); 1: one BFS."""
     graph_features: Literal["memory", "mmap"] = "memory"
     """Sampled graph training: node features read into memory, or memory-mapped from the graph
     folder (only the rows the mini-batches read are paged in)."""

@@ -192,10 +192,14 @@ class EvalBatch:
 
 
 def count_samples(batch: Mapping[str, Any], contract: BatchContract) -> int:
-    """Samples in a loader batch (before any slicing): its packed samples (``cu_seqlens``), else
-    one per row element (a node, an image)."""
+    """Samples in a loader batch (before any slicing): its packed samples (``cu_seqlens``), a
+    sampled graph mini-batch's target nodes (``targets``: its rows are the input nodes of the
+    sampled blocks, the throughput unit, most of them there only as neighbours), else one per row
+    element (a node of a full graph, an image)."""
     if "cu_seqlens" in batch:
         return int(batch["cu_seqlens"].numel()) - 1
+    if "targets" in batch:
+        return int(batch["targets"].numel())
     return contract.row_length(batch)
 
 

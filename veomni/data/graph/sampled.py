@@ -85,7 +85,8 @@ class SampledGraphDataset(ResumableDataset):
         mine = (mask & (part == request.dp_rank)).nonzero()[:, 0]
         self.sampler = NeighbourSampler(edges, weights, graph.num_nodes, mine, {"x": self.features, **fields},
                                         cfg.graph_batch_size, fanouts, request.seed, stream=request.dp_rank,
-                                        batches=self.batches, order=cfg.graph_batch_order)
+                                        batches=self.batches, order=cfg.graph_batch_order,
+                                        sequences=cfg.graph_order_sequences)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start = self.begin()

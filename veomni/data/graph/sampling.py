@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import torch
 
 from veomni.data.graph.features import FeatureStore
-from veomni.data.graph.order import bfs_ranks
+from veomni.data.graph.order import components, proximity_order, undirected
 from veomni.errors import BadConfig
 
 _MIX = 1_000_003
@@ -61,11 +61,12 @@ class NeighbourSampler:
 
     def __init__(self, edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, targets: torch.Tensor,
                  fields: dict[str, torch.Tensor | FeatureStore], batch_size: int, fanouts: list[int], seed: int = 0,
-                 stream: int = 0, batches: int = 0, order: str = "random") -> None:
+                 stream: int = 0, batches: int = 0, order: str = "random", sequences: int = 1) -> None:
         if batch_size < 1:
             raise BadConfig(f"sampling batch_size is {batch_size}; give a positive number of target nodes")
-        if order not in ("random", "proximity"):
-            raise BadConfig(f"sampling order {order!r}: random or proximity")
+        if order not in ("random", "proximity") or sequences < 1:
+            raise BadConfig(f"sampling order {order!r} with {sequences} BFS sequence(s): random or proximity, "
+                            "and at least one sequence")
         if not fanouts or any(f == 0 or f < -1 for f in fanouts):
             raise BadConfig(f"sampling fanouts {fanouts}: give one per message-passing layer, each a positive "
                             "number of neighbours or -1 for all of them")
@@ -77,7 +78,8 @@ class NeighbourSampler:
         self.num_nodes, self.targets, self.fields = num_nodes, targets.long(), fields
         self.batch_size, self.fanouts, self.seed, self.stream = batch_size, list(fanouts), seed, stream
         self.batches = batches or -(-self.targets.numel() // batch_size)
-        self.order = order
+        self.order, self.sequences = order, sequences
+        self._neighbours: tuple[torch.Tensor, ...] = ()  # (source, start, degree, component), made once
         self.epoch, self.position = 0, 0
         self._split: tuple[int, list[torch.Tensor]] = (-1, [])
 
@@ -104,8 +106,11 @@ class NeighbourSampler:
             return self._split[1]
         generator = _generator(self.seed, self.stream, epoch)
         if self.order == "proximity":
-            ranks = bfs_ranks(self.source, self.start, self.degree, generator)
-            order = self.targets[torch.argsort(ranks[self.targets])]
+            if not self._neighbours:
+                source, start, degree = undirected(self.source, self.degree)
+                self._neighbours = (source, start, degree, components(source, degree))
+            order = proximity_order(*self._neighbours[:3], self.targets, self.sequences, generator,
+                                    self._neighbours[3])
         else:
             order = self.targets[torch.randperm(self.targets.numel(), generator=generator)]
         self._split = (epoch, list(torch.tensor_split(order, self.batches)))

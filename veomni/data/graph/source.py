@@ -63,6 +63,9 @@ def sampling_problems(cfg: DataConfig) -> list[str]:
         problems.append(f"data.graph_prefetch={cfg.graph_prefetch}: mini-batches made ahead, >= 0 (0: in the step)")
     if cfg.graph_cache_rows < 0:
         problems.append(f"data.graph_cache_rows={cfg.graph_cache_rows}: feature rows to cache, >= 0 (0: no cache)")
+    if cfg.graph_order_sequences < 1:
+        problems.append(f"data.graph_order_sequences={cfg.graph_order_sequences}: BFS sequences interleaved by the "
+                        "proximity order, >= 1")
     return problems
 
 
