@@ -82,8 +82,14 @@ PROGRESS_EVERY = 500
 
 
 def load_text_encoder(path: Path, clips: Path) -> TextEncoder:
-    """The encoder at ``path``, built there from the train split's vocabulary when missing."""
-    if not (path / MANIFEST).exists():
+    """The encoder at ``path``: a transformers folder (its ``config.json``; a real umT5 folder has no
+    ``manifest.json``) is read as it is; a missing or empty folder gets the tiny encoder built from
+    the train split's vocabulary; any other folder is refused, never overwritten."""
+    if not (path / MANIFEST).exists() and not (path / "config.json").exists():
+        if path.is_dir() and any(path.iterdir()):
+            raise EncoderError(f"--text-encoder {path}: no config.json, so not a transformers text-encoder folder "
+                               "(save_pretrained of a UMT5EncoderModel and its tokenizer); name such a folder, or "
+                               "a missing or empty one to build the tiny encoder there")
         build_text_encoder(path, caption_vocabulary(clips / "train"))
     return video_encoders.load_text_encoder(path)
 

@@ -187,7 +187,7 @@ class TextEncoder:
         """The last hidden states [L, text_dim] of each caption's real tokens."""
         batch = self.tokenizer(captions, padding=True, return_tensors="pt")
         lengths = batch["attention_mask"].sum(1)
-        for caption, ids, length in zip(captions, batch["input_ids"], lengths):
+        for caption, ids, length in zip(captions, batch["input_ids"], lengths.tolist()):  # ints: umT5 gives 1e30
             if length > self.tokenizer.model_max_length or self.tokenizer.unk_token_id in ids.tolist():
                 raise EncoderError(f"caption {caption!r} has unknown words or over {self.tokenizer.model_max_length} "
                                    f"tokens for the tokenizer at {self.path}; rebuild it from these captions "
@@ -196,11 +196,18 @@ class TextEncoder:
         return [s[:n].contiguous() for s, n in zip(states, lengths.tolist())]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model")
+
+
 def load_text_encoder(path: Path) -> TextEncoder:
     """The frozen ``UMT5EncoderModel`` (Wan's text-encoder family) and tokenizer of a folder."""
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     text_encoder_width(path)  # a clear error for a folder that is not an encoder
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise EncoderError(f"{path} has an encoder but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save "
+                           "the tokenizer beside the model (a diffusers Wan folder keeps it in tokenizer/; copy "
+                           "its files into the text-encoder folder)")
     encoder = UMT5EncoderModel.from_pretrained(path).eval().requires_grad_(False)
     return TextEncoder(AutoTokenizer.from_pretrained(path), encoder, Path(path))
 
