@@ -1,0 +1,148 @@
+"""Sampling the Wan2.1 image-to-video form (``scripts/sample.sh --image`` for a model with
+``in_channels`` > ``out_channels`` and ``image_dim``) against diffusers' ``WanImageToVideoPipeline``:
+the same tiny random model behind both loops, the pipeline building its own condition channels
+(its VAE), image states (its ``CLIPVisionModel``), scheduler steps and guidance; every model call's
+inputs and the result must agree. A manifest without its image encoder is refused naming the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+from PIL import Image
+from torch import nn
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+from models.dit import diffusion_task
+from models.dit.config import DiTConfig
+from models.dit.model import DiTModel
+from models.dit.sample import check_image_arguments
+from models.dit.text_to_video import VideoPipeline
+from tests.models.test_dit_hf import randomise
+from tests.parity_utils import assert_parity
+from tests.video_utils import LATENT_CHANNELS, TEXT_DIM, build_latent_split
+from veomni.data.video.conditioning import Conditioning
+
+PROMPT = "a red circle moves left"
+MEAN, STD = [0.1, -0.2, 0.3, 0.0], [1.5, 0.5, 2.0, 1.0]
+IMAGE_DIM = 24
+# a Wan VAE (temporal factor 4): 4 noisy + 4 mask + 4 condition channels
+WAN21_I2V = DiTConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=12,
+                      out_channels=LATENT_CHANNELS, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
+                      image_dim=IMAGE_DIM, added_kv_proj_dim=32, shift=2.0, shift_base_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> Path:
+    """A latent split whose manifest names a tiny Wan VAE and a CLIPVisionModel folder, as
+    ``data/build_video_latents.py --condition --image-encoder`` writes it."""
+    root = tmp_path_factory.mktemp("wan21_i2v")
+    split = build_latent_split(root)
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1,
+                     temperal_downsample=[True, True], latents_mean=MEAN, latents_std=STD, scale_factor_spatial=4,
+                     scale_factor_temporal=4).save_pretrained(root / "wan")
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=IMAGE_DIM, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, image_size=16, patch_size=8)).save_pretrained(root / "clip")
+    CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(root / "clip")
+    manifest = json.loads((split / "manifest.json").read_text())
+    manifest.update(vae={"path": "../../wan", "class": "AutoencoderKLWan", "scaling_factor": [1 / s for s in STD],
+                         "shift_factor": MEAN, "spatial_factor": 4, "temporal_factor": 4},
+                    condition_channels=8, image_dim=IMAGE_DIM, image_encoder={"path": "../../clip"})
+    (split / "manifest.json").write_text(json.dumps(manifest))
+    return split
+
+
+class OursRecorded(nn.Module):
+    """Our DiT behind our sampler's call, recording every call's inputs."""
+
+    def __init__(self, model: DiTModel) -> None:
+        super().__init__()
+        self.model, self.calls = model, []
+
+    def forward_video(self, latents, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
+        self.calls.append((latents, timestep, encoder_hidden_states, encoder_hidden_states_image))
+        return self.model.forward_video(latents, timestep, encoder_hidden_states, encoder_hidden_states_image)
+
+
+class DiffusersRecorded(nn.Module):
+    """The same DiT behind the call ``WanImageToVideoPipeline`` makes of its transformer."""
+
+    def __init__(self, model: DiTModel) -> None:
+        super().__init__()
+        self.model, self.calls = model, []
+        self.config = SimpleNamespace(patch_size=model.config.patch_size, image_dim=model.config.image_dim)
+        self.dtype, self.device = torch.float32, torch.device("cpu")
+
+    def cache_context(self, name):
+        return contextlib.nullcontext()
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image, attention_kwargs,
+                return_dict):
+        self.calls.append((hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image))
+        return (self.model.forward_video(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image),)
+
+
+def _pipeline(model: nn.Module, split: Path) -> VideoPipeline:
+    return VideoPipeline.from_latent_manifest(model, diffusion_task(WAN21_I2V), WAN21_I2V.patch_size, split,
+                                              conditioning=Conditioning.of(WAN21_I2V))
+
+
+def test_sampling_from_an_image_equals_diffusers_wan_image_to_video_pipeline(split):
+    torch.manual_seed(4)
+    model = randomise(DiTModel(WAN21_I2V))
+    ours = OursRecorded(model)
+    pipeline = _pipeline(ours, split)
+    sampled = []
+    pipeline.decode = lambda latents: sampled.append(latents) or np.zeros(1)  # the loop's result, before the VAE
+    frame = np.random.default_rng(1).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    steps, guidance, seed = 2, 3.0, 7
+    pipeline.generate([PROMPT], 9, 16, 16, steps, guidance, seed, first_frames=frame[None])
+
+    reference = DiffusersRecorded(model)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    sigmas = pipeline.flow_sigmas((LATENT_CHANNELS, 3, 4, 4), steps)[:-1].tolist()
+    set_timesteps = scheduler.set_timesteps
+    scheduler.set_timesteps = lambda steps, device=None: set_timesteps(sigmas=sigmas, device=device)  # our schedule
+    clip = split / "../../clip"
+    vae = AutoencoderKLWan.from_pretrained(split / "../../wan")
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler,
+                                   image_processor=CLIPImageProcessor.from_pretrained(clip),
+                                   image_encoder=CLIPVisionModel.from_pretrained(clip), transformer=reference)
+    with torch.no_grad():
+        text = pipeline.encode_prompts([PROMPT])[0][None]
+        noise = torch.randn(1, LATENT_CHANNELS, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+        expected = pipe(image=Image.fromarray(frame), prompt_embeds=text,
+                        negative_prompt_embeds=torch.zeros(1, 1, TEXT_DIM), height=16, width=16, num_frames=9,
+                        num_inference_steps=steps, guidance_scale=guidance, latents=noise, output_type="latent",
+                        return_dict=False)[0]
+    assert len(ours.calls) == len(reference.calls) == 2 * steps  # both guidance branches, every step
+    for i, (got, want) in enumerate(zip(ours.calls, reference.calls)):
+        for name, a, b in zip(("latents + condition", "timestep", "text", "image states"), got, want):
+            assert_parity(a, b.expand_as(a), f"call {i}: {name}")
+    assert_parity(sampled[0], expected, "sampled latents")
+
+
+def test_a_missing_image_encoder_is_refused_naming_the_fix(split, tmp_path):
+    moved = tmp_path / "latents" / "train"
+    shutil.copytree(split, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["vae"]["path"] = str((split / manifest["vae"]["path"]).resolve())
+    manifest["text_encoder"]["path"] = str((split / manifest["text_encoder"]["path"]).resolve())
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    model = DiTModel(WAN21_I2V)
+    with pytest.raises(FileNotFoundError, match=r"put the CLIPVisionModel folder .* --image-encoder"):
+        _pipeline(model, moved)  # the folder "../../clip" is not beside the moved split
+    (moved / "manifest.json").write_text(json.dumps({**manifest, "image_encoder": None}))
+    with pytest.raises(FileNotFoundError, match="names no image encoder.*--image-encoder"):
+        _pipeline(model, moved)
+    with pytest.raises(ValueError, match="give its first frame with --image"):
+        check_image_arguments(WAN21_I2V, has_image=False, run_dir=tmp_path)
+    check_image_arguments(WAN21_I2V, has_image=True, run_dir=tmp_path)  # no first_frame_probability needed
