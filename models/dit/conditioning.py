@@ -14,13 +14,20 @@ was trained on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from veomni.data.video.clip_format import Clip
-    from veomni.data.video.encoders import LatentEncoder
+
+class FirstFrameLatents(Protocol):
+    """What ``first_frame_conditions`` needs of a VAE: ``veomni.data.video.encoders.LatentEncoder``."""
+
+    geometry: Any
+    """Its ``VaeGeometry`` (``temporal_factor``: the mask channels)."""
+
+    def encode(self, clips: Sequence[Any], batch_frames: int, first_frame_only: bool = False) -> list[torch.Tensor]:
+        ...
 
 
 def wan_i2v_condition(condition_latent: torch.Tensor, mask_channels: int = 4) -> torch.Tensor:
@@ -32,8 +39,9 @@ def wan_i2v_condition(condition_latent: torch.Tensor, mask_channels: int = 4) ->
     return torch.cat([mask, condition_latent])
 
 
-def first_frame_conditions(vae: LatentEncoder, clips: list[Clip], batch_frames: int) -> list[torch.Tensor]:
+def first_frame_conditions(vae: FirstFrameLatents, clips: Sequence[Any], batch_frames: int) -> list[torch.Tensor]:
     """Each clip's ``condition`` [T + C, F', H', W']: ``wan_i2v_condition`` of the normalised latent of
-    its first frame followed by zero frames (clips of one ``vae.batch_key``; T the VAE's temporal factor)."""
+    its first frame followed by zero frames (``veomni.data.video.clip_format.Clip`` of one ``vae.batch_key``;
+    T the VAE's temporal factor)."""
     return [wan_i2v_condition(latent, vae.geometry.temporal_factor)
             for latent in vae.encode(clips, batch_frames, first_frame_only=True)]

@@ -12,7 +12,9 @@ reads its conditioning channels and, with ``image_dim``, its image-encoder state
 latent precompute built them (``models/dit/image_to_video.py``), and needs ``--image``.
 
 The zoo cannot read checkpoints (the engine owns them), so ``main`` takes the weight loader as an
-argument: ``scripts/sample.py`` passes the engine's, which prefers the checkpoint's EMA weights.
+argument: ``scripts/sample.py`` passes the engine's, which prefers the checkpoint's EMA weights;
+likewise the first-frame conditioner of a conditioning-channel model (it loads the engine's VAE
+and image encoders).
 Writes ``DIR/sample_XX.gif`` per prompt and ``DIR/contact_sheet.png`` (rows = prompts, columns =
 frames), and prints their paths. ``DIR`` defaults to ``RUN_DIR/samples/<checkpoint name>``.
 """
@@ -30,15 +32,17 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models.dit.image_to_video import FirstFrameConditioner, is_conditioned
 from models.dit.media import write_contact_sheet, write_gif
 from models.dit.task import diffusion_task
 from models.dit.text_to_video import VideoPipeline
 from veomni.contract import get_model_spec
-from veomni.data.video.conditioning import Conditioning
 
 WeightLoader = Callable[[Path, Path | None, bool], tuple[Any, Any, dict[str, torch.Tensor], Path]]
 """``(run_dir, checkpoint or None for the newest, prefer_ema) -> (run config, model config, state dict,
 checkpoint path)``."""
+ConditionerLoader = Callable[[str, Any, str], FirstFrameConditioner]
+"""``(latent split path, model config, device) -> conditioner`` of a conditioning-channel model."""
 
 
 @dataclass(frozen=True)
@@ -97,14 +101,15 @@ def read_first_frames(paths: list[Path] | None, prompts: int) -> np.ndarray | No
 
 
 def pipeline_from_weights(arch: str, model_config: Any, state_dict: dict[str, torch.Tensor], train_path: str,
-                          device: str | torch.device) -> VideoPipeline:
+                          device: str | torch.device,
+                          conditioner: FirstFrameConditioner | None = None) -> VideoPipeline:
     """A sampling pipeline for the ``arch`` model with ``state_dict``, on the VAE and text encoder of
     the latent split at ``train_path``."""
     model = get_model_spec(arch).instantiate(model_config)
     model.load_state_dict(state_dict)
     model.to(device).eval()
     return VideoPipeline.from_latent_manifest(model, diffusion_task(model_config), model_config.patch_size,
-                                              train_path, device, Conditioning.of(model_config))
+                                              train_path, device, conditioner)
 
 
 def write_samples(pipeline: VideoPipeline, prompts: list[str], settings: SampleSettings, out_dir: Path,
@@ -120,7 +125,7 @@ def write_samples(pipeline: VideoPipeline, prompts: list[str], settings: SampleS
 
 def check_image_arguments(model_config: Any, has_image: bool, run_dir: Path) -> None:
     """``--image`` for a model that can start from a frame, and always for one that reads conditioning channels."""
-    conditioned = Conditioning.of(model_config).channels > 0
+    conditioned = is_conditioned(model_config)
     if conditioned and not has_image:
         raise ValueError(f"the model of {run_dir} reads conditioning channels (Wan2.1 image-to-video, in_channels "
                          f"{model_config.in_channels} > out_channels {model_config.out_channels}): give its first "
@@ -131,7 +136,7 @@ def check_image_arguments(model_config: Any, has_image: bool, run_dir: Path) -> 
                          "with model.first_frame_probability > 0 (recipes/goku/tiny_i2v.yaml)")
 
 
-def main(argv: list[str] | None, load_weights: WeightLoader) -> int:
+def main(argv: list[str] | None, load_weights: WeightLoader, load_conditioner: ConditionerLoader | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sample", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="the run's train.output_dir")
@@ -146,7 +151,11 @@ def main(argv: list[str] | None, load_weights: WeightLoader) -> int:
         settings = settings_from(args, first_frames)
         run_cfg, model_cfg, state, checkpoint = load_weights(args.run_dir, args.checkpoint, not args.no_ema)
         check_image_arguments(model_cfg, first_frames is not None, args.run_dir)
-        pipeline = pipeline_from_weights(run_cfg.model.arch, model_cfg, state, run_cfg.data.train_path, args.device)
+        conditioner = None
+        if is_conditioned(model_cfg) and load_conditioner is not None:
+            conditioner = load_conditioner(run_cfg.data.train_path, model_cfg, args.device)
+        pipeline = pipeline_from_weights(run_cfg.model.arch, model_cfg, state, run_cfg.data.train_path, args.device,
+                                         conditioner)
         out_dir = args.out or args.run_dir / "samples" / checkpoint.name
         gifs, sheet, _ = write_samples(pipeline, args.prompt, settings, out_dir, first_frames)
     except (FileNotFoundError, ValueError) as exc:

@@ -39,14 +39,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.dit.image_to_video import ConditionInputs, FirstFrameConditioner, first_frame_conditioner
+from models.dit.image_to_video import ConditionInputs, FirstFrameConditioner
 from models.dit.latent_manifest import read_latent_manifest, resolve_folder
-from veomni.data.video.conditioning import Conditioning
-from veomni.data.video.encoders import load_vae
 from veomni.ops.video_patch import patch_grid
 from veomni.tasks.flow import DiffusionTask, Objective, euler_flow_step, guided, resolution_shift, sample_sigmas
-
-TEXT_TO_VIDEO = Conditioning(channels=0, image_dim=None)
 
 
 class VideoDenoiser(Protocol):
@@ -146,16 +142,15 @@ class VideoPipeline:
     @classmethod
     def from_latent_manifest(cls, model: nn.Module, task: DiffusionTask, patch_size: tuple[int, int, int],
                              train_path: str | Path, device: torch.device | str = "cpu",
-                             conditioning: Conditioning = TEXT_TO_VIDEO) -> VideoPipeline:
-        """Load the VAE and the text encoder named by the latent split at ``train_path`` (and, for a model
-        with ``conditioning`` channels, the image encoder its ``image_dim`` needs)."""
+                             conditioner: FirstFrameConditioner | None = None) -> VideoPipeline:
+        """Load the VAE and the text encoder named by the latent split at ``train_path``; ``conditioner``
+        (``scripts/sample.py``) for a conditioning-channel model sampled from images."""
+        import diffusers
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         manifest, folder = read_latent_manifest(train_path)
-        latent_encoder = load_vae(resolve_folder(manifest["vae"]["path"], folder))
-        vae = latent_encoder.vae.to(device)
-        conditioner = None if not conditioning.channels else first_frame_conditioner(
-            manifest, folder, latent_encoder, conditioning.image_dim, torch.device(device))
+        vae_class = getattr(diffusers, manifest["vae"]["class"])
+        vae = vae_class.from_pretrained(resolve_folder(manifest["vae"]["path"], folder)).to(device).eval()
         text_folder = resolve_folder(manifest["text_encoder"]["path"], folder)
         encoder = UMT5EncoderModel.from_pretrained(text_folder).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(text_folder)

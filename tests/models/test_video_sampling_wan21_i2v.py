@@ -2,13 +2,16 @@
 ``in_channels`` > ``out_channels`` and ``image_dim``) against diffusers' ``WanImageToVideoPipeline``:
 the same tiny random model behind both loops, the pipeline building its own condition channels
 (its VAE), image states (its ``CLIPVisionModel``), scheduler steps and guidance; every model call's
-inputs and the result must agree. A manifest without its image encoder is refused naming the fix."""
+inputs and the result must agree. A manifest without its image encoder is refused naming the fix.
+Validation samples of such a model start from the held-out cache's first-frame tensors."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import shutil
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,18 +20,20 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
 from PIL import Image
+from safetensors.torch import save
 from torch import nn
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from models.dit import diffusion_task
 from models.dit.config import DiTConfig
 from models.dit.model import DiTModel
-from models.dit.sample import check_image_arguments
+from models.dit.sample import SampleSettings, check_image_arguments
 from models.dit.text_to_video import VideoPipeline
+from models.dit.validation import validation_writer
+from scripts.sample import load_conditioner
 from tests.models.test_dit_hf import randomise
 from tests.parity_utils import assert_parity
 from tests.video_utils import LATENT_CHANNELS, TEXT_DIM, build_latent_split
-from veomni.data.video.conditioning import Conditioning
 
 PROMPT = "a red circle moves left"
 MEAN, STD = [0.1, -0.2, 0.3, 0.0], [1.5, 0.5, 2.0, 1.0]
@@ -91,8 +96,9 @@ class DiffusersRecorded(nn.Module):
 
 
 def _pipeline(model: nn.Module, split: Path) -> VideoPipeline:
+    """The sampling pipeline ``scripts/sample.sh`` builds: with the conditioner ``scripts/sample.py`` loads."""
     return VideoPipeline.from_latent_manifest(model, diffusion_task(WAN21_I2V), WAN21_I2V.patch_size, split,
-                                              conditioning=Conditioning.of(WAN21_I2V))
+                                              conditioner=load_conditioner(str(split), WAN21_I2V, "cpu"))
 
 
 def test_sampling_from_an_image_equals_diffusers_wan_image_to_video_pipeline(split):
@@ -146,3 +152,46 @@ def test_a_missing_image_encoder_is_refused_naming_the_fix(split, tmp_path):
     with pytest.raises(ValueError, match="give its first frame with --image"):
         check_image_arguments(WAN21_I2V, has_image=False, run_dir=tmp_path)
     check_image_arguments(WAN21_I2V, has_image=True, run_dir=tmp_path)  # no first_frame_probability needed
+
+
+def _held_out_split(folder: Path, samples: list[tuple[str, dict[str, torch.Tensor]]]) -> Path:
+    """A held-out latent split as the precompute writes it: ``KEY.json`` and ``KEY.latent.safetensors``."""
+    folder.mkdir(parents=True)
+    with tarfile.open(folder / "shard-000000.tar", "w") as tar:
+        for i, (caption, tensors) in enumerate(samples):
+            meta = json.dumps({"caption": caption, "frames": 9, "height": 16, "width": 16}).encode()
+            for name, data in ((f"{i:06d}.json", meta), (f"{i:06d}.latent.safetensors", save(tensors))):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return folder
+
+
+def test_validation_samples_start_from_the_held_out_first_frames_of_the_cache(split, tmp_path):
+    """Each held-out caption is sampled from its own clip's cached condition channels and image
+    states, in every model call (both guidance branches); a sample without them is refused by name."""
+    generator = torch.Generator().manual_seed(9)
+
+    def tensors(image_tokens: int) -> dict[str, torch.Tensor]:
+        return {"latent": torch.randn(LATENT_CHANNELS, 3, 4, 4, generator=generator),
+                "text": torch.randn(4, TEXT_DIM, generator=generator),
+                "condition": torch.randn(8, 3, 4, 4, generator=generator),
+                "image": torch.randn(image_tokens, IMAGE_DIM, generator=generator)}
+
+    samples = [(PROMPT, tensors(5)), (PROMPT, tensors(5)), ("a blue square moves up", tensors(5))]
+    held_out = _held_out_split(tmp_path / "eval", samples)
+    data = SimpleNamespace(train_path=str(split), eval_path=str(held_out))
+    writer = validation_writer(WAN21_I2V, data, count=2, settings=SampleSettings(steps=2))
+    torch.manual_seed(4)
+    model = OursRecorded(randomise(DiTModel(WAN21_I2V)))
+    written = writer(model, 20, tmp_path / "samples", True)
+    assert written["contact_sheet"].is_file()
+    kept = [samples[0][1], samples[2][1]]  # the first clip of each distinct caption
+    assert len(model.calls) == 2 * 2  # both captions in one batch (equal token counts): two steps, two branches
+    for latents, _, _, image in model.calls:
+        assert torch.equal(latents[:, LATENT_CHANNELS:], torch.stack([t["condition"] for t in kept]))
+        assert torch.equal(image, torch.stack([t["image"] for t in kept]))
+    del samples[0][1]["condition"]
+    with pytest.raises(ValueError, match="held-out sample '000000'.*--condition"):
+        validation_writer(WAN21_I2V, SimpleNamespace(train_path=str(split), eval_path=str(
+            _held_out_split(tmp_path / "bad", samples))), count=2)
