@@ -27,7 +27,8 @@ from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 from models.dit import diffusion_task
 from models.dit.config import DiTConfig
 from models.dit.model import DiTModel
-from models.dit.sample import SampleSettings, check_image_arguments
+from models.dit.sample import SampleSettings
+from models.dit.sample import main as sample_main
 from models.dit.text_to_video import VideoPipeline
 from models.dit.validation import validation_writer
 from scripts.sample import load_conditioner
@@ -149,9 +150,23 @@ def test_a_missing_image_encoder_is_refused_naming_the_fix(split, tmp_path):
     (moved / "manifest.json").write_text(json.dumps({**manifest, "image_encoder": None}))
     with pytest.raises(FileNotFoundError, match="names no image encoder.*--image-encoder"):
         _pipeline(model, moved)
-    with pytest.raises(ValueError, match="give its first frame with --image"):
-        check_image_arguments(WAN21_I2V, has_image=False, run_dir=tmp_path)
-    check_image_arguments(WAN21_I2V, has_image=True, run_dir=tmp_path)  # no first_frame_probability needed
+
+
+def test_sample_sh_writes_clips_from_an_image_and_needs_one(split, tmp_path):
+    """``scripts/sample.py``'s path: the run's weights, its conditioner, an image file -> a GIF per prompt."""
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "f.png")
+    run = SimpleNamespace(model=SimpleNamespace(arch="dit"), data=SimpleNamespace(train_path=str(split)))
+    torch.manual_seed(4)
+    state = randomise(DiTModel(WAN21_I2V)).state_dict()  # an untrained one predicts zero: one still frame
+
+    def load_weights(run_dir, checkpoint, prefer_ema):
+        return run, WAN21_I2V, state, tmp_path / "step_1"
+
+    argv = [str(tmp_path), "--prompt", PROMPT, "--steps", "1"]
+    assert sample_main(argv, load_weights, load_conditioner) == 2  # a conditioning-channel model needs --image
+    assert sample_main([*argv, "--image", str(tmp_path / "f.png")], load_weights, load_conditioner) == 0
+    with Image.open(tmp_path / "samples" / "step_1" / "sample_00.gif") as gif:
+        assert gif.n_frames == 9
 
 
 def _held_out_split(folder: Path, samples: list[tuple[str, dict[str, torch.Tensor]]]) -> Path:
