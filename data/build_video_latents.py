@@ -13,7 +13,7 @@ manifest's ``shift_factor`` and ``scaling_factor`` are per-channel lists (``late
 ``1 / latents_std``) that keep the formula ``(mean - shift) * scaling``.
 
 Image-to-video (Wan2.1 I2V) data, computed once like the text states: ``--condition`` adds each
-clip's ``condition`` [T + C, F', H', W'] (``models/dit/conditioning.py::wan_i2v_condition``: a frame
+clip's ``condition`` [T + C, F', H', W'] (``models/dit/conditioning.py::first_frame_conditions``: a frame
 mask of the VAE's temporal factor T channels, then the latent of the clip's first frame followed by
 zero frames), and ``--image-encoder FOLDER`` (a transformers ``CLIPVisionModel`` saved with its
 ``CLIPImageProcessor``; nothing downloads) adds ``image`` [L, hidden_size], the encoder's
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_text_encoder import build_text_encoder, caption_vocabulary  # noqa: E402
 
-from models.dit.conditioning import wan_i2v_condition  # noqa: E402
+from models.dit.conditioning import first_frame_conditions  # noqa: E402
 from veomni.data.builders import MANIFEST, publish_split, staging_folder  # noqa: E402
 from veomni.data.sources import ReadStats, iter_tar_samples  # noqa: E402
 from veomni.data.video import encoders as video_encoders  # noqa: E402
@@ -82,8 +82,14 @@ PROGRESS_EVERY = 500
 
 
 def load_text_encoder(path: Path, clips: Path) -> TextEncoder:
-    """The encoder at ``path``, built there from the train split's vocabulary when missing."""
-    if not (path / MANIFEST).exists():
+    """The encoder at ``path``: a transformers folder (its ``config.json``; a real umT5 folder has no
+    ``manifest.json``) is read as it is; a missing or empty folder gets the tiny encoder built from
+    the train split's vocabulary; any other folder is refused, never overwritten."""
+    if not (path / MANIFEST).exists() and not (path / "config.json").exists():
+        if path.is_dir() and any(path.iterdir()):
+            raise EncoderError(f"--text-encoder {path}: no config.json, so not a transformers text-encoder folder "
+                               "(save_pretrained of a UMT5EncoderModel and its tokenizer); name such a folder, or "
+                               "a missing or empty one to build the tiny encoder there")
         build_text_encoder(path, caption_vocabulary(clips / "train"))
     return video_encoders.load_text_encoder(path)
 
@@ -141,8 +147,8 @@ def encode_buffer(buffer: list[Clip], encoders: Encoders, batch_frames: int) -> 
         for clip, latent in zip(group, vae.encode(group, batch_frames)):
             tensors[clip.key]["latent"] = latent
         if encoders.condition:
-            for clip, latent in zip(group, vae.encode(group, batch_frames, first_frame_only=True)):
-                tensors[clip.key]["condition"] = wan_i2v_condition(latent, vae.geometry.temporal_factor)
+            for clip, condition in zip(group, first_frame_conditions(vae, group, batch_frames)):
+                tensors[clip.key]["condition"] = condition
     for clip, state in zip(buffer, encoders.text.encode([c.meta["caption"] for c in buffer])):
         tensors[clip.key]["text"] = state
     if encoders.image is not None:

@@ -38,7 +38,9 @@ class WanStandIn(nn.Module):
 class StandInConfig:
     patch_size: tuple[int, int, int] = (1, 2, 2)
     in_channels: int = LATENT_CHANNELS
+    out_channels: int = LATENT_CHANNELS
     text_dim: int = TEXT_DIM
+    image_dim: int | None = None
 
 
 def save_tokenizer(folder: Path) -> None:

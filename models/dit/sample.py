@@ -4,12 +4,17 @@
         [--guidance 4] [--seed 0] [--frames 9] [--height 32] [--width 32] [--out DIR]
         [--checkpoint STEP_DIR] [--no-ema] [--device cpu|cuda] [--image FRAME.png [--image ...]]
 
-``--image`` (image-to-video, a model trained with ``model.first_frame_probability`` > 0): the clip
-starts from that frame (one image for every prompt, or one per prompt); its size is the clip's
-(``--height`` / ``--width`` may be left out and must agree when given).
+``--image`` (image-to-video): the clip starts from that frame (one image for every prompt, or one
+per prompt); its size is the clip's (``--height`` / ``--width`` may be left out and must agree when
+given). For a model trained with ``model.first_frame_probability`` > 0 (Wan2.2 form) its latent is
+held at frame 0; a conditioning-channel model (Wan2.1 I2V, ``in_channels`` > ``out_channels``)
+reads its conditioning channels and, with ``image_dim``, its image-encoder states, built as the
+latent precompute built them (``models/dit/image_to_video.py``), and needs ``--image``.
 
 The zoo cannot read checkpoints (the engine owns them), so ``main`` takes the weight loader as an
-argument: ``scripts/sample.py`` passes the engine's, which prefers the checkpoint's EMA weights.
+argument: ``scripts/sample.py`` passes the engine's, which prefers the checkpoint's EMA weights;
+likewise the first-frame conditioner of a conditioning-channel model (it loads the engine's VAE
+and image encoders).
 Writes ``DIR/sample_XX.gif`` per prompt and ``DIR/contact_sheet.png`` (rows = prompts, columns =
 frames), and prints their paths. ``DIR`` defaults to ``RUN_DIR/samples/<checkpoint name>``.
 """
@@ -27,6 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models.dit.image_to_video import FirstFrameConditioner, is_conditioned
 from models.dit.media import write_contact_sheet, write_gif
 from models.dit.task import diffusion_task
 from models.dit.text_to_video import VideoPipeline
@@ -35,6 +41,8 @@ from veomni.contract import get_model_spec
 WeightLoader = Callable[[Path, Path | None, bool], tuple[Any, Any, dict[str, torch.Tensor], Path]]
 """``(run_dir, checkpoint or None for the newest, prefer_ema) -> (run config, model config, state dict,
 checkpoint path)``."""
+ConditionerLoader = Callable[[str, Any, str], FirstFrameConditioner]
+"""``(latent split path, model config, device) -> conditioner`` of a conditioning-channel model."""
 
 
 @dataclass(frozen=True)
@@ -93,14 +101,15 @@ def read_first_frames(paths: list[Path] | None, prompts: int) -> np.ndarray | No
 
 
 def pipeline_from_weights(arch: str, model_config: Any, state_dict: dict[str, torch.Tensor], train_path: str,
-                          device: str | torch.device) -> VideoPipeline:
+                          device: str | torch.device,
+                          conditioner: FirstFrameConditioner | None = None) -> VideoPipeline:
     """A sampling pipeline for the ``arch`` model with ``state_dict``, on the VAE and text encoder of
     the latent split at ``train_path``."""
     model = get_model_spec(arch).instantiate(model_config)
     model.load_state_dict(state_dict)
     model.to(device).eval()
     return VideoPipeline.from_latent_manifest(model, diffusion_task(model_config), model_config.patch_size,
-                                              train_path, device)
+                                              train_path, device, conditioner)
 
 
 def write_samples(pipeline: VideoPipeline, prompts: list[str], settings: SampleSettings, out_dir: Path,
@@ -114,7 +123,20 @@ def write_samples(pipeline: VideoPipeline, prompts: list[str], settings: SampleS
     return gifs, sheet, clips
 
 
-def main(argv: list[str] | None, load_weights: WeightLoader) -> int:
+def check_image_arguments(model_config: Any, has_image: bool, run_dir: Path) -> None:
+    """``--image`` for a model that can start from a frame, and always for one that reads conditioning channels."""
+    conditioned = is_conditioned(model_config)
+    if conditioned and not has_image:
+        raise ValueError(f"the model of {run_dir} reads conditioning channels (Wan2.1 image-to-video, in_channels "
+                         f"{model_config.in_channels} > out_channels {model_config.out_channels}): give its first "
+                         "frame with --image FRAME.png")
+    if has_image and not conditioned and model_config.first_frame_probability <= 0:
+        raise ValueError(f"--image: the model of {run_dir} was trained without first-frame conditioning "
+                         "(model.first_frame_probability 0), so it cannot start from a given frame; train "
+                         "with model.first_frame_probability > 0 (recipes/goku/tiny_i2v.yaml)")
+
+
+def main(argv: list[str] | None, load_weights: WeightLoader, load_conditioner: ConditionerLoader | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sample", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="the run's train.output_dir")
@@ -128,11 +150,12 @@ def main(argv: list[str] | None, load_weights: WeightLoader) -> int:
         first_frames = read_first_frames(args.image, len(args.prompt))
         settings = settings_from(args, first_frames)
         run_cfg, model_cfg, state, checkpoint = load_weights(args.run_dir, args.checkpoint, not args.no_ema)
-        if first_frames is not None and model_cfg.first_frame_probability <= 0:
-            raise ValueError(f"--image: the model of {args.run_dir} was trained without first-frame conditioning "
-                             "(model.first_frame_probability 0), so it cannot start from a given frame; train "
-                             "with model.first_frame_probability > 0 (recipes/goku/tiny_i2v.yaml)")
-        pipeline = pipeline_from_weights(run_cfg.model.arch, model_cfg, state, run_cfg.data.train_path, args.device)
+        check_image_arguments(model_cfg, first_frames is not None, args.run_dir)
+        conditioner = None
+        if is_conditioned(model_cfg) and load_conditioner is not None:
+            conditioner = load_conditioner(run_cfg.data.train_path, model_cfg, args.device)
+        pipeline = pipeline_from_weights(run_cfg.model.arch, model_cfg, state, run_cfg.data.train_path, args.device,
+                                         conditioner)
         out_dir = args.out or args.run_dir / "samples" / checkpoint.name
         gifs, sheet, _ = write_samples(pipeline, args.prompt, settings, out_dir, first_frames)
     except (FileNotFoundError, ValueError) as exc:

@@ -22,11 +22,13 @@ latent frame 0 of a clip that starts with it, for a per-frame or a causal Wan VA
 frame 0 before every model call and after the last step, and the model reads those tokens as
 ``clean`` (timestep 0), as diffusers' ``WanPipeline`` with ``expand_timesteps`` does: the sampler
 and its schedule are otherwise unchanged, and the unconditional (guidance) input keeps the frame.
+A **conditioning-channel model** (Wan2.1 I2V, ``in_channels`` > ``out_channels``) instead reads the
+frame's conditioning channels after the noisy latent and its image states in every call, both
+guidance branches, as ``WanImageToVideoPipeline`` gives them (``models/dit/image_to_video.py``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from models.dit.image_to_video import ConditionInputs, FirstFrameConditioner
+from models.dit.latent_manifest import read_latent_manifest, resolve_folder
 from veomni.ops.video_patch import patch_grid
 from veomni.tasks.flow import DiffusionTask, Objective, euler_flow_step, guided, resolution_shift, sample_sigmas
 
@@ -47,7 +51,9 @@ class VideoDenoiser(Protocol):
     def forward_video(self, latents: torch.Tensor, timestep: torch.Tensor,
                       encoder_hidden_states: torch.Tensor) -> torch.Tensor:
         """``latents`` [B, C, F, H, W], ``timestep`` [B], text [B, L, text_dim] -> prediction like ``latents``.
-        Sampling from a first frame also passes ``clean_first_frame=True`` (``DiTModel.forward_video``)."""
+        Sampling from a first frame also passes ``clean_first_frame=True`` (Wan2.2 form) or, to a
+        conditioning-channel model, latents with the condition channels after the noisy ones and
+        ``encoder_hidden_states_image`` (Wan2.1 form; ``DiTModel.forward_video``)."""
 
 
 @dataclass(frozen=True)
@@ -87,26 +93,6 @@ class LatentFormat:
         return self.channels, 1 + (frames - 1) // t, height // s, width // s
 
 
-def read_latent_manifest(train_path: str | Path) -> tuple[dict[str, Any], Path]:
-    """The latent split's ``manifest.json`` and its folder; FileNotFoundError naming the fix."""
-    folder = Path(train_path)
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        raise FileNotFoundError(f"{manifest} not found: data.train_path must be a latent split built by "
-                                "data/build_video_latents.py (it names the VAE and the text encoder)")
-    return json.loads(manifest.read_text()), folder
-
-
-def resolve_folder(path: str, manifest_folder: Path) -> Path:
-    """A folder named in a manifest: absolute, or relative to the manifest's folder or the working directory."""
-    candidates = [Path(path)] if Path(path).is_absolute() else [manifest_folder / path, Path.cwd() / path]
-    for candidate in candidates:
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"folder {path!r} named in the latent manifest of {manifest_folder} not found "
-                            f"(looked at {', '.join(str(c) for c in candidates)}); rebuild the latents")
-
-
 def _values(value: float | list[float] | None) -> tuple[float, ...]:
     if value is None:
         return (0.0,)
@@ -143,8 +129,10 @@ class VideoPipeline:
 
     def __init__(self, model: nn.Module, task: DiffusionTask, patch_size: tuple[int, int, int], latents: LatentFormat,
                  vae: nn.Module, text_encoder: nn.Module, tokenizer: Any, max_text_length: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", conditioner: FirstFrameConditioner | None = None) -> None:
         self.model, self.task = model, task
+        self.conditioner = conditioner
+        """Set for a conditioning-channel model (Wan2.1 I2V): builds its inputs from first frames."""
         self.patch_size = tuple(patch_size)
         self.latents = latents
         self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
@@ -153,8 +141,10 @@ class VideoPipeline:
 
     @classmethod
     def from_latent_manifest(cls, model: nn.Module, task: DiffusionTask, patch_size: tuple[int, int, int],
-                             train_path: str | Path, device: torch.device | str = "cpu") -> VideoPipeline:
-        """Load the VAE and the text encoder named by the latent split at ``train_path``."""
+                             train_path: str | Path, device: torch.device | str = "cpu",
+                             conditioner: FirstFrameConditioner | None = None) -> VideoPipeline:
+        """Load the VAE and the text encoder named by the latent split at ``train_path``; ``conditioner``
+        (``scripts/sample.py``) for a conditioning-channel model sampled from images."""
         import diffusers
         from transformers import AutoTokenizer, UMT5EncoderModel
 
@@ -165,7 +155,7 @@ class VideoPipeline:
         encoder = UMT5EncoderModel.from_pretrained(text_folder).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(text_folder)
         return cls(model, task, patch_size, latent_format(manifest), vae, encoder, tokenizer,
-                   int(manifest["text_encoder"]["max_length"]), device)
+                   int(manifest["text_encoder"]["max_length"]), device, conditioner)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
@@ -189,9 +179,11 @@ class VideoPipeline:
     @torch.no_grad()
     def sample_latents(self, prompts: list[str], frames: int, height: int, width: int, steps: int = 30,
                        guidance: float = 4.0, seed: int = 0, objective: Objective | None = None,
-                       first_frames: torch.Tensor | None = None) -> torch.Tensor:
+                       first_frames: torch.Tensor | None = None,
+                       conditions: ConditionInputs | None = None) -> torch.Tensor:
         """Normalised latents [B, C, F', H', W'] for ``prompts`` at ``frames`` x ``height`` x ``width`` pixels;
-        ``first_frames`` [B, C, 1, H', W'] (normalised latents): latent frame 0 held to them (module docstring)."""
+        ``first_frames`` [B, C, 1, H', W'] (normalised latents): latent frame 0 held to them (module docstring);
+        ``conditions``: a conditioning-channel model's inputs, the same in every call (``image_to_video``)."""
         if not prompts:
             raise ValueError("no prompts to sample")
         if steps < 1:
@@ -205,6 +197,10 @@ class VideoPipeline:
         if first_frames is not None and tuple(first_frames.shape) != (len(prompts), shape[0], 1, *shape[2:]):
             raise ValueError(f"first frame latents of shape {list(first_frames.shape)}, the sampler needs "
                              f"{[len(prompts), shape[0], 1, *shape[2:]]} (one per prompt, at the clip's size)")
+        if conditions is not None and (len(conditions.condition), *conditions.condition.shape[2:]) != (
+                len(prompts), *shape[1:]):
+            raise ValueError(f"conditioning channels of shape {list(conditions.condition.shape)}, the sampler needs "
+                             f"{[len(prompts), 'Q', *shape[1:]]} (one per prompt, at the clip's latent size)")
         texts = self.encode_prompts(prompts)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, text in enumerate(texts):
@@ -214,15 +210,19 @@ class VideoPipeline:
             x = noise[members].to(self.device)
             text = torch.stack([texts[i] for i in members])
             first = None if first_frames is None else first_frames[members].to(self.device, torch.float32)
+            given = None if conditions is None else conditions.select(members, self.device)
             sampler = self._flow if objective == "flow" else self._ddim
-            out[members] = _hold(sampler(x, text, steps, guidance, first), first).float().cpu()
+            out[members] = _hold(sampler(x, text, steps, guidance, first, given), first).float().cpu()
         return out
 
     def _velocity(self, x: torch.Tensor, timestep: float | int, text: torch.Tensor, guidance: float,
-                  first: torch.Tensor | None) -> torch.Tensor:
+                  first: torch.Tensor | None, given: ConditionInputs | None) -> torch.Tensor:
         t = torch.full((x.shape[0],), float(timestep), device=self.device)
         x = _hold(x, first)
         extra = {} if first is None else {"clean_first_frame": True}
+        if given is not None:  # Wan2.1 I2V: [noisy | condition] and the image states, in both guidance branches
+            x = torch.cat([x, given.condition], dim=1)
+            extra = {} if given.image is None else {"encoder_hidden_states_image": given.image}
         conditional = self.model.forward_video(x, t, text, **extra).float()
         if guidance == 1.0:
             return conditional
@@ -230,18 +230,18 @@ class VideoPipeline:
         return guided(conditional, self.model.forward_video(x, t, empty, **extra).float(), guidance)
 
     def _flow(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float,
-              first: torch.Tensor | None) -> torch.Tensor:
+              first: torch.Tensor | None, given: ConditionInputs | None) -> torch.Tensor:
         sigmas = self.flow_sigmas(tuple(x.shape[1:]), steps).tolist()
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            x = euler_flow_step(x, self._velocity(x, 1000 * sigma, text, guidance, first), sigma, sigma_next)
+            x = euler_flow_step(x, self._velocity(x, 1000 * sigma, text, guidance, first, given), sigma, sigma_next)
         return x
 
     def _ddim(self, x: torch.Tensor, text: torch.Tensor, steps: int, guidance: float,
-              first: torch.Tensor | None) -> torch.Tensor:
+              first: torch.Tensor | None, given: ConditionInputs | None) -> torch.Tensor:
         scheduler = ddim_scheduler(self.task)
         scheduler.set_timesteps(steps)
         for step in scheduler.timesteps:
-            epsilon = self._velocity(x, int(step), text, guidance, first)
+            epsilon = self._velocity(x, int(step), text, guidance, first, given)
             x = scheduler.step(epsilon, step, x).prev_sample
         return x
 
@@ -272,15 +272,24 @@ class VideoPipeline:
         return pixels.permute(0, 1, 3, 4, 2).cpu().numpy()
 
     def generate(self, prompts: list[str], frames: int, height: int, width: int, steps: int = 30,
-                 guidance: float = 4.0, seed: int = 0, first_frames: np.ndarray | None = None) -> np.ndarray:
-        """uint8 clips [B, F, H, W, 3] for ``prompts``, from ``first_frames`` (uint8 [B, H, W, 3]) when given
-        (the model is put in eval mode and restored after)."""
+                 guidance: float = 4.0, seed: int = 0, first_frames: np.ndarray | None = None,
+                 conditions: ConditionInputs | None = None) -> np.ndarray:
+        """uint8 clips [B, F, H, W, 3] for ``prompts``, from ``first_frames`` (uint8 [B, H, W, 3]) when given:
+        a conditioning-channel model's ``conditions`` are built from them (or given, e.g. from a latent
+        cache); another model holds its latent frame 0 to them. The model is put in eval mode and restored after."""
+        if self.conditioner is not None and first_frames is None and conditions is None:
+            raise ValueError("the model reads conditioning channels (Wan2.1 image-to-video, in_channels > "
+                             "out_channels): give a first frame (scripts/sample.sh --image FRAME.png)")
         was_training = self.model.training
         self.model.eval()
         try:
-            first = None if first_frames is None else self.encode_frames(first_frames)
+            first = None
+            if first_frames is not None and self.conditioner is not None:
+                conditions = self.conditioner(first_frames, frames)
+            elif first_frames is not None:
+                first = self.encode_frames(first_frames)
             return self.decode(self.sample_latents(prompts, frames, height, width, steps, guidance, seed,
-                                                   first_frames=first))
+                                                   first_frames=first, conditions=conditions))
         finally:
             self.model.train(was_training)
 

@@ -1,6 +1,7 @@
 """The Wan2.1 image-to-video form through the real trainer, from raw clips: a latent cache built
 with ``--condition`` and ``--image-encoder`` (a CLIPVisionModel folder built here from config) feeds
-a DiT with conditioning channels and an image branch, whose every weight the steps change."""
+a DiT with conditioning channels and an image branch, whose every weight the steps change, and
+whose validation samples (from the held-out cache's first frames) are written."""
 
 from __future__ import annotations
 
@@ -46,15 +47,18 @@ def _image_branch(model) -> dict[str, torch.Tensor]:
 
 def _train(rank, world, latents, out):
     run = config(Path(latents), Path(out), I2V)
-    run.train.max_steps, run.train.sample_interval = 3, 0
+    run.train.max_steps, run.train.sample_interval = 3, 3
     trainer = Trainer(run)
     before = _image_branch(trainer.model)
     history = trainer.train()
     after = _image_branch(trainer.model)
-    return [m["loss"] for m in history], {name: float((after[name] - before[name]).abs().max()) for name in before}
+    sheets = sorted(p.name for p in (Path(out) / "samples").glob("*.png"))
+    return [m["loss"] for m in history], {name: float((after[name] - before[name]).abs().max()) for name in before}, \
+        sheets
 
 
 def test_the_wan21_form_trains_on_a_cache_with_first_frame_conditioning(latents, tmp_path):
-    losses, moved = run_distributed(_train, 1, str(latents), str(tmp_path / "run"))[0]
+    losses, moved, sheets = run_distributed(_train, 1, str(latents), str(tmp_path / "run"))[0]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert moved and all(value > 0 for value in moved.values()), moved  # proj_out starts at zero: step 1 moves it
+    assert sheets == ["samples_step_00000003.png"]

@@ -129,7 +129,9 @@ class LatentEncoder:
         """Normalised latents [C, F', H', W'] of clips of one batch key, ``batch_frames`` frames per call.
         ``first_frame_only``: of each clip's first frame followed by zero frames (0 in [-1, 1]: the
         image-to-video condition latent, as diffusers' ``WanImageToVideoPipeline`` encodes it)."""
-        pixels = [torch.from_numpy(c.frames).permute(0, 3, 1, 2).float() / 127.5 - 1 for c in clips]  # [F, 3, H, W]
+        device = next(self.vae.parameters()).device  # a sampler's VAE may sit on the GPU
+        pixels = [torch.from_numpy(c.frames).to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
+                  for c in clips]  # [F, 3, H, W]
         if first_frame_only:
             pixels = [torch.cat([p[:1], torch.zeros_like(p[1:])]) for p in pixels]
         if self.geometry.whole_clip:
@@ -142,7 +144,7 @@ class LatentEncoder:
             means = torch.cat([self.vae.encode(frames[i:i + batch_frames]).latent_dist.mean
                                for i in range(0, frames.shape[0], batch_frames)])
             latents = [m.transpose(0, 1) for m in means.split([p.shape[0] for p in pixels])]
-        return [((z - self.shift) * self.scaling).contiguous() for z in latents]
+        return [((z.cpu() - self.shift) * self.scaling).contiguous() for z in latents]
 
     def describe(self) -> dict:
         """The latent manifest's ``vae`` entry (factors as the config states them, not rounded to float32)."""
@@ -187,7 +189,7 @@ class TextEncoder:
         """The last hidden states [L, text_dim] of each caption's real tokens."""
         batch = self.tokenizer(captions, padding=True, return_tensors="pt")
         lengths = batch["attention_mask"].sum(1)
-        for caption, ids, length in zip(captions, batch["input_ids"], lengths):
+        for caption, ids, length in zip(captions, batch["input_ids"], lengths.tolist()):  # ints: umT5 gives 1e30
             if length > self.tokenizer.model_max_length or self.tokenizer.unk_token_id in ids.tolist():
                 raise EncoderError(f"caption {caption!r} has unknown words or over {self.tokenizer.model_max_length} "
                                    f"tokens for the tokenizer at {self.path}; rebuild it from these captions "
@@ -196,11 +198,18 @@ class TextEncoder:
         return [s[:n].contiguous() for s, n in zip(states, lengths.tolist())]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model")
+
+
 def load_text_encoder(path: Path) -> TextEncoder:
     """The frozen ``UMT5EncoderModel`` (Wan's text-encoder family) and tokenizer of a folder."""
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     text_encoder_width(path)  # a clear error for a folder that is not an encoder
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise EncoderError(f"{path} has an encoder but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save "
+                           "the tokenizer beside the model (a diffusers Wan folder keeps it in tokenizer/; copy "
+                           "its files into the text-encoder folder)")
     encoder = UMT5EncoderModel.from_pretrained(path).eval().requires_grad_(False)
     return TextEncoder(AutoTokenizer.from_pretrained(path), encoder, Path(path))
 
@@ -218,9 +227,9 @@ class ImageEncoder:
     @torch.no_grad()
     def encode(self, frames: list[Any]) -> list[torch.Tensor]:
         """uint8 [H, W, 3] frames -> [L, hidden_size] states each."""
-        pixels = self.processor(images=list(frames), return_tensors="pt")["pixel_values"]
+        pixels = self.processor(images=list(frames), return_tensors="pt")["pixel_values"].to(self.encoder.device)
         states = self.encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
-        return [s.float().contiguous() for s in states]
+        return [s.float().cpu().contiguous() for s in states]
 
 
 def image_encoder_width(path: Path) -> int:
