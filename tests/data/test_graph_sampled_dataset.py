@@ -46,9 +46,10 @@ def folder(tmp_path_factory):
     return save_graph(tmp_path_factory.mktemp("sampled") / "graph", data), data
 
 
-def _dataset(folder, split="train", rank=0, ranks=2, fanouts=(3, 2), norm="mean", batch=BATCH) -> SampledGraphDataset:
+def _dataset(folder, split="train", rank=0, ranks=2, fanouts=(3, 2), norm="mean", batch=BATCH,
+             order="random") -> SampledGraphDataset:
     cfg = DataConfig(kind="graph", train_path=str(folder), eval_path=str(folder), graph_partitioner="bfs",
-                     graph_fanouts=list(fanouts), graph_batch_size=batch)
+                     graph_fanouts=list(fanouts), graph_batch_size=batch, graph_batch_order=order)
     model = type("M", (), {"in_features": 8, "num_classes": 3, "neighbour_norm": norm})()
     return build_graph_dataset(DatasetRequest(cfg, str(folder), split, None, rank, ranks, SEED, model, 1))
 
@@ -100,6 +101,18 @@ def test_eval_gives_held_out_nodes_their_full_graph_outputs(folder):
             assert torch.equal(batch["test_labels"] >= 0, data.test_mask[batch["targets"]])
             targets += batch["targets"].tolist()
         assert sorted(targets) == (held_out & (owner == rank)).nonzero()[:, 0].tolist()
+
+
+def test_held_out_mini_batches_are_the_same_whatever_the_training_order(folder):
+    """An eval of a few mini-batches scores the same held-out sample for every training order (a
+    BFS-ordered eval would score a few neighbourhoods, another sample for each order)."""
+    path, _ = folder
+    shuffled = [b["targets"] for b in _dataset(path, "eval", batch=4)]
+    proximity = [b["targets"] for b in _dataset(path, "eval", batch=4, order="proximity")]
+    assert len(shuffled) > 1 and all(torch.equal(a, b) for a, b in zip(shuffled, proximity, strict=True))
+    trained = [b["targets"] for b in itertools.islice(_dataset(path, batch=4, order="proximity"), 4)]
+    shuffled_training = [b["targets"] for b in itertools.islice(_dataset(path, batch=4), 4)]
+    assert not all(torch.equal(a, b) for a, b in zip(trained, shuffled_training))  # training keeps its order
 
 
 def test_a_sampled_mini_batch_counts_its_targets_as_samples_a_full_graph_batch_its_nodes(folder):

@@ -85,8 +85,14 @@ class SampledGraphDataset(ResumableDataset):
         mine = (mask & (part == request.dp_rank)).nonzero()[:, 0]
         self.sampler = NeighbourSampler(edges, weights, graph.num_nodes, mine, {"x": self.features, **fields},
                                         cfg.graph_batch_size, fanouts, request.seed, stream=request.dp_rank,
-                                        batches=self.batches, order=cfg.graph_batch_order,
+                                        batches=self.batches, order=self._order(cfg.graph_batch_order),
                                         sequences=cfg.graph_order_sequences)
+
+    def _order(self, train_order: str) -> str:
+        """The training order for training; held-out targets always shuffled: an eval of a few
+        mini-batches (``train.eval_batches``) in BFS order would score a few neighbourhoods (a few
+        classes on a graph with locality), another sample for every training order."""
+        return train_order if self.split == "train" else "random"
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start = self.begin()
