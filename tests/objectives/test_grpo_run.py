@@ -27,7 +27,7 @@ from veomni.generation import generate
 from veomni.train.trainer import Trainer
 
 ROLLOUT_METRICS = ("reward_mean", "reward_std", "accuracy", "response_length", "rollout_tokens_per_s",
-                   "rollout_time_s", "finished")
+                   "rollout_time_s", "finished", "reshard_time_s")
 UPDATE_METRICS = ("loss", "clip_fraction", "entropy", "ratio", "update_time_s", "update_peak_mem_gb")
 LAYOUTS = {  # (parallel, model options over the tiny LLM's, log-probabilities equal bit for bit)
     "fsdp2": (ParallelConfig(dp_shard=2), {}, True),
@@ -56,8 +56,8 @@ def grpo_run_config(tmp_path: Path, layout: str = "fsdp2", **train) -> RunConfig
     return cfg
 
 
-def _train(rank: int, world: int, tmp: str, layout: str) -> tuple[list[dict], list[tuple]]:
-    trainer = Trainer(grpo_run_config(Path(tmp), layout))
+def _train(rank: int, world: int, cfg: RunConfig) -> tuple[list[dict], list[tuple]]:
+    trainer = Trainer(cfg)
     feed, seen = trainer.feed, []
     rollout = feed.rollout
 
@@ -85,7 +85,7 @@ def _train(rank: int, world: int, tmp: str, layout: str) -> tuple[list[dict], li
 
 @pytest.mark.parametrize("layout", ["fsdp2", pytest.param("moe-ep2", marks=pytest.mark.full)])  # EP 2: 4-14 s
 def test_grpo_trains_from_prompts_and_generates_with_the_trained_weights(tmp_path: Path, layout: str) -> None:
-    results = run_distributed(_train, 2, str(tmp_path), layout)
+    results = run_distributed(_train, 2, grpo_run_config(tmp_path, layout))  # files written once, not per rank
     history, seen = results[0]
     assert len(history) == 3 and len(seen) == 2, "two rollouts for three steps at two updates per rollout"
     for step, metrics in enumerate(history):

@@ -91,8 +91,8 @@ def vlm_grpo_config(tmp_path: Path) -> RunConfig:
     return cfg
 
 
-def _train(rank: int, world: int, tmp: str) -> list[tuple]:
-    trainer = Trainer(vlm_grpo_config(Path(tmp)))
+def _train(rank: int, world: int, cfg: RunConfig) -> list[tuple]:
+    trainer = Trainer(cfg)
     feed, seen = trainer.feed, []
     rollout, engine_generate = feed.rollout, feed.engine.generate
 
@@ -143,7 +143,7 @@ def _row_logps(model, row: dict, media: bool) -> torch.Tensor:
 
 
 def test_vlm_rollouts_see_the_picture_and_equal_transformers_and_the_update_rows(tmp_path: Path) -> None:
-    seen = [rollout for rank in run_distributed(_train, 2, str(tmp_path)) for rollout in rank]
+    seen = [rollout for rank in run_distributed(_train, 2, vlm_grpo_config(tmp_path)) for rollout in rank]
     assert len(seen) == 2, "one rollout for the one step, on each rank"
     config = build_config("qwen2_5_vl", MODEL)
     _, ours = build_model("qwen2_5_vl", MODEL)

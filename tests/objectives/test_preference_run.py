@@ -36,9 +36,7 @@ def preference_run_config(tmp_path: Path, objective: str = "dpo", lora_rank: int
     return cfg
 
 
-def _train(rank: int, world: int, tmp: str, lora_rank: int) -> tuple[list[dict], dict]:
-    cfg = preference_run_config(Path(tmp), lora_rank=lora_rank, **({"grad_accum": 2} if world > 1 else {}))
-    cfg.parallel.pp = world  # 2 ranks: a pipeline, the reference staged beside the policy
+def _train(rank: int, world: int, cfg: RunConfig) -> tuple[list[dict], dict]:
     trainer = Trainer(cfg)
     history = trainer.train()
     return history, trainer.last_eval
@@ -48,7 +46,9 @@ def _train(rank: int, world: int, tmp: str, lora_rank: int) -> tuple[list[dict],
                                               pytest.param(4, 2, marks=pytest.mark.full)],
                          ids=["full", "lora", "pp2", "lora-pp2"])
 def test_dpo_starts_at_ln2_and_reports_pair_metrics(tmp_path: Path, lora_rank: int, world: int) -> None:
-    history, last_eval = run_distributed(_train, world, str(tmp_path), lora_rank)[0]
+    cfg = preference_run_config(tmp_path, lora_rank=lora_rank, **({"grad_accum": 2} if world > 1 else {}))
+    cfg.parallel.pp = world  # 2 ranks: a pipeline, the reference staged beside the policy
+    history, last_eval = run_distributed(_train, world, cfg)[0]  # files written once, not per rank
     assert_scalar_parity(history[0]["loss"], math.log(2), "first DPO loss: policy = reference")
     assert history[0]["rewards_margin"] == 0.0
     for metrics in history:

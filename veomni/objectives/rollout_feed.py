@@ -67,7 +67,9 @@ class RolloutFeed:
         return [dict(row) for row in self.rows]
 
     def rollout(self, index: int) -> list[dict[str, Any]]:
-        self.engine.sync_weights(self.policy)
+        synced = time.perf_counter()
+        self.engine.sync_weights(self.policy)  # the reshard: nothing for the built-in engine
+        reshard = time.perf_counter() - synced
         prompt_batches = self.request.feed.next_step()
         if self.request.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.request.device)
@@ -93,14 +95,14 @@ class RolloutFeed:
             stopped += sum(c.finish_reason == "stop" for c in completions)
         elapsed = time.perf_counter() - started
         self.engine.release()
-        self.metrics = self._reduce(torch.cat(rewards), torch.cat(firsts), lengths, stopped, elapsed)
+        self.metrics = self._reduce(torch.cat(rewards), torch.cat(firsts), lengths, stopped, elapsed, reshard)
         return rows
 
     def _reduce(self, rewards: torch.Tensor, firsts: torch.Tensor, lengths: list[int], stopped: int,
-                elapsed: float) -> dict[str, float]:
+                elapsed: float, reshard: float) -> dict[str, float]:
         sums = torch.tensor([float(len(rewards)), float(rewards.sum()), float((rewards ** 2).sum()),
                              float((firsts == 1).sum()), float(sum(lengths)), float(stopped)], dtype=torch.float64)
-        slowest = torch.tensor([elapsed, _peak_memory_gb(self.request.device)], dtype=torch.float64)
+        slowest = torch.tensor([elapsed, _peak_memory_gb(self.request.device), reshard], dtype=torch.float64)
         group = self.request.metrics_group
         if group is not None:
             dist.all_reduce(sums, group=group)
@@ -110,7 +112,7 @@ class RolloutFeed:
         return {"reward_mean": mean, "reward_std": max(squares / n - mean ** 2, 0.0) ** 0.5, "accuracy": right / n,
                 "response_length": tokens / n, "finished": ended / n, "rollout_time_s": float(slowest[0]),
                 "rollout_tokens_per_s": tokens / max(float(slowest[0]), 1e-9),
-                "rollout_peak_mem_gb": float(slowest[1])}
+                "rollout_peak_mem_gb": float(slowest[1]), "reshard_time_s": float(slowest[2])}
 
     def step_metrics(self) -> dict[str, float]:
         """The prompt feed's, the last rollout's (at a step that rolled out) and the update's: its time
