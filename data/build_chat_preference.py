@@ -26,15 +26,13 @@ beside them (``<train-out>/../tokenizer``, the same as the chat SFT set's).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from veomni.data.builders import builder_main, write_answered_split, write_generated_splits
+from veomni.data.builders import builder_main, sibling_builder, write_answered_split, write_generated_splits
 
 FORMAT_VERSION = 1
 TRAIN_SAMPLES = 4_000
@@ -42,15 +40,7 @@ EVAL_SAMPLES = 300
 SAMPLES_PER_SHARD = 10_000
 
 
-def _chat_sft() -> Any:
-    """``data/build_chat_sft.py``, whose prompts, tasks and tokenizer these pairs share."""
-    spec = importlib.util.spec_from_file_location("build_chat_sft", Path(__file__).with_name("build_chat_sft.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CHAT_SFT = _chat_sft()
+CHAT_SFT = sibling_builder(__file__, "build_chat_sft")  # the builder whose generator these samples share
 
 
 def preferred(answer: str) -> str:

@@ -25,14 +25,12 @@ conversational preference format with the ``<image>`` marker in the prompt, docs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from veomni.data.builders import builder_main, write_answered_split, write_generated_splits
+from veomni.data.builders import builder_main, sibling_builder, write_answered_split, write_generated_splits
 
 FORMAT_VERSION = 1
 TRAIN_SAMPLES = 2_000
@@ -40,15 +38,7 @@ EVAL_SAMPLES = 200
 SAMPLES_PER_SHARD = 4_000
 
 
-def _vqa() -> Any:
-    """``data/build_vqa.py``, whose pictures and questions these pairs share."""
-    spec = importlib.util.spec_from_file_location("build_vqa", Path(__file__).with_name("build_vqa.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-VQA = _vqa()
+VQA = sibling_builder(__file__, "build_vqa")  # the builder whose generator these samples share
 
 
 def preferred(answer: str) -> str:

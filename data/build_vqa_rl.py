@@ -14,12 +14,10 @@ assistant "<answer>"], "question_type": ...}``, whose last assistant turn is the
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
-from typing import Any
 
-from veomni.data.builders import builder_main, write_answered_split, write_generated_splits
+from veomni.data.builders import builder_main, sibling_builder, write_answered_split, write_generated_splits
 
 FORMAT_VERSION = 1
 TRAIN_SAMPLES = 2_000
@@ -27,15 +25,7 @@ EVAL_SAMPLES = 400
 SAMPLES_PER_SHARD = 4_000
 
 
-def _vqa() -> Any:
-    """``data/build_vqa.py``, whose pictures and questions these prompts share."""
-    spec = importlib.util.spec_from_file_location("build_vqa", Path(__file__).with_name("build_vqa.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-VQA = _vqa()
+VQA = sibling_builder(__file__, "build_vqa")  # the builder whose generator these samples share
 
 
 def write_split(out: Path, first_index: int, count: int, seed: int) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
@@ -167,6 +168,16 @@ def build_once(train_out: Path, eval_out: Path, format_version: int, build: Call
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not cached():
             build()
+
+
+def sibling_builder(caller: str, name: str) -> Any:
+    """The builder script ``name`` (e.g. ``"build_vqa"``) beside ``caller`` (a builder's ``__file__``),
+    loaded as a module: builders under ``data/`` are scripts, not a package, and some share another's
+    generator (pictures, prompts, tokenizer)."""
+    spec = importlib.util.spec_from_file_location(name, Path(caller).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def builder_main(doc: str, format_version: int, build: Callable[..., None],
