@@ -20,19 +20,19 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_chat_sft import write_chat_tokenizer, write_split  # noqa: E402  (the SFT builder beside this one)
-
-from veomni.data.builders import builder_main, write_generated_splits  # noqa: E402
+from veomni.data.builders import builder_main, sibling_builder, write_generated_splits
 
 FORMAT_VERSION = 3
 LENGTHS = (6, 6)
 TRAIN_SAMPLES, EVAL_SAMPLES = 4_000, 200
 
+CHAT_SFT = sibling_builder(__file__, "build_chat_sft")  # the builder whose generator these prompts share
+
 
 def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_samples: int) -> None:
     write_generated_splits(train_out, eval_out, train_samples, eval_samples,
-                           lambda out, first, count: write_split(out, first, count, seed, LENGTHS), unit="prompts")
+                           lambda out, first, count: CHAT_SFT.write_split(out, first, count, seed, LENGTHS),
+                           unit="prompts")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--train-out", type=Path)
     train_out = where.parse_known_args(argv)[0].train_out
     if train_out is not None:
-        write_chat_tokenizer(train_out.parent / "tokenizer")
+        CHAT_SFT.write_chat_tokenizer(train_out.parent / "tokenizer")
     builder_main(__doc__, FORMAT_VERSION, build, sample_counts=(TRAIN_SAMPLES, EVAL_SAMPLES), argv=argv)
 
 

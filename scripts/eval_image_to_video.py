@@ -33,11 +33,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "data"))
 sys.path.insert(0, str(REPO / "scripts"))
-from eval_prompt_following import DEFAULT_CLIPS, FIT_CLIPS, read_clips, read_latents  # noqa: E402
+from eval_prompt_following import DEFAULT_CLIPS, FIT_CLIPS, read_clips, read_latents, run_eval  # noqa: E402
 from moving_shapes_analysis import ShapesAnalyser, clip_features, foreground  # noqa: E402
 
 from models.dit.media import write_contact_sheet  # noqa: E402
-from models.dit.sample import add_sample_arguments, pipeline_from_weights  # noqa: E402
+from models.dit.sample import pipeline_from_weights  # noqa: E402
 from veomni.checkpoint.export import load_run_weights  # noqa: E402
 
 STILL_PX = 0.25
@@ -142,17 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=64, help="moving held-out clips (default %(default)s)")
     parser.add_argument("--clips", type=Path, default=DEFAULT_CLIPS, help="the raw clip set (train fits the analyser)")
     parser.add_argument("--out", type=Path, default=None, help="output folder")
-    add_sample_arguments(parser, sizes=False)
-    args = parser.parse_args(argv)
-    try:
-        result, out_dir = evaluate(args)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"eval error: {exc}", file=sys.stderr)
-        return 2
-    print(f"{result['clips']} held-out moving clips: first frame + caption")
-    print(format_scores(result["scores"]))
-    print(out_dir / "scores.json")
-    return 0
+    return run_eval(parser, argv, evaluate, lambda result: (
+        f"{result['clips']} held-out moving clips: first frame + caption\n" + format_scores(result["scores"])))
 
 
 if __name__ == "__main__":

@@ -125,15 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clips", type=Path, default=DEFAULT_CLIPS,
                         help="the raw clip set: its train split fits the analyser, its eval split gives the captions")
     parser.add_argument("--out", type=Path, default=None, help="output folder")
-    add_sample_arguments(parser, sizes=False)  # each caption is sampled at its clip's size
+    return run_eval(parser, argv, evaluate, lambda result: (
+        f"{result['captions']} held-out captions, {result['samples']} generated clips, {result['checkpoint']}\n"
+        + format_table(result["scores"])))
+
+
+def run_eval(parser: argparse.ArgumentParser, argv: list[str] | None, evaluate, report) -> int:
+    """The judges' shared command line: sampling options, then evaluate, print ``report(result)`` and the
+    scores file; a missing or bad input exits 2 with one line."""
+    add_sample_arguments(parser, sizes=False)  # each clip is sampled at its own size
     args = parser.parse_args(argv)
     try:
         result, out_dir = evaluate(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"eval error: {exc}", file=sys.stderr)
         return 2
-    print(f"{result['captions']} held-out captions, {result['samples']} generated clips, {result['checkpoint']}")
-    print(format_table(result["scores"]))
+    print(report(result))
     print(out_dir / "scores.json")
     return 0
 
