@@ -177,9 +177,8 @@ def _validate_model(cfg: RunConfig) -> tuple[Any, Any, list[str]]:
         if contract_gaps := plugin_problems(spec, model_cfg, model, cfg.parallel.pp):  # before calling any of it
             return model_cfg, model, contract_gaps
         check_model_experts(model, cfg.parallel.ep)
-        media = PIPELINE_HOOKS.media
-        outside = cfg.parallel.encoder_colocate and media is not None and media.applies(model)
-        if objective_gaps := objective_problems(cfg, cfg.data.kind or spec.dataset, outside):
+        apart = PIPELINE_HOOKS.encoders_apart(model, cfg.parallel)
+        if objective_gaps := objective_problems(cfg, cfg.data.kind or spec.dataset, apart):
             return model_cfg, model, objective_gaps
         build_objective(ObjectiveRequest(cfg, spec.build_task(model_cfg)))  # a ValueError says what the objective lacks
         check_pipeline_task(spec.build_task(model_cfg), cfg.parallel)  # says why first

@@ -73,3 +73,8 @@ class StageHooks:
     """Run in order before the generic rules, so that a schedule a wing refuses says so first."""
     media: StageMedia | None = None
     """The media wing; None: models are cut as they are, encoders included."""
+
+    def encoders_apart(self, model: nn.Module, cfg: ParallelConfig) -> bool:
+        """Whether a pipeline runs ``model``'s (a meta build) encoders as a part of their own after
+        the stages: the media wing has encoders to run and ``parallel.encoder_colocate`` is set."""
+        return cfg.encoder_colocate and self.media is not None and self.media.applies(model)

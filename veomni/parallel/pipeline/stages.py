@@ -201,11 +201,11 @@ def build_stage_parts(build: Callable[[], nn.Module], initialise: Callable[[nn.M
     logger.info("pipeline %s: %d stages with %s blocks; this rank runs stages %s", cfg.pp_schedule, len(counts),
                 counts, indices)
     media = hooks.media if hooks.media is not None and hooks.media.applies(probe) else None
-    colocate = cfg.encoder_colocate
+    apart = hooks.encoders_apart(probe, cfg)
     makers = [functools.partial(_cut_and_parallelize, stage=i, counts=counts, parallelize=parallelize,
-                                hollow=media.hollow if media is not None and (colocate or i > 0) else None)
+                                hollow=media.hollow if media is not None and (apart or i > 0) else None)
               for i in indices]
-    if media is not None and colocate:
+    if apart:
         if meshes is None:
             raise ValueError("a pipelined model with media encoders needs the layout's meshes (ParallelMeshes)")
         makers.append(media.part_maker(cfg, meshes, device))
