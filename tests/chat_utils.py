@@ -5,13 +5,13 @@ writers of them as OpenAI-style jsonl, ShareGPT jsonl and webdataset shards."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from tests.omni_utils import write_shard
 from veomni.config.schema import DataConfig
 from veomni.data.build_loader import build_dataloader
+from veomni.data.builders import load_script
 from veomni.data.resume import ResumableLoader
 from veomni.data.text.packed import load_tokenizer
 
@@ -22,10 +22,7 @@ VOCAB = 8256
 
 def chat_builder():
     """``data/build_chat_sft.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("build_chat_sft", REPO / "data" / "build_chat_sft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "data" / "build_chat_sft.py")
 
 
 def write_chat_tokenizer(folder: Path) -> Path:

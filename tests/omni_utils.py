@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import subprocess
@@ -15,6 +14,7 @@ import webdataset
 from PIL import Image
 
 from veomni.contract import build_model
+from veomni.data.builders import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizers" / "stdlib-bpe-8k"
@@ -115,7 +115,4 @@ def random_png(height: int, width: int, seed: int) -> bytes:
 
 def qwen_vl_random_builder():
     """``data/build_qwen_vl_random.py`` as a module (its ``make_model`` builds the tiny recipe's folder shape)."""
-    spec = importlib.util.spec_from_file_location("build_qwen_vl_random", REPO / "data" / "build_qwen_vl_random.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "data" / "build_qwen_vl_random.py")

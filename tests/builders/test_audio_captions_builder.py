@@ -4,7 +4,6 @@ number of sound events)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,22 +13,16 @@ from pathlib import Path
 import numpy as np
 
 from models.audio.processing import decode_wav
+from veomni.data.builders import load_script
 
 BUILDER = Path(__file__).resolve().parents[2] / "data" / "build_audio_captions.py"
 PITCH_BANDS = {"low": (150, 300), "middle": (400, 700), "high": (1000, 2000)}
 COUNTS = {"One": 1, "Two": 2, "Three": 3, "Four": 4, "once": 1, "twice": 2, "three times": 3}
 
 
-def _builder_module():
-    spec = importlib.util.spec_from_file_location("build_audio_captions", BUILDER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def build(root: Path, seed: int = 1234) -> None:
     """In-process build (the command line is exercised once, for the cache hit)."""
-    _builder_module().build(root / "train", root / "eval", seed, train_samples=48, eval_samples=16)
+    load_script(BUILDER).build(root / "train", root / "eval", seed, train_samples=48, eval_samples=16)
 
 
 def run_builder_cli(train: Path, eval_: Path) -> str:
@@ -128,7 +121,7 @@ def test_builder_is_deterministic_with_disjoint_truthful_splits(tmp_path) -> Non
     assert not {s["wav"] for s in splits["train"].values()} & {s["wav"] for s in splits["eval"].values()}
     eval_manifest = json.loads((first / "eval" / "manifest.json").read_text())
     assert set(eval_manifest["majority_baseline"]) == {"tone", "chirp", "noise", "beeps", "overall"}
-    captions = set(_builder_module().possible_captions())
+    captions = set(load_script(BUILDER).possible_captions())
     for sample in [*splits["train"].values(), *splits["eval"].values()]:
         check_caption(sample)
         assert sample["json"]["messages"][1]["content"] in captions

@@ -3,18 +3,16 @@ correct digits and differ only in the form (chosen comma-separated, rejected the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from tests.chat_utils import REPO
+from veomni.data.builders import load_script
 from veomni.data.sources import tar_samples
 
 
 def test_pairs_prefer_commas_over_the_sft_form(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("build_chat_preference", REPO / "data" / "build_chat_preference.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+    builder = load_script(REPO / "data" / "build_chat_preference.py")
     builder.main(["--train-out", str(tmp_path / "train"), "--eval-out", str(tmp_path / "eval"),
                   "--train-samples", "40", "--eval-samples", "10"])
     records = [json.loads(sample["json"]) for sample in tar_samples(next((tmp_path / "eval").glob("*.tar")))]

@@ -4,24 +4,13 @@ checkpoint of step N (not the newest, and none when that step is missing or unfi
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import tarfile
 from pathlib import Path
 
+from veomni.data.builders import load_script
+
 DATA = Path(__file__).resolve().parents[2] / "data"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(DATA))  # build_chat_rl imports its SFT sibling by name
-    try:
-        spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(DATA))
 
 
 def _checkpoint(run: Path, step: int, complete: bool) -> Path:
@@ -33,7 +22,7 @@ def _checkpoint(run: Path, step: int, complete: bool) -> Path:
 
 
 def test_step_picks_that_checkpoint_and_only_a_complete_one(tmp_path):
-    builder = _load("build_chat_sft_model")
+    builder = load_script(DATA / "build_chat_sft_model.py")
     half = _checkpoint(tmp_path, 150, complete=True)
     last = _checkpoint(tmp_path, 300, complete=True)
     _checkpoint(tmp_path, 450, complete=False)
@@ -44,7 +33,7 @@ def test_step_picks_that_checkpoint_and_only_a_complete_one(tmp_path):
 
 
 def test_rl_prompts_are_six_digit_lists_with_checkable_answers(tmp_path):
-    builder = _load("build_chat_rl")
+    builder = load_script(DATA / "build_chat_rl.py")
     builder.build(tmp_path / "train", tmp_path / "eval", seed=7, train_samples=40, eval_samples=10)
     seen = 0
     for shard in sorted((tmp_path / "train").glob("*.tar")):

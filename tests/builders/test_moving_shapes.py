@@ -5,7 +5,6 @@ clip decoder rejects."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from veomni.data.builders import load_script
 from veomni.data.sources import ReadStats, iter_tar_samples
 from veomni.data.video.clip_format import CorruptClipError, decode_clip
 
@@ -24,15 +24,8 @@ PRIMARIES = {"red": (1, 0, 0), "green": (0, 1, 0), "blue": (0, 0, 1), "yellow": 
 ADVERB_SPEED = {"slowly": "slow", "quickly": "fast"}
 
 
-def _builder():
-    spec = importlib.util.spec_from_file_location("build_moving_shapes", BUILDER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def build(root: Path, seed: int = 1234, train: int = 120, eval_: int = 40) -> None:
-    _builder().build(root / "train", root / "eval", seed, train_samples=train, eval_samples=eval_)
+    load_script(BUILDER).build(root / "train", root / "eval", seed, train_samples=train, eval_samples=eval_)
 
 
 def read_split(folder: Path) -> dict:
@@ -114,7 +107,7 @@ def test_captions_match_pixels_and_eval_is_held_out(tmp_path) -> None:
 def test_build_is_deterministic_cached_and_seeded(tmp_path) -> None:
     build(tmp_path / "a", train=30, eval_=10)
     build(tmp_path / "b", train=30, eval_=10)
-    builder = _builder()
+    builder = load_script(BUILDER)
     first = read_split(tmp_path / "a" / "train")
     for key, clip in first.items():  # what the shards hold is what the generator made
         record, meta = builder.sample_record(int(key.split("_")[1]), 1234, held_out=False)
@@ -133,7 +126,7 @@ def test_build_is_deterministic_cached_and_seeded(tmp_path) -> None:
 
 def test_corrupt_shard_samples_are_rejected(tmp_path) -> None:
     build(tmp_path, train=10, eval_=5)
-    keys = _builder().add_corrupt_shard(tmp_path / "train")
+    keys = load_script(BUILDER).add_corrupt_shard(tmp_path / "train")
     assert json.loads((tmp_path / "train" / "manifest.json").read_text())["corrupt_samples"] == len(keys) == 3
     samples = list(iter_tar_samples(sorted((tmp_path / "train").glob("*.tar")), 1.0, ReadStats()))
     assert len(samples) == 13
@@ -148,7 +141,7 @@ def test_corrupt_shard_samples_are_rejected(tmp_path) -> None:
 
 
 def test_decode_clip_names_what_is_wrong() -> None:
-    record, _ = _builder().sample_record(3, 1234, held_out=False)
+    record, _ = load_script(BUILDER).sample_record(3, 1234, held_out=False)
     with pytest.raises(CorruptClipError, match="no frames.npy"):
         decode_clip({"__key__": "k", "json": record["json"]})
     with pytest.raises(CorruptClipError, match="lacks"):

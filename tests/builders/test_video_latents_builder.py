@@ -6,10 +6,8 @@ change."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ from safetensors.torch import load
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from tests.parity_utils import assert_parity
+from veomni.data.builders import load_script
 from veomni.data.sources import ReadStats, iter_tar_samples
 from veomni.data.video.clip_format import decode_clip
 
@@ -28,31 +27,24 @@ pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier
 DATA = Path(__file__).resolve().parents[2] / "data"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("clips")
-    _load("build_moving_shapes").build(root / "train", root / "eval", 1234, train_samples=40, eval_samples=12)
+    builder = load_script(DATA / "build_moving_shapes.py")
+    builder.build(root / "train", root / "eval", 1234, train_samples=40, eval_samples=12)
     return root
 
 
 @pytest.fixture(scope="module")
 def text_encoder(clips, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("te") / "text_encoder"
-    builder = _load("build_text_encoder")
+    builder = load_script(DATA / "build_text_encoder.py")
     builder.build_text_encoder(out, builder.caption_vocabulary(clips / "train"), seed=0)
     return out
 
 
 def test_text_encoder_is_seeded_and_loads_offline(clips, text_encoder, tmp_path) -> None:
-    builder = _load("build_text_encoder")
+    builder = load_script(DATA / "build_text_encoder.py")
     tokenizer = AutoTokenizer.from_pretrained(text_encoder)
     encoder = UMT5EncoderModel.from_pretrained(text_encoder)
     assert encoder.config.d_model == 64 and encoder.config.num_layers == 2
@@ -109,8 +101,8 @@ def test_latents_and_text_equal_calling_the_models(kind, clips, text_encoder, tm
     vae = tiny_vae(kind)
     vae.save_pretrained(tmp_path / "vae")
     out = tmp_path / "latents"
-    _load("build_video_latents").build(clips, tmp_path / "vae", text_encoder, out / "train", out / "eval",
-                                       batch_frames=16)
+    precompute = load_script(DATA / "build_video_latents.py")
+    precompute.build(clips, tmp_path / "vae", text_encoder, out / "train", out / "eval", batch_frames=16)
     tokenizer, encoder = AutoTokenizer.from_pretrained(text_encoder), UMT5EncoderModel.from_pretrained(text_encoder)
     for split in ("train", "eval"):
         manifest = json.loads((out / split / "manifest.json").read_text())
@@ -141,9 +133,9 @@ def test_latents_and_text_equal_calling_the_models(kind, clips, text_encoder, tm
 def test_corrupt_clips_are_skipped_counted_and_bounded(clips, text_encoder, tmp_path, capsys) -> None:
     copy = tmp_path / "clips"
     shutil.copytree(clips, copy)
-    corrupt = _load("build_moving_shapes").add_corrupt_shard(copy / "train")
+    corrupt = load_script(DATA / "build_moving_shapes.py").add_corrupt_shard(copy / "train")
     tiny_vae("kl").save_pretrained(tmp_path / "vae")
-    precompute = _load("build_video_latents")
+    precompute = load_script(DATA / "build_video_latents.py")
     out = tmp_path / "latents"
     with pytest.raises(SystemExit, match="3 of 43 clips are corrupt"):
         precompute.build(copy, tmp_path / "vae", text_encoder, out / "train", out / "eval")
@@ -157,7 +149,7 @@ def test_corrupt_clips_are_skipped_counted_and_bounded(clips, text_encoder, tmp_
 
 def test_cache_is_kept_until_the_vae_changes(clips, text_encoder, tmp_path, capsys) -> None:
     tiny_vae("kl").save_pretrained(tmp_path / "vae")
-    precompute = _load("build_video_latents")
+    precompute = load_script(DATA / "build_video_latents.py")
     args = (clips, tmp_path / "vae", text_encoder, tmp_path / "out" / "train", tmp_path / "out" / "eval")
     precompute.build(*args)
     before = read_latents(tmp_path / "out" / "eval")

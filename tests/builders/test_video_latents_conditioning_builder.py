@@ -5,8 +5,6 @@ states of the first frame (both built here from config with random weights, load
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,18 +14,11 @@ from diffusers import AutoencoderKL, AutoencoderKLWan
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from models.dit.conditioning import wan_i2v_condition
+from veomni.data.builders import load_script
 from veomni.data.video.clip_format import Clip
 from veomni.data.video.encoders import EncoderError, load_image_encoder, load_vae
 
 DATA = Path(__file__).resolve().parents[2] / "data"
-
-
-def _builder():
-    spec = importlib.util.spec_from_file_location("build_video_latents", DATA / "build_video_latents.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["build_video_latents"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Captions:
@@ -67,7 +58,7 @@ def test_condition_is_the_mask_and_the_first_frame_latent_before_zero_frames(tmp
         mask_channels, frames = 2, 5
     vae.save_pretrained(tmp_path / "vae")
     encoder = load_vae(tmp_path / "vae")
-    builder = _builder()
+    builder = load_script(DATA / "build_video_latents.py")
     clips = _clips(frames)
     out = builder.encode_buffer(clips, builder.Encoders(encoder, Captions(), condition=True), batch_frames=8)
     assert builder.channels_of(encoder) == mask_channels + 4
@@ -92,7 +83,7 @@ def test_image_states_are_the_clip_vision_models_penultimate_states_of_the_first
     vae = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
                         up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=4)
     vae.save_pretrained(tmp_path / "vae")
-    builder = _builder()
+    builder = load_script(DATA / "build_video_latents.py")
     clips = _clips(3)
     encoders = builder.Encoders(load_vae(tmp_path / "vae"), Captions(), image=load_image_encoder(image_encoder))
     out = builder.encode_buffer(clips, encoders, batch_frames=8)

@@ -6,7 +6,6 @@ majority baseline the VQA eval compares with."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from models.omni.qwen_video import read_video_member
 from veomni.config.load import load_config
 from veomni.contract import build_config
 from veomni.data.build_loader import build_dataloader
+from veomni.data.builders import load_script
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 from veomni.data.text.packed import load_tokenizer
 
@@ -58,9 +58,7 @@ def _centroid(frame: np.ndarray) -> np.ndarray:
 
 
 def test_every_answer_agrees_with_the_clip(built):
-    spec = importlib.util.spec_from_file_location("build_video_qa", BUILDER)
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+    builder = load_script(BUILDER)
     records = _records(built / "train") + _records(built / "eval")
     assert len(records) == TRAIN + HELD_OUT
     for record in records:

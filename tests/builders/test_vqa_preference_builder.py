@@ -6,13 +6,13 @@ reads each pair as the conversation it prefers, keeping the rejected reply."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 
 from veomni.config.load import load_config
 from veomni.contract import build_config
+from veomni.data.builders import load_script
 from veomni.data.chat.media_preference import check_media_preference_data
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 from veomni.eval.vqa import as_conversation
@@ -21,15 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "preference" / "tiny_vqa_dpo.yaml"
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "data" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_pairs_prefer_a_form_on_new_pictures_and_pass_the_launch_check(tmp_path: Path) -> None:
-    builder = _module("build_vqa_preference")
+    builder = load_script(REPO / "data" / "build_vqa_preference.py")
     builder.build(tmp_path / "pairs" / "train", tmp_path / "pairs" / "eval", 1234, 6, 4)
     _, files = resolve_files(str(tmp_path / "pairs" / "train"), "webdataset")
     pairs = list(iter_tar_samples(files, max_bad_fraction=0.0, stats=ReadStats()))

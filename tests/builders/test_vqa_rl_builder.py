@@ -5,13 +5,13 @@ the ``chat_media_prompts`` launch check under the VLM GRPO recipe's model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 
 from veomni.config.load import load_config
 from veomni.contract import build_config
+from veomni.data.builders import load_script
 from veomni.data.chat.media_prompts import check_media_prompts_data
 from veomni.data.sources import ReadStats, iter_tar_samples, resolve_files
 
@@ -19,15 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "rl" / "tiny_vqa_grpo.yaml"
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "data" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_prompts_hide_the_answer_on_new_pictures_and_pass_the_launch_check(tmp_path: Path) -> None:
-    builder = _module("build_vqa_rl")
+    builder = load_script(REPO / "data" / "build_vqa_rl.py")
     builder.build(tmp_path / "rl" / "train", tmp_path / "rl" / "eval", 1234, 6, 4)
     _, files = resolve_files(str(tmp_path / "rl" / "train"), "webdataset")
     records = list(iter_tar_samples(files, max_bad_fraction=0.0, stats=ReadStats()))

@@ -1,7 +1,6 @@
 """Graph data: the folder format and its checks, the partitioner, partition views, the ``graph``
 dataset kind's micro-batch stream and resume, and the builders (~20 s)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch
 from tests.graph_utils import write_raw
 from veomni.config.schema import DataConfig
 from veomni.data.build_loader import build_dataloader
+from veomni.data.builders import load_script
 from veomni.data.graph.dataset import GraphDataset, check_graph_data
 from veomni.data.graph.format import (
     MANIFEST,
@@ -36,11 +36,7 @@ BUILDER = Path(__file__).resolve().parents[2] / "data" / "build_graph.py"
 
 @pytest.fixture(scope="module")
 def builder():
-    spec = importlib.util.spec_from_file_location("build_graph", BUILDER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["build_graph"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BUILDER)
 
 
 @pytest.fixture(scope="module")

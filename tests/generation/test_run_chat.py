@@ -4,7 +4,6 @@ whatever it reads, so every answer is known exactly."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 
 import pytest
@@ -18,6 +17,7 @@ from tests.parity_utils import TINY_LLM, tiny_model
 from tests.recipes.test_chat_eval import _always_says
 from tests.recipes.test_vqa_eval import _run_dir as vqa_run_dir
 from veomni.checkpoint.manager import COMPLETE_MARKER
+from veomni.data.builders import load_script
 from veomni.data.text.packed import load_tokenizer
 from veomni.errors import BadConfig
 from veomni.generation import SamplingParams
@@ -54,9 +54,7 @@ def test_a_run_answers_text_and_conversations(tmp_path) -> None:
 
 def test_chat_command_answers_each_line_until_an_empty_one(tmp_path) -> None:
     run, tokenizer, seven = _run(tmp_path)
-    spec = importlib.util.spec_from_file_location("chat_script", REPO / "scripts" / "chat.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(REPO / "scripts" / "chat.py")
     out = io.StringIO()
     assert script.main([str(run), "--max-new-tokens", "2"], io.StringIO("1 2\n3\n/reset\n4\n\nnot read\n"), out) == 0
     assert out.getvalue().splitlines() == [tokenizer.decode([seven] * 2, skip_special_tokens=True).strip()] * 3

@@ -5,25 +5,17 @@ the fast tier, rather than when someone next runs the mutations (docs/testing.md
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from veomni.data.builders import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _mutate():
-    spec = importlib.util.spec_from_file_location("mutate", REPO / "scripts" / "mutate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("mutate", module)  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_planted_bug_fits_the_code_and_names_existing_tests():
-    mutate = _mutate()
+    mutate = load_script(REPO / "scripts" / "mutate.py")
     mutations = mutate.load()
     assert len(mutations) >= 20, "the list is the project's record of planted bugs: keep it whole"
     assert mutate.problems(mutations) == []
@@ -32,7 +24,7 @@ def test_every_planted_bug_fits_the_code_and_names_existing_tests():
 def test_a_moved_original_or_a_missing_test_is_named(tmp_path):
     """The check itself: an original text that no longer occurs and a test function that does not
     exist are both reported by the entry's id."""
-    mutate = _mutate()
+    mutate = load_script(REPO / "scripts" / "mutate.py")
     (tmp_path / "code.py").write_text("x = 1\nx = 1\n")
     (tmp_path / "test_code.py").write_text("def test_x():\n    pass\n")
     stale = mutate.Mutation("stale", "code.py", "x = 1", "x = 2", ("test_code.py::test_y",), "why")

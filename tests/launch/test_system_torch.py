@@ -7,7 +7,6 @@ The auto choice takes the system torch only for a CUDA build, so a CPU machine k
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from veomni.data.builders import load_script
 
 pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
@@ -53,9 +54,7 @@ def test_a_python_without_a_supported_torch_is_refused_before_a_venv_is_made(tmp
 
 
 def test_auto_takes_only_a_cuda_build():
-    spec = importlib.util.spec_from_file_location("deps", DEPS)
-    deps = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(deps)
+    deps = load_script(DEPS)
     assert deps.torch_fits(need_cuda=False) is None, "this torch is in the supported range"
     assert (deps.torch_fits(need_cuda=True) is None) == bool(torch.version.cuda)
     if not torch.version.cuda:

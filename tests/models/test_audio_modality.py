@@ -4,7 +4,6 @@ depend on its packing neighbours, and the tiny audio-caption recipe trains end t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
@@ -15,6 +14,7 @@ from harness.media_bytes import png_bytes, wav_bytes
 from tests.launch.test_launch import REPO, train_sh
 from tests.omni_utils import TINY_OMNI, TOKENIZER, chat_record, tiny_omni
 from tests.parity_utils import assert_parity
+from veomni.data.builders import load_script
 from veomni.data.chat.media_dataset import SampleProcessor, pack_chat_samples
 from veomni.data.text.packed import load_tokenizer
 from veomni.eval.vqa import DEFAULT_MAX_ANSWER_TOKENS
@@ -67,25 +67,18 @@ def test_audio_sample_does_not_depend_on_packing_neighbours():
     assert_parity(_run(model, packed)[start:], _run(model, alone), "_run(model, packed)[start:]")
 
 
-def _builder():
-    path = REPO / "data" / "build_audio_captions.py"
-    spec = importlib.util.spec_from_file_location("build_audio_captions", path)
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
-    return builder
-
-
 def test_every_caption_fits_the_greedy_eval():
     """The eval decodes at most DEFAULT_MAX_ANSWER_TOKENS tokens unless told otherwise: a longer caption
     could never match with the documented command."""
     tokenizer = load_tokenizer(str(TOKENIZER))
-    lengths = {c: len(tokenizer.encode(c, add_special_tokens=False)) for c in _builder().possible_captions()}
+    captions = load_script(REPO / "data" / "build_audio_captions.py").possible_captions()
+    lengths = {c: len(tokenizer.encode(c, add_special_tokens=False)) for c in captions}
     assert len(lengths) == 20 and max(lengths.values()) <= DEFAULT_MAX_ANSWER_TOKENS, lengths
 
 
 @pytest.mark.parametrize("layout", [[], ["--parallel.sp", "2"]], ids=["dp2", "sp2"])
 def test_audio_caption_recipe_trains_end_to_end(tmp_path, layout):
-    builder = _builder()
+    builder = load_script(REPO / "data" / "build_audio_captions.py")
     builder.build(tmp_path / "train", tmp_path / "eval", seed=1, train_samples=48, eval_samples=8)
     result = train_sh(str(REPO / "recipes" / "audio" / "tiny_audio_caption.yaml"),
                       "--data.train_path", str(tmp_path / "train"),

@@ -3,7 +3,6 @@ loss normalisation and baseline, the ``frames`` dataset kind, and FSDP at 2 gloo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from veomni.config.load import dump_config
 from veomni.config.schema import DataConfig, ModelConfig, ParallelConfig, RunConfig
 from veomni.contract import build_model, get_model_spec
 from veomni.data.build_loader import build_dataloader
+from veomni.data.builders import load_script
 from veomni.data.kinds import DatasetRequest
 from veomni.data.video.frames import FramesDataset
 
@@ -95,10 +95,7 @@ def test_exported_folder_reloads_in_diffusers(tmp_path):
     (checkpoint / COMPLETE_MARKER).write_text("{}")
     (run / "config.yaml").write_text(dump_config(RunConfig(model=ModelConfig(arch="vae", options=dict(TINY)))))
 
-    spec = importlib.util.spec_from_file_location("build_vae", BUILDER)
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
-    builder.export_checkpoint(checkpoint, tmp_path / "vae")
+    load_script(BUILDER).export_checkpoint(checkpoint, tmp_path / "vae")
     reloaded = AutoencoderKL.from_pretrained(tmp_path / "vae").eval()
     assert json.loads((tmp_path / "vae" / "config.json").read_text())["_class_name"] == "AutoencoderKL"
     x = images(2)

@@ -5,12 +5,13 @@ moves the other way is wrong on direction though its first frame is right."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from veomni.data.builders import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "data"))
@@ -19,16 +20,9 @@ from eval_image_to_video import judge, psnr  # noqa: E402
 from moving_shapes_analysis import ShapesAnalyser  # noqa: E402
 
 
-def _builder():
-    spec = importlib.util.spec_from_file_location("build_moving_shapes", REPO / "data" / "build_moving_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def clips():
-    builder = _builder()
+    builder = load_script(REPO / "data" / "build_moving_shapes.py")
     train = [builder.make_clip(np.random.default_rng([0, i]), False) for i in range(1000, 1300)]
     moving = [c for c in (builder.make_clip(np.random.default_rng([0, i]), True) for i in range(60))
               if len(c[0]) > 1 and c[1]["speed"] == "fast"]

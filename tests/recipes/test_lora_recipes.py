@@ -5,12 +5,11 @@ compares them field by field), every lora pattern matches, and the whole frozen 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from tests.launch.test_launch import REPO
 from veomni import launch
+from veomni.data.builders import load_script
 
 pytestmark = pytest.mark.full  # recipe checks: the full tier (tests/conftest.py)
 
@@ -22,17 +21,9 @@ RECIPES = {  # recipe -> (builder kind, the checkpoint overrides pointing at the
 }
 
 
-def _builder():
-    path = REPO / "data" / "build_random_pretrained.py"
-    spec = importlib.util.spec_from_file_location("build_random_pretrained", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    builder, root = _builder(), tmp_path_factory.mktemp("pretrained")
+    builder, root = load_script(REPO / "data" / "build_random_pretrained.py"), tmp_path_factory.mktemp("pretrained")
     return {kind: builder.build(kind, root / kind) for kind, _ in RECIPES.values()}
 
 
@@ -49,6 +40,6 @@ def test_lora_recipe_plans_on_its_random_pretrained_folder(name, folders, tmp_pa
 def test_the_builder_leaves_a_built_folder_alone(folders, capsys):
     folder = folders["qwen3_tiny"]
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    _builder().build("qwen3_tiny", folder)
+    load_script(REPO / "data" / "build_random_pretrained.py").build("qwen3_tiny", folder)
     assert "is there already" in capsys.readouterr().out
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp

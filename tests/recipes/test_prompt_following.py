@@ -4,26 +4,19 @@ score near chance, and a clip drawn in the wrong colour is scored wrong on colou
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from veomni.data.builders import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "data"))
 from moving_shapes_analysis import ATTRIBUTES, NONE, ShapesAnalyser, accuracy, shuffled  # noqa: E402
 
-
-def _builder():
-    spec = importlib.util.spec_from_file_location("build_moving_shapes", REPO / "data" / "build_moving_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BUILDER = _builder()
+BUILDER = load_script(REPO / "data" / "build_moving_shapes.py")
 
 
 def _clips(first: int, count: int, held_out: bool) -> list[tuple[np.ndarray, dict]]:

@@ -3,15 +3,14 @@ overhead; the sweep points differ only in their virtual width; the sweep's fit a
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 
 import pytest
 
 from tests.launch.test_launch import REPO, dry_run
 from veomni.config.load import config_to_dict, load_config
 from veomni.contract import build_config
+from veomni.data.builders import load_script
 
 pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
 
@@ -63,11 +62,7 @@ def test_sweep_points_differ_only_in_virtual_width():
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("vwn_sweep", REPO / "scripts" / "vwn_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vwn_sweep"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "vwn_sweep.py")
 
 
 def test_sweep_fit_recovers_a_log_linear_law(sweep):

@@ -170,14 +170,22 @@ def build_once(train_out: Path, eval_out: Path, format_version: int, build: Call
             build()
 
 
-def sibling_builder(caller: str, name: str) -> Any:
-    """The builder script ``name`` (e.g. ``"build_vqa"``) beside ``caller`` (a builder's ``__file__``),
-    loaded as a module: builders under ``data/`` are scripts, not a package, and some share another's
-    generator (pictures, prompts, tokenizer)."""
-    spec = importlib.util.spec_from_file_location(name, Path(caller).with_name(f"{name}.py"))
+def load_script(path: str | Path) -> Any:
+    """A script (a builder under ``data/``, a tool under ``scripts/``: not a package) loaded as a module
+    named by its file's stem, and registered under that name in ``sys.modules`` (dataclasses look their
+    module up there). Each call runs the script afresh."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def sibling_builder(caller: str, name: str) -> Any:
+    """The builder script ``name`` (e.g. ``"build_vqa"``) beside ``caller`` (a builder's ``__file__``),
+    loaded as a module: some builders share another's generator (pictures, prompts, tokenizer)."""
+    return load_script(Path(caller).with_name(f"{name}.py"))
 
 
 def builder_main(doc: str, format_version: int, build: Callable[..., None],
