@@ -25,14 +25,12 @@ beside them (``<train-out>/../tokenizer``, the same as the chat SFT set's).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from veomni.data.builders import builder_main, sibling_builder, write_answered_split, write_generated_splits
+from veomni.data.builders import sibling_builder, write_answered_split, write_generated_splits
 
 FORMAT_VERSION = 1
 TRAIN_SAMPLES = 4_000
@@ -75,13 +73,7 @@ def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_s
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--train-out", type=Path)
-    train_out = where.parse_known_args(argv)[0].train_out
-    if train_out is not None:
-        CHAT_SFT.write_chat_tokenizer(train_out.parent / "tokenizer")
-    builder_main(__doc__, FORMAT_VERSION, build, sample_counts=(TRAIN_SAMPLES, EVAL_SAMPLES), argv=argv)
+    CHAT_SFT.chat_builder_main(__doc__, FORMAT_VERSION, build, (TRAIN_SAMPLES, EVAL_SAMPLES), argv)
 
 
 if __name__ == "__main__":

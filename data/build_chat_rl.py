@@ -16,11 +16,9 @@ the ``chat_prompts`` kind's format; the tokenizer is the SFT set's (``<train-out
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from veomni.data.builders import builder_main, sibling_builder, write_generated_splits
+from veomni.data.builders import sibling_builder, write_generated_splits
 
 FORMAT_VERSION = 3
 LENGTHS = (6, 6)
@@ -36,13 +34,7 @@ def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_s
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--train-out", type=Path)
-    train_out = where.parse_known_args(argv)[0].train_out
-    if train_out is not None:
-        CHAT_SFT.write_chat_tokenizer(train_out.parent / "tokenizer")
-    builder_main(__doc__, FORMAT_VERSION, build, sample_counts=(TRAIN_SAMPLES, EVAL_SAMPLES), argv=argv)
+    CHAT_SFT.chat_builder_main(__doc__, FORMAT_VERSION, build, (TRAIN_SAMPLES, EVAL_SAMPLES), argv)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import random
 import shutil
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from veomni.data.builders import (
@@ -139,14 +140,21 @@ def build(train_out: Path, eval_out: Path, seed: int, train_samples: int, eval_s
           ", ".join(f"{task} {accuracy:.1%}" for task, accuracy in echo_accuracy.items()))
 
 
-def main(argv: list[str] | None = None) -> None:
+def chat_builder_main(doc: str, format_version: int, build: Callable[..., None], sample_counts: tuple[int, int],
+                      argv: list[str] | None = None) -> None:
+    """``builder_main`` for a set read with this set's tokenizer: it is written first, to
+    ``<train-out>/../tokenizer`` (the chat SFT, preference and RL builders share it)."""
     argv = sys.argv[1:] if argv is None else argv
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument("--train-out", type=Path)
     train_out = where.parse_known_args(argv)[0].train_out
     if train_out is not None:  # the tokenizer is checked on every call: it is cheap, and a split may be cached
         write_chat_tokenizer(train_out.parent / "tokenizer")
-    builder_main(__doc__, FORMAT_VERSION, build, sample_counts=(TRAIN_SAMPLES, EVAL_SAMPLES), argv=argv)
+    builder_main(doc, format_version, build, sample_counts=sample_counts, argv=argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    chat_builder_main(__doc__, FORMAT_VERSION, build, (TRAIN_SAMPLES, EVAL_SAMPLES), argv)
 
 
 if __name__ == "__main__":

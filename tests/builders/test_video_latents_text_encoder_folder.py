@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from transformers import UMT5Config, UMT5EncoderModel
 
-from tests.builders.test_video_latents_builder import _load
+from tests.builders.test_video_latents_builder import DATA
 from tests.video_utils import WORDS, save_tokenizer
+from veomni.data.builders import load_script
 from veomni.data.video.encoders import EncoderError
 
 WIDTH = 48  # not the tiny built encoder's 64: the folder must be read, not replaced
@@ -24,14 +25,14 @@ def test_a_transformers_umt5_folder_without_a_manifest_is_read_as_it_is(tmp_path
     _save_umt5(folder)
     save_tokenizer(folder)
     files = {p.name: p.read_bytes() for p in folder.iterdir()}
-    encoder = _load("build_video_latents").load_text_encoder(folder, tmp_path / "no_clips")
+    encoder = load_script(DATA / "build_video_latents.py").load_text_encoder(folder, tmp_path / "no_clips")
     assert encoder.encoder.config.d_model == WIDTH
     assert encoder.encode(["a red circle moves left"])[0].shape == (5, WIDTH)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == files  # nothing built over it
 
 
 def test_a_folder_that_is_not_a_text_encoder_is_refused_naming_what_is_missing(tmp_path):
-    builder = _load("build_video_latents")
+    builder = load_script(DATA / "build_video_latents.py")
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights" / "model.safetensors").write_bytes(b"")
     with pytest.raises(EncoderError, match="no config.json"):

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.builders.test_video_latents_builder import _load, tiny_vae
+from tests.builders.test_video_latents_builder import DATA, tiny_vae
 from veomni.config.schema import DataConfig
 from veomni.data.build_loader import build_dataloader
+from veomni.data.builders import load_script
 from veomni.data.video.clips import check_video_clips
 
 pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
@@ -42,11 +43,12 @@ MODEL = VideoModelFields()
 def folders(tmp_path_factory) -> dict[str, Path]:
     """Clips, a VAE, the text encoder and the latents precomputed from them."""
     root = tmp_path_factory.mktemp("video")
-    _load("build_moving_shapes").build(root / "clips" / "train", root / "clips" / "eval", 99, train_samples=12,
-                                       eval_samples=10)
+    shapes = load_script(DATA / "build_moving_shapes.py")
+    shapes.build(root / "clips" / "train", root / "clips" / "eval", 99, train_samples=12, eval_samples=10)
     tiny_vae("kl").save_pretrained(root / "vae")
-    _load("build_video_latents").build(root / "clips", root / "vae", root / "text_encoder", root / "latents" / "train",
-                                       root / "latents" / "eval", batch_frames=16)
+    precompute = load_script(DATA / "build_video_latents.py")
+    precompute.build(root / "clips", root / "vae", root / "text_encoder", root / "latents" / "train",
+                     root / "latents" / "eval", batch_frames=16)
     return {name: root / name for name in ("clips", "vae", "text_encoder", "latents")}
 
 
@@ -101,7 +103,7 @@ def test_resume_after_k_batches_yields_the_same_next_batches(folders) -> None:
 def test_corrupt_clips_are_skipped_and_counted(folders, tmp_path, caplog) -> None:
     split = tmp_path / "eval"
     shutil.copytree(folders["clips"] / "eval", split)
-    corrupt = _load("build_moving_shapes").add_corrupt_shard(split)
+    corrupt = load_script(DATA / "build_moving_shapes.py").add_corrupt_shard(split)
     cfg = clip_config(folders, eval_path=str(split), max_bad_fraction=0.5)
     reader = loader(cfg, "eval")
     assert sum(len(batch["captions"]) for batch in reader) == 10

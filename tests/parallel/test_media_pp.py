@@ -304,9 +304,11 @@ def test_tiny_vlm_recipe_trains_with_pp2(tmp_path, vqa_build):
 
 def test_audio_recipe_trains_with_pp2(tmp_path):
     from tests.launch.test_launch import train_sh
-    from tests.models.test_audio_modality import REPO, _builder
+    from tests.models.test_audio_modality import REPO
+    from veomni.data.builders import load_script
 
-    _builder().build(tmp_path / "train", tmp_path / "eval", seed=1, train_samples=48, eval_samples=8)
+    captions = load_script(REPO / "data" / "build_audio_captions.py")
+    captions.build(tmp_path / "train", tmp_path / "eval", seed=1, train_samples=48, eval_samples=8)
     result = train_sh(str(REPO / "recipes" / "audio" / "tiny_audio_caption.yaml"), *PIPELINE_OVERRIDES,
                       "--data.train_path", str(tmp_path / "train"), "--data.eval_path", str(tmp_path / "eval"),
                       "--data.prepare", "null", "--train.max_steps", "2", "--train.eval_interval", "2",

@@ -12,8 +12,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from harness.gloo_ranks import run_distributed
-from tests.builders.test_video_latents_builder import _load, tiny_vae
+from tests.builders.test_video_latents_builder import DATA, tiny_vae
 from tests.train.test_dit_trainer import config
+from veomni.data.builders import load_script
 from veomni.train.trainer import Trainer
 
 pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
@@ -27,13 +28,13 @@ def latents(tmp_path_factory) -> Path:
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     root = tmp_path_factory.mktemp("video_i2v")
-    _load("build_moving_shapes").build(root / "clips" / "train", root / "clips" / "eval", 7, train_samples=24,
-                                       eval_samples=8)
+    shapes = load_script(DATA / "build_moving_shapes.py")
+    shapes.build(root / "clips" / "train", root / "clips" / "eval", 7, train_samples=24, eval_samples=8)
     tiny_vae("kl").save_pretrained(root / "vae")
     CLIPVisionModel(CLIPVisionConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      image_size=16, patch_size=8)).save_pretrained(root / "clip")
     CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(root / "clip")
-    builder = _load("build_video_latents")
+    builder = load_script(DATA / "build_video_latents.py")
     builder.build(root / "clips", root / "vae", root / "text_encoder", root / "latents" / "train",
                   root / "latents" / "eval", batch_frames=64, conditioning=builder.Conditioning(True, root / "clip"))
     return root / "latents"

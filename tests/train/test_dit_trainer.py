@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.gloo_ranks import run_distributed
-from tests.builders.test_video_latents_builder import _load, tiny_vae
+from tests.builders.test_video_latents_builder import DATA, tiny_vae
 from veomni.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -22,6 +22,7 @@ from veomni.config.schema import (
     RunConfig,
     TrainConfig,
 )
+from veomni.data.builders import load_script
 from veomni.train.trainer import Trainer
 
 pytestmark = pytest.mark.full  # whole runs / multi-rank trainers: the full tier (tests/conftest.py)
@@ -33,11 +34,12 @@ TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim=
 @pytest.fixture(scope="module")
 def latents(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("video")
-    _load("build_moving_shapes").build(root / "clips" / "train", root / "clips" / "eval", 7, train_samples=48,
-                                       eval_samples=12)
+    shapes = load_script(DATA / "build_moving_shapes.py")
+    shapes.build(root / "clips" / "train", root / "clips" / "eval", 7, train_samples=48, eval_samples=12)
     tiny_vae("kl").save_pretrained(root / "vae")
-    _load("build_video_latents").build(root / "clips", root / "vae", root / "text_encoder",
-                                       root / "latents" / "train", root / "latents" / "eval", batch_frames=64)
+    precompute = load_script(DATA / "build_video_latents.py")
+    precompute.build(root / "clips", root / "vae", root / "text_encoder", root / "latents" / "train",
+                     root / "latents" / "eval", batch_frames=64)
     return root / "latents"
 
 
