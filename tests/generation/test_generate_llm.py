@@ -113,6 +113,28 @@ def test_cached_generation_equals_recomputing_the_prefix(arch, options) -> None:
             assert_parity(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"{arch} prompt {i}")
 
 
+@pytest.mark.parametrize("prefill_tokens", [8192, 16], ids=["one-prefill", "three-prefills"])
+def test_n_continuations_share_one_prefill_and_equal_repeating_the_prompt(prefill_tokens: int) -> None:
+    """``n`` continuations per prompt: the prompt is fed to the model once (its cache copied to the
+    other ``n - 1``), yet each continuation is what generating from its own copy of the prompt gives,
+    with and without the cache, and the ``n`` of a prompt are drawn independently."""
+    model = tiny_model(init_std=0.2)
+    fed: list[int] = []
+    model.embed_tokens.register_forward_hook(lambda module, args, out: fed.append(args[0].numel()))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=30, seed=5, n=3)
+    shared = generate(model, PROMPTS, params, prefill_tokens=prefill_tokens)
+    decoded = sum(len(c.tokens) - 1 for c in shared)  # each sequence's first token comes from the prefill
+    assert sum(fed) == sum(map(len, PROMPTS)) + decoded, "a prompt was fed more than once"
+    copies = [prompt for prompt in PROMPTS for _ in range(3)]
+    one_each = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=30, seed=5)
+    for reference in (generate(model, copies, one_each, prefill_tokens=prefill_tokens * 3),
+                      generate(model, PROMPTS, params, use_cache=False)):
+        assert [c.tokens for c in shared] == [c.tokens for c in reference]
+        for i, (a, b) in enumerate(zip(shared, reference)):
+            assert_parity(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"sequence {i}")
+    assert all(len({tuple(c.tokens) for c in shared[i:i + 3]}) > 1 for i in range(0, len(shared), 3))
+
+
 def test_seeded_sampling_repeats_and_seeds_differ() -> None:
     model = tiny_model(init_std=0.2)
     draw = [[c.tokens for c in generate(model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, seed=s))]
@@ -132,7 +154,7 @@ def test_a_finished_rank_keeps_stepping_in_lockstep() -> None:
         return done and sum(calls) > 5
 
     assert generate(model, PROMPTS, params, lockstep=others_go_on) == generate(model, PROMPTS, params)
-    assert calls == [False] * 5 + [True] * 6  # 5 decode steps after the prefill, then 6 scratch steps
+    assert calls == [False] * 6 + [True] * 6  # the prefill and 5 decode steps, then 6 scratch steps
 
 
 def test_bad_requests_name_the_problem() -> None:

@@ -1,5 +1,6 @@
 """Generation of Qwen2.5-VL with an image and with a video in the prompt, against transformers;
-and of the Seed1.5-VL-style omni model, cached against uncached.
+and of the Seed1.5-VL-style omni model, cached against uncached, and with ``n`` continuations per
+prompt, whose images are encoded once.
 
 A tiny ``Qwen2_5_VLForConditionalGeneration`` with random weights (the one of
 ``tests/models/test_qwen_vl_hf_parity.py``) goes through the project's HF import; prompts are
@@ -103,3 +104,39 @@ def test_seed_style_omni_model_generates_the_same_with_and_without_the_cache() -
     assert len({tuple(c.tokens) for c in cached}) == 3
     for a, b in zip(cached, plain):
         assert_parity(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"{a.tokens}: log-probs")
+
+
+def test_n_continuations_of_a_chat_encode_its_image_once() -> None:
+    """Three continuations per chat (an RL group): each chat's image goes through the encoder once and
+    its prompt through the decoder once; the continuations equal the uncached decode of three copies
+    of the chat (which encodes each copy)."""
+    config, model = tiny_omni(seed=1, llm={**TINY_OMNI["llm"], "tie_embeddings": False})
+    with torch.no_grad():
+        for param in model.llm.parameters():
+            param.mul_(8.0 if param.ndim > 1 else 1.0)
+    process = SampleProcessor(load_tokenizer(str(TOKENIZER)), config)
+    records = [chat_record("a", "What color?", "", png_bytes(1)), chat_record("b", "Plain question", ""),
+               chat_record("c", "Which shape?", "", random_png(40, 70, 2))]
+    prompts = [process(record, add_generation_prompt=True) for record in records]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50, seed=0, n=3)
+    encoded: list[int] = []  # patch rows of real media (a forward without media encodes a dummy)
+    encode = model.media_fn
+
+    def counting(name, encoder, item, dummy):
+        if item is not None:
+            encoded.append(item["inputs"]["patches"].shape[0])
+        return encode(name, encoder, item, dummy)
+    model.media_fn = counting
+    fed: list[int] = []
+    hook = model.llm.embed_tokens.register_forward_hook(lambda module, args, out: fed.append(args[0].numel()))
+    cached = generate(model.eval(), prompts, params, layout=process.layout)
+    images = pack_prompts(prompts, [[] for _ in prompts], process.layout)["media"]["image"]["inputs"]["patches"]
+    assert encoded == [images.shape[0]], "the prefill encodes every image of the chats, once"
+    assert sum(fed) == sum(len(p.chat.ids) for p in prompts) + sum(len(c.tokens) - 1 for c in cached)
+    model.media_fn = encode
+    hook.remove()
+    plain = generate(model, prompts, params, layout=process.layout, use_cache=False)
+    assert [c.tokens for c in cached] == [c.tokens for c in plain]
+    for a, b in zip(cached, plain):
+        assert_parity(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"{a.tokens}: log-probs")
+    assert all(len({tuple(c.tokens) for c in cached[i:i + 3]}) > 1 for i in range(0, 9, 3))

@@ -1,6 +1,7 @@
 """Generation under FSDP 2 and under expert parallelism 2, on real gloo ranks: each rank continues
 its own prompts, which finish after different numbers of steps, and ``lockstep`` (an all-reduce)
-keeps the finished rank stepping until the other is done, so every forward's collectives match.
+keeps the finished rank stepping until the other is done, so every forward's collectives match;
+with a small prefill budget the ranks also need different numbers of prefill forwards (2 and 1).
 Each rank's completions equal one process generating its prompts with the whole model."""
 
 from __future__ import annotations
@@ -27,17 +28,18 @@ def _every_rank_done(done: bool) -> bool:
     return bool(flag.item())
 
 
-def _generate(rank: int, world: int, parallel: ParallelConfig, options: dict) -> list:
+def _generate(rank: int, world: int, parallel: ParallelConfig, options: dict, prefill_tokens: int) -> list:
     model = tiny_model(init_std=0.2, **options)
     model = parallelize(model, parallel, build_mesh(ParallelDims.resolve(parallel, world), "cpu"), "cpu")
-    return generate(model, PROMPTS[rank], PARAMS[rank], lockstep=_every_rank_done)
+    return generate(model, PROMPTS[rank], PARAMS[rank], lockstep=_every_rank_done, prefill_tokens=prefill_tokens)
 
 
+@pytest.mark.parametrize("prefill_tokens", [8192, 5], ids=["one-prefill", "prefills-differ"])
 @pytest.mark.parametrize("parallel,options", [(ParallelConfig(dp_shard=2), {}), (ParallelConfig(ep=2), MOE)],
                          ids=["fsdp2", "ep2"])
-def test_ranks_generate_what_one_process_does(parallel, options) -> None:
+def test_ranks_generate_what_one_process_does(parallel, options, prefill_tokens) -> None:
     model = tiny_model(init_std=0.2, **options)
-    for rank, got in enumerate(run_distributed(_generate, 2, parallel, options)):
+    for rank, got in enumerate(run_distributed(_generate, 2, parallel, options, prefill_tokens)):
         want = generate(model, PROMPTS[rank], PARAMS[rank])
         assert [c.tokens for c in got] == [c.tokens for c in want]
         for a, b in zip(got, want):

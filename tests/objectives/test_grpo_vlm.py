@@ -101,7 +101,7 @@ def _train(rank: int, world: int, cfg: RunConfig) -> list[tuple]:
 
         def spy(prompts, params):
             out = engine_generate(prompts, params)
-            calls.append((prompts, out))
+            calls.append(([prompt for prompt in prompts for _ in range(params.n)], out))  # a sample's own prompt
             return out
         feed.engine.generate = spy
         rows = rollout(index)

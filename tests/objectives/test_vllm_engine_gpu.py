@@ -2,7 +2,8 @@
 
 A tiny random Qwen3 in fp32 on the GPU: after ``sync_weights`` the engine's greedy tokens equal the
 built-in engine's (``veomni.generation.generate`` on the trained model) and its log-probabilities
-are close (another attention kernel); then the weights change, as an update changes them, and after
+are close (another attention kernel), and ``n`` samples per prompt come back prompt by prompt, drawn
+apart; then the weights change, as an update changes them, and after
 the next ``sync_weights`` the engine generates with the new ones (equal to the built-in engine
 again, and not the tokens of before). vLLM's ``external_launcher`` runs inside a torchrun process,
 so the check runs as one: this module's ``__main__``.
@@ -72,6 +73,12 @@ def _check() -> None:
         return [c.tokens for c in got]
 
     before = tokens_after_sync()
+    engine.sync_weights(model)
+    groups = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, seed=0, n=3))
+    engine.release()
+    assert len(groups) == 3 * len(PROMPTS), "n samples per prompt, prompt by prompt"
+    assert all(len({tuple(c.tokens) for c in groups[i:i + 3]}) > 1 for i in range(0, len(groups), 3)), \
+        "the samples of a prompt are drawn apart"
     with torch.no_grad():  # an update: every weight moves
         for param in model.parameters():
             param.add_(torch.randn_like(param), alpha=0.5)

@@ -5,8 +5,8 @@ The expected figures are the formula written out from the model's options (layer
 dim, vocabulary) and the run's settings: one prompt micro-batch generates at a time, each prompt
 taken as long as ``data.max_seq_len``, ``rl.group_size`` samples each plus one scratch slot, each
 of ``max_seq_len + rl.max_new_tokens`` positions, keys and values in the compute dtype; the logits
-of the largest forward in fp32 (a prefill of every sample's prompt, at most 8192 tokens, or a
-decode step's row per sample)."""
+of the largest forward in fp32 (a prefill of every prompt once, its group sharing it, at most 8192
+tokens, or a decode step's row per sample)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_the_rollout_phase_prices_the_kv_cache_and_the_logits(on_gpu: bool, sett
     compute_bytes = 2 if on_gpu else 4
     kv = (prompts * group + 1) * (longest + new) * TINY["num_layers"] * 2 * TINY["num_kv_heads"] * TINY["head_dim"]
     assert est.rollout.kv_cache_gb * GiB == kv * compute_bytes
-    rows = max(min(8192, prompts * group * longest), prompts * group)
+    rows = max(min(8192, prompts * longest), prompts * group)
     assert est.rollout.logits_gb * GiB == rows * TINY["vocab_size"] * 4
     report = format_report(cfg, dims, est, "cpu")
     assert "rollout phase / rank" in report and f"KV cache ({prompts * group + 1} slots x {longest + new}" in report

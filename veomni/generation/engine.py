@@ -1,17 +1,19 @@
-"""Batched generation with a key/value cache: prompts in; per prompt the generated tokens, their
-log-probabilities and why each stopped.
+"""Batched generation with a key/value cache: prompts in; per prompt ``params.n`` continuations,
+each with its generated tokens, their log-probabilities and why it stopped.
 
 The prompts are prefilled in packed rows of at most ``prefill_tokens`` tokens (a prompt longer
-than that gets a row of its own); each row's keys and values go into the prompt's cache slot and
-its last logits give the prompt's first token. Then each decode step feeds one packed row of the
-unfinished sequences' last tokens, at their next positions, and attends over the cache
-(``kv_cache.py``). ``use_cache=False`` runs the same loop by re-packing every prompt with all its
-tokens so far at every step (the reference the cache must equal, and the speed baseline).
+than that gets a row of its own); each row's keys and values go into the cache slot of the
+prompt's first continuation and are copied to its other ``n - 1`` (so a prompt, and its images
+and videos, are encoded once however many continuations share it), and its last logits give each
+continuation's first token. Then each decode step feeds one packed row of the unfinished
+sequences' last tokens, at their next positions, and attends over the cache (``kv_cache.py``).
+``use_cache=False`` runs the same loop by re-packing every prompt (``n`` times) with all its tokens
+so far at every step (the reference the cache must equal, and the speed baseline).
 
 Under a data-parallel layout (FSDP, expert parallelism) every rank must run the same number of
 forwards, as each forward holds collectives; ``lockstep(done) -> all ranks done`` (an all-reduce
-the caller supplies) keeps a rank that has finished stepping on one scratch token until every
-rank has.
+the caller supplies, before every forward, prefill or decode) keeps a rank that has finished
+stepping on one scratch token until every rank has.
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ def prefill_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
 class _Run:
     """The state of one ``generate`` call: what each prompt produced so far."""
 
-    def __init__(self, prompts: Sequence[Prompt], params: SamplingParams, device: torch.device) -> None:
+    def __init__(self, sequences: int, params: SamplingParams, device: torch.device) -> None:
         self.params = params
-        self.completions = [Completion() for _ in prompts]
+        self.completions = [Completion() for _ in range(sequences)]
         self.active: list[int] = []
         self.generator = None
         if params.seed is not None:
@@ -95,18 +97,20 @@ def generate(model: nn.Module, prompts: Sequence[Prompt], params: SamplingParams
              prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
              lockstep: Callable[[bool], bool] | None = None) -> list[Completion]:
     """Continue every prompt (token-id lists, or ``ChatSample`` chats with media and the model's
-    ``layout``) under ``params``; one ``Completion`` per prompt, in order. The model runs in
-    ``eval()`` mode and gets its mode back."""
+    ``layout``) under ``params``: ``params.n`` ``Completion``s per prompt, prompt by prompt (those of
+    prompt ``i`` at ``i * n ... i * n + n - 1``). The model runs in ``eval()`` mode and gets its mode
+    back."""
     check_prompts(prompts)
     device = _device(model)
-    run = _Run(prompts, params, device)
+    run = _Run(len(prompts) * params.n, params, device)
     was_training = model.training
     model.eval()
     try:
         if use_cache:
             _generate_cached(model, prompts, run, layout, prefill_tokens, lockstep, device)
         else:
-            _generate_uncached(model, prompts, run, layout, lockstep, device)
+            copies = [prompt for prompt in prompts for _ in range(params.n)]
+            _generate_uncached(model, copies, run, layout, lockstep, device)
     finally:
         model.train(was_training)
     return run.completions
@@ -114,31 +118,35 @@ def generate(model: nn.Module, prompts: Sequence[Prompt], params: SamplingParams
 
 def _generate_cached(model: nn.Module, prompts: Sequence[Prompt], run: _Run, layout: MediaLayout | None,
                      prefill_tokens: int, lockstep: Callable[[bool], bool] | None, device: torch.device) -> None:
+    n = run.params.n  # sequence s continues prompt s // n
     lengths = [len(prompt_ids(p)) for p in prompts]
-    scratch = len(prompts)  # a slot for the token a finished rank feeds while others go on (lockstep)
-    cache = KVCache(len(prompts) + 1, max(lengths) + run.params.max_new_tokens)
+    scratch = len(run.completions)  # a slot for the token a finished rank feeds while others go on (lockstep)
+    cache = KVCache(scratch + 1, max(lengths) + run.params.max_new_tokens)
     next_position = [int(prompt_positions(p, layout).max()) + 1 for p in prompts]
     chunks = prefill_chunks(lengths, prefill_tokens)
     with kv_cache_attention(model, cache):
         while True:
+            active = list(run.active)
+            if _all_done(bool(chunks or active), lockstep):
+                return
             if chunks:
                 chunk = chunks.pop(0)
                 batch = pack_prompts([prompts[i] for i in chunk], [[] for _ in chunk], layout)
-                cache.step = CacheStep.build(chunk, [0] * len(chunk), [lengths[i] for i in chunk], device)
-                logits = _forward(model, batch, device)
-                run.active.extend(chunk)
-                run.take(chunk, logits[batch["cu_seqlens"][1:].long() - 1])
+                firsts = [i * n for i in chunk]
+                cache.step = CacheStep.build(firsts, [0] * len(chunk), [lengths[i] for i in chunk], device)
+                logits = _forward(model, batch, device)[batch["cu_seqlens"][1:].long() - 1]
+                cache.share(firsts, n, max(lengths[i] for i in chunk))
+                sequences = [s for first in firsts for s in range(first, first + n)]
+                run.active.extend(sequences)
+                run.take(sequences, logits.repeat_interleave(n, dim=0))
                 continue
-            active = list(run.active)
-            if _all_done(bool(active), lockstep):
-                return
             if not active:  # this rank is done, another is not: one scratch token keeps the collectives matched
                 cache.step = CacheStep.build([scratch], [0], [1], device)
                 _forward(model, _decode_batch([0], [0]), device)
                 continue
-            cached = [lengths[i] + len(run.completions[i].tokens) - 1 for i in active]
+            cached = [lengths[i // n] + len(run.completions[i].tokens) - 1 for i in active]
             cache.step = CacheStep.build(active, cached, [1] * len(active), device)
-            positions = [next_position[i] + len(run.completions[i].tokens) - 1 for i in active]
+            positions = [next_position[i // n] + len(run.completions[i].tokens) - 1 for i in active]
             logits = _forward(model, _decode_batch([run.completions[i].tokens[-1] for i in active], positions),
                               device)
             run.take(active, logits)

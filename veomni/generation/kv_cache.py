@@ -89,6 +89,16 @@ class KVCache:
         values[step.row_slot, step.row_offset] = v
         return keys, values
 
+    def share(self, slots: list[int], copies: int, length: int) -> None:
+        """Copy the first ``length`` positions of each of ``slots`` into the ``copies - 1`` slots after
+        it, in every layer: continuations that share a prompt share its prefill."""
+        if copies == 1:
+            return
+        for cached in (*self.keys.values(), *self.values.values()):
+            source = torch.tensor(slots, device=cached.device)
+            targets = (source[:, None] + torch.arange(1, copies, device=cached.device)).flatten()
+            cached[targets, :length] = cached[source, :length].repeat_interleave(copies - 1, dim=0)
+
 
 class CachedAttention(AttentionWrapper):
     """An attention module's ``attn_fn`` while generating: the rows' keys and values go into the

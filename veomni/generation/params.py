@@ -1,7 +1,8 @@
 """What a caller asks of generation (``SamplingParams``) and what it gets back (``Completion``).
 
-The contract is the one RL rollouts need (and vLLM / TRL users know): prompts in; per prompt the
-generated tokens, the log-probability of each under the model, and why it stopped.
+The contract is the one RL rollouts need (and vLLM / TRL users know): prompts in; per prompt ``n``
+continuations, each with its generated tokens, the log-probability of each under the model, and why
+it stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class SamplingParams:
     the order of vLLM and transformers. Generation of a prompt ends after one of
     ``stop_token_ids`` (which is kept, as the last token) or after ``max_new_tokens`` tokens.
     ``seed``: the same seed, model, prompts and device draw the same tokens; None draws from torch's
-    global random state.
+    global random state. ``n``: continuations per prompt (vLLM's ``n``; an RL group), drawn
+    independently after one prefill of the prompt that they share.
     """
 
     max_new_tokens: int = 32
@@ -33,6 +35,7 @@ class SamplingParams:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -45,6 +48,8 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 = no cut), got {self.top_k}")
+        if self.n < 1:
+            problems.append(f"n (continuations per prompt) must be at least 1, got {self.n}")
         if problems:
             raise BadConfig("SamplingParams: " + "; ".join(problems))
 

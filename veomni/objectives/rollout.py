@@ -2,9 +2,9 @@
 
 A ``RolloutEngine`` takes prompts (token ids; or, for a VLM, ``ChatSample`` chats with their images and
 videos, generated with the model's ``MediaLayout``: M-RoPE positions continued while decoding) and
-sampling settings (``veomni.generation.SamplingParams``)
-and gives, per prompt, a ``veomni.generation.Completion``: the sampled tokens and each token's
-log-probability under the generating weights (log-softmax at temperature 1); ``sync_weights`` is
+sampling settings (``veomni.generation.SamplingParams``; ``n``: the group size) and gives, per
+prompt, ``n`` ``veomni.generation.Completion``s (prompt by prompt): the sampled tokens and each
+token's log-probability under the generating weights (log-softmax at temperature 1); ``sync_weights`` is
 called after every policy update, before the next rollout, so an engine that holds its own copy of
 the weights (an external server) takes the trained ones, and ``release`` after the rollout, so it
 can free its device memory while the policy trains. Engines are picked by ``rl.rollout_engine``

@@ -81,8 +81,8 @@ class RolloutFeed:
             metas = [meta for meta in batch["metas"] for _ in range(group)]
             seed = hash((self.request.seed, index, mb, self.request.dp_rank)) % 2**31
             params = SamplingParams(self.rl.max_new_tokens, self.rl.temperature, self.rl.top_p, self.rl.top_k,
-                                    self.stop, seed)
-            completions = self.engine.generate(prompts, params)
+                                    self.stop, seed, n=group)
+            completions = self.engine.generate(batch["prompts"], params)  # a group shares its prompt's prefill
             texts = [self.request.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
             scores = self.rewards(texts, metas)
             first = torch.tensor([float(self.rewards.fns[0](t, m)) for t, m in zip(texts, metas)])

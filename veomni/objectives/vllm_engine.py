@@ -68,13 +68,14 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         import vllm
 
+        # vLLM seeds a request's sample j with its seed + j: prompt i's seed + i * n gives every sample its own
+        seeds = [None if params.seed is None else params.seed + i * params.n for i in range(len(prompts))]
         requests = [vllm.SamplingParams(
             max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=list(params.stop_token_ids),
-            seed=None if params.seed is None else params.seed + i,  # the samples of a group differ
-            logprobs=0, detokenize=False) for i in range(len(prompts))]
+            n=params.n, seed=seed, logprobs=0, detokenize=False) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests, use_tqdm=False)
-        return [completion_of(output.outputs[0]) for output in outputs]
+        return [completion_of(sample) for output in outputs for sample in output.outputs]
 
     def release(self) -> None:
         self.llm.sleep(level=2)

@@ -10,8 +10,9 @@ the prompt loader keeps), so a micro-batch holds ``max(1, data.tokens_per_micro_
 data.max_seq_len)`` prompts: exact for prompts of that length; shorter prompts mean more of them
 in shorter rows, so more cache for the new tokens (the plan then underestimates by up to
 ``extra prompts x group_size x max_new_tokens`` positions). The largest logits of the rollout
-(fp32 rows x vocabulary) come from the prefill forward (at most ``DEFAULT_PREFILL_TOKENS`` prompt
-tokens at a time) or a decode step (one row per sample). The sharded state (parameters, gradients,
+(fp32 rows x vocabulary) come from the prefill forward (each prompt once, its group sharing its
+cache; at most ``DEFAULT_PREFILL_TOKENS`` prompt tokens at a time) or a decode step (one row per
+sample). The sharded state (parameters, gradients,
 optimizer, EMA, a reference) and the gathered blocks stay resident through the rollout; the
 update's activations do not exist yet. An external engine (``rl.rollout_engine`` other than
 ``builtin``) sizes its own cache: the plan gives its share of the device's memory instead.
@@ -54,7 +55,7 @@ def rollout_memory(cfg: RunConfig, model: nn.Module, attention_patterns: tuple[s
     samples = prompts * cfg.rl.group_size
     positions = longest + cfg.rl.max_new_tokens
     vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
-    rows = max(min(DEFAULT_PREFILL_TOKENS, samples * longest), samples)
+    rows = max(min(DEFAULT_PREFILL_TOKENS, prompts * longest), samples)
     return RolloutMemory(prompts, samples + 1, positions, (samples + 1) * positions * per_position / GiB,
                          rows, rows * vocab * 4 / GiB)
 
