@@ -78,6 +78,8 @@ class DiTCost:
           selective: 9 D + F: the block input, q/k/v and the attention output, cross q and output,
                      the three output projections (mm outputs are kept, element-wise is recomputed);
           full:      D per block (its input) plus one block's ``none`` set during its recompute.
+        An image branch (``image_dim``) adds its attention output, D per block in ``none`` and
+        ``selective`` (its keys and values are per image token, like the text's, not counted).
         Always, in fp32 whatever the compute dtype: the per-token modulation backward keeps, the
         two branches' scale and gate, 4 D per block in ``none``/``selective`` (recomputed in
         ``full``, where one block's counts), and the head's scale D; plus the patch embedding
@@ -87,8 +89,9 @@ class DiTCost:
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING_MODES}, got {checkpointing!r}")
         cfg = model.config
         d, f, layers = cfg.hidden_size, cfg.ffn_dim, cfg.num_layers
-        block_none = 20 * d + 2 * f
-        kept = {"none": layers * block_none, "selective": layers * (9 * d + f),
+        image = 0 if cfg.image_dim is None else d
+        block_none = 20 * d + 2 * f + image
+        kept = {"none": layers * block_none, "selective": layers * (9 * d + f + image),
                 "full": layers * d + block_none}[checkpointing]
         fp32_modulation = 4 * d * (1 if checkpointing == "full" else layers) + d
         ends = 3 * d + cfg.patch_dim + cfg.out_patch_dim

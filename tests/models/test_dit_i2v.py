@@ -23,6 +23,7 @@ from tests.models.test_dit_hf import CONFIGS as HF_CONFIGS
 from tests.models.test_dit_hf import diffusers_model, diffusers_output, inputs_of, randomise
 from tests.parity_utils import assert_parity
 from veomni.checkpoint.component_init import load_components
+from veomni.ops.cost_probes import saved_bytes
 
 CONFIGS = {name.removeprefix("i2v-"): cfg for name, cfg in HF_CONFIGS.items() if cfg.image_dim is not None}
 
@@ -165,3 +166,39 @@ def test_cost_model_counts_the_matmuls_of_an_image_to_video_forward():
         assert forward_flops(cfg, [12], [len(text)], [len(image)]) == counted[-1]
     batch = pack_latents(latents, texts, torch.tensor([9.0, 9.0]), cfg.patch_size, images)
     assert DiTCost().batch_flops(model, batch) == 3 * sum(counted)
+
+
+def _block_bytes(cfg: DiTConfig, frames: int, image_tokens: int = 5) -> int:
+    """Bytes autograd keeps for one block (two blocks minus one) on one sample of ``frames`` x 8 x 8
+    latents (``frames`` x 16 patch tokens)."""
+    kept = []
+    for layers in (1, 2):
+        model = _random_ours(dataclasses.replace(cfg, num_layers=layers))
+        generator = torch.Generator().manual_seed(4)
+        latent = torch.randn(cfg.in_channels, frames, 8, 8, generator=generator)
+        text = torch.randn(6, cfg.text_dim, generator=generator)
+        images = None if cfg.image_dim is None else [torch.randn(image_tokens, cfg.image_dim, generator=generator)]
+        batch = pack_latents([latent], [text], torch.tensor([500.0]), cfg.patch_size, images)
+        kept.append(saved_bytes(lambda model=model, batch=batch: model(batch["latents"], batch).pow(2).sum(),
+                                list(model.parameters())))
+    return kept[1] - kept[0]
+
+
+def test_the_image_branch_keeps_what_the_cost_model_adds_per_patch_token():
+    """Measured, not assumed: an image branch raises the bytes a block keeps per patch token (the
+    slope between 32 and 64 tokens, so the per-image-token keys and values cancel) by what
+    ``activation_bytes_per_unit`` adds, its attention output; on top of it this CPU attention keeps
+    the image mask (a boolean per image token) and a logsumexp (fp32 per head), which a GPU's
+    varlen kernel does not."""
+    i2v = CONFIGS["patch-1x2x2"]
+    t2v = dataclasses.replace(i2v, image_dim=None, added_kv_proj_dim=None)
+    image_tokens = 5
+
+    def slope(cfg: DiTConfig) -> float:
+        return (_block_bytes(cfg, 4) - _block_bytes(cfg, 2)) / 32
+
+    measured = slope(i2v) - slope(t2v)
+    cost = DiTCost()
+    modelled = (cost.activation_bytes_per_unit(_random_ours(i2v), 4, "none")
+                - cost.activation_bytes_per_unit(_random_ours(t2v), 4, "none")) / i2v.num_layers
+    assert modelled <= measured <= modelled + image_tokens + 4 * i2v.num_attention_heads, (measured, modelled)
