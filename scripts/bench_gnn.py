@@ -66,7 +66,7 @@ from veomni.config.schema import RunConfig  # noqa: E402
 from veomni.contract.families import build_config, get_model_spec  # noqa: E402
 from veomni.data.graph.format import load_graph  # noqa: E402
 from veomni.data.graph.partition import partition_nodes  # noqa: E402
-from veomni.data.graph.views import edge_weights  # noqa: E402
+from veomni.data.graph.views import edge_weights, unique_columns  # noqa: E402
 
 OUT = REPO / "outputs" / "bench_gnn"
 RECIPE = "recipes/gnnpipe/tiny.yaml"
@@ -170,7 +170,7 @@ def halo_rows(path: str, norm: str, parts: int, method: str, seed: int) -> tuple
     src, dst = edges
     cross = part[src] != part[dst]
     # a partition's halo: the distinct other-partition sources of its in-edges
-    pairs = torch.unique(torch.stack([part[dst[cross]], src[cross]]), dim=1)
+    pairs = unique_columns(torch.stack([part[dst[cross]], src[cross]]), max(graph.num_nodes, parts))[0]
     return graph.num_nodes, pairs.shape[1]
 
 
