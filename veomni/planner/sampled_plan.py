@@ -10,9 +10,10 @@ mini-batch, fanouts f_1..f_L):
   folder's manifest (an upper bound: training is a share of them), else every node;
 - feature bytes per epoch (all ranks, no cache): mini-batches x n_L x F x 4; a cache of hit rate h
   reads (1 - h) of it (the metrics report the measured ``feature_bytes_read``);
-- memory per rank: the graph's structure (every rank holds it: E sources, destinations and
-  weights, 20 bytes an edge), the features (N F 4 in memory; none resident memory-mapped), the
-  cache table (rows x F x 4, on the training device), one mini-batch's activations.
+- memory per rank: the graph's structure (every rank holds it, ``structure_bytes``), the features
+  (N F 4 in memory; none resident memory-mapped), the cache (its table of rows x F x 4 on the
+  training device, a node and a stamp per row and a slot per node, 8 bytes each), one
+  mini-batch's activations.
 """
 
 from __future__ import annotations
@@ -33,6 +34,24 @@ def input_nodes(batch: int, fanouts: list[int], nodes: int, degree: float) -> li
     return sizes
 
 
+def structure_bytes(nodes: int, edges: int, samplers: int, proximity: bool) -> int:
+    """Bytes of the graph's structure a rank holds while it samples, all int64 ids and fp32 weights
+    (``tests/data/test_graph_sampled_memory.py`` holds it to the tensors a built run keeps):
+
+    - per edge: the edge list as loaded (16) and normalised with its weights (20; duplicates merged,
+      a GCN's self-loops added: taken as E), and each sampler's copy of the sources and weights by
+      destination (12; one per sampled split: training's, and evaluation's when the run evaluates);
+      the proximity order's undirected neighbour list (16, an upper estimate: 8 when every edge has
+      its reverse, as in an undirected graph stored both ways);
+    - per node: labels and the three split masks (11), partition and chunk (16), each sampler's
+      degree, start and labels (24; evaluation's two label sets, 32); the proximity order's
+      degree, start and component (24).
+    """
+    per_edge = 36 + 12 * samplers + (16 if proximity else 0)
+    per_node = 27 + 24 * samplers + 8 * (samplers - 1) + (24 if proximity else 0)
+    return edges * per_edge + nodes * per_node
+
+
 def sampled_plan_lines(cfg: RunConfig, parts: int, nodes: int, edges: int, features: int, labelled: int | None,
                        activation_bytes_per_node: float) -> list[str]:
     data = cfg.data
@@ -42,8 +61,9 @@ def sampled_plan_lines(cfg: RunConfig, parts: int, nodes: int, edges: int, featu
     row = features * 4
     epoch_bytes = batches * parts * sizes[-1] * row
     resident = 0 if data.graph_features == "mmap" else nodes * row
-    structure = edges * 20 + nodes * 24  # edges: source, destination, weight; nodes: degree, start, labels
-    cache = data.graph_cache_rows * row
+    samplers = 2 if data.eval_path else 1  # the run evaluates (at the end at least) when it has an eval split
+    structure = structure_bytes(nodes, edges, samplers, data.graph_batch_order == "proximity")
+    cache = data.graph_cache_rows * (row + 16) + (nodes * 8 if data.graph_cache_rows else 0)  # + slot index
     activations = activation_bytes_per_node * sizes[-1]
 
     def gb(value: float) -> str:
