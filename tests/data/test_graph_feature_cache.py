@@ -15,7 +15,7 @@ import torch
 from veomni.data.graph.features import CachedFeatures, TensorFeatures
 from veomni.data.graph.format import GraphData, load_graph, save_graph
 from veomni.data.graph.order import bfs_visit, components, proximity_order, undirected
-from veomni.data.graph.sampling import NeighbourSampler
+from veomni.data.graph.sampling import NeighbourSampler, in_edges
 from veomni.data.graph.views import edge_weights
 
 PROXIMITY_MARGIN = 0.25
@@ -100,7 +100,7 @@ def _directed_pieces(kept: float = 0.3) -> tuple[torch.Tensor, int, dict[int, li
 @pytest.mark.parametrize("kept", [0.3, 1.0], ids=["pieces", "whole"])
 def test_bfs_ranks_are_a_queue_bfs_from_seeded_roots(kept):
     edges, n, into = _directed_pieces(kept)
-    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, torch.arange(n), {}, 4, [1])
+    sampler = NeighbourSampler(in_edges(edges, torch.ones(edges.shape[1]), n), torch.arange(n), {}, 4, [1])
     source, start, degree = undirected(sampler.source, sampler.degree)
     assert (len(set(components(source, degree).tolist())) > 1) == (kept < 1)
     got, sequence = bfs_visit(source, start, degree, torch.Generator().manual_seed(9))
@@ -140,8 +140,8 @@ def _sequences_bfs(into: dict[int, list[int]], place: list[int], count: int) -> 
 def test_the_proximity_order_interleaves_bfs_sequences_round_robin(kept):
     edges, n, into = _directed_pieces(kept)
     targets = torch.arange(1, n, 2)
-    sampler = NeighbourSampler(edges, torch.ones(edges.shape[1]), n, targets, {}, 4, [1], seed=5, order="proximity",
-                               sequences=3)
+    sampler = NeighbourSampler(in_edges(edges, torch.ones(edges.shape[1]), n), targets, {}, 4, [1], seed=5,
+                               order="proximity", sequences=3)
     place = torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
     sequences = [[v for v in sequence if v % 2] for sequence in _sequences_bfs(into, place, 3)]
     expected = [sequence[at] for at in range(n) for sequence in sequences if at < len(sequence)]
@@ -157,7 +157,7 @@ def _hit_rate(edges: torch.Tensor, n: int, order: str, policy: str) -> float:
     targets = (torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.5).nonzero()[:, 0]
     store = CachedFeatures(TensorFeatures(x), n // 10, policy)
     edge_index, weight = edge_weights(edges, n, "mean")
-    sampler = NeighbourSampler(edge_index, weight, n, targets, {"x": store}, 16, [3, 3], seed=1, order=order)
+    sampler = NeighbourSampler(in_edges(edge_index, weight, n), targets, {"x": store}, 16, [3, 3], seed=1, order=order)
     for _batch in sampler:  # one epoch
         pass
     return store.stats()["hits"] / store.stats()["rows"]
@@ -180,6 +180,7 @@ def test_memory_mapped_features_give_the_same_mini_batches(tmp_path):
     assert mapped.x.untyped_storage().data_ptr() != loaded.x.untyped_storage().data_ptr()
     assert torch.equal(mapped.x, loaded.x) and torch.equal(mapped.edge_index, loaded.edge_index)
     edge_index, weight = edge_weights(edges, n, "mean")
-    batches = [list(NeighbourSampler(edge_index, weight, n, torch.arange(0, n, 2), {"x": TensorFeatures(g.x)}, 5,
-                                     [2, 2], seed=3, order="proximity")) for g in (mapped, loaded)]
+    batches = [list(NeighbourSampler(in_edges(edge_index, weight, n), torch.arange(0, n, 2),
+                                     {"x": TensorFeatures(g.x)}, 5, [2, 2], seed=3, order="proximity"))
+               for g in (mapped, loaded)]
     assert all(torch.equal(a["x"], b["x"]) and torch.equal(a["nodes"], b["nodes"]) for a, b in zip(*batches))

@@ -16,7 +16,7 @@ import torch
 
 from tests.graph_utils import community_graph, tiny_gnn
 from tests.parity_utils import assert_grads_parity, assert_parity, assert_scalar_parity
-from veomni.data.graph.sampling import NeighbourSampler
+from veomni.data.graph.sampling import NeighbourSampler, in_edges
 from veomni.data.graph.views import edge_weights, split_labels
 from veomni.errors import BadConfig
 from veomni.parallel.graph.aggregation import apply_block_sampling
@@ -39,7 +39,7 @@ TRAIN = GRAPH["train_mask"].nonzero().squeeze(1)
 def _sampler(norm: str, fanouts: list[int], batch_size: int = 8, seed: int = 0) -> NeighbourSampler:
     edges, weight = edge_weights(GRAPH["edge_index"], NODES, norm)
     fields = {"x": GRAPH["x"], "labels": GRAPH["y"]}
-    return NeighbourSampler(edges, weight, NODES, TRAIN, fields, batch_size, fanouts, seed)
+    return NeighbourSampler(in_edges(edges, weight, NODES), TRAIN, fields, batch_size, fanouts, seed)
 
 
 def _loss_and_grads(model, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -124,7 +124,7 @@ def test_sampling_visits_every_neighbour():
     into = _true_in_edges("mean")
     hub = max(TRAIN.tolist(), key=lambda t: len(into[t]))
     edges, weight = edge_weights(GRAPH["edge_index"], NODES, "mean")
-    sampler = NeighbourSampler(edges, weight, NODES, torch.tensor([hub]), {"x": GRAPH["x"]}, 1, [2], seed=0)
+    sampler = NeighbourSampler(in_edges(edges, weight, NODES), torch.tensor([hub]), {"x": GRAPH["x"]}, 1, [2], seed=0)
     drawn = set()
     for batch in itertools.islice(itertools.chain.from_iterable(sampler for _ in range(60)), 60):
         drawn |= set(batch["nodes"][1:].tolist()) | ({hub} if 0 in batch["block0_edge_index"][0].tolist() else set())

@@ -18,7 +18,7 @@ from tests.parity_utils import assert_parity
 from veomni.contract import build_config, build_model, get_model_spec
 from veomni.contract.graph_model import GraphModelConfig
 from veomni.contract.plan import match_modules
-from veomni.data.graph.sampling import NeighbourSampler
+from veomni.data.graph.sampling import NeighbourSampler, in_edges
 from veomni.data.graph.views import edge_weights, partition_views, split_labels
 from veomni.ops.graph import NeighbourAggregation
 from veomni.parallel.graph.aggregation import apply_block_sampling
@@ -164,7 +164,8 @@ def test_batch_flops_of_a_sampled_mini_batch_count_its_blocks(layer):
     apply_block_sampling(model, model.parallel_plan(), 2)
     edges, weight = edge_weights(torch.randint(0, NODES, (2, 200), generator=torch.Generator().manual_seed(1)),
                                  NODES, config.neighbour_norm)
-    sampler = NeighbourSampler(edges, weight, NODES, torch.arange(8), {"x": torch.randn(NODES, 12)}, 8, [3, 2])
+    sampler = NeighbourSampler(in_edges(edges, weight, NODES), torch.arange(8), {"x": torch.randn(NODES, 12)}, 8,
+                               [3, 2])
     batch = next(iter(sampler))
     sizes, d = batch["block_sizes"].tolist(), config.hidden_size
     with FlopCounterMode(display=False) as counter:

@@ -38,17 +38,17 @@ def structure_bytes(nodes: int, edges: int, samplers: int, proximity: bool) -> i
     """Bytes of the graph's structure a rank holds while it samples, all int64 ids and fp32 weights
     (``tests/data/test_graph_sampled_memory.py`` holds it to the tensors a built run keeps):
 
-    - per edge: the edge list as loaded (16) and normalised with its weights (20; duplicates merged,
-      a GCN's self-loops added: taken as E), and each sampler's copy of the sources and weights by
-      destination (12; one per sampled split: training's, and evaluation's when the run evaluates);
-      the proximity order's undirected neighbour list (16, an upper estimate: 8 when every edge has
-      its reverse, as in an undirected graph stored both ways);
-    - per node: labels and the three split masks (11), partition and chunk (16), each sampler's
-      degree, start and labels (24; evaluation's two label sets, 32); the proximity order's
-      degree, start and component (24).
+    - per edge: the normalised in-edges' sources and weights, by destination (12; duplicates
+      merged, a GCN's self-loops added: taken as E), which every sampler of the process shares
+      (``veomni.data.graph.source.sampled_graph``; the edge list as loaded is not kept); the
+      proximity order's undirected neighbour list (16, an upper estimate: 8 when every edge has its
+      reverse, as in an undirected graph stored both ways);
+    - per node: labels and the three split masks (11), partition (8), in-degree and start (16), each
+      sampler's labels (8; evaluation's two sets, 16); the proximity order's degree, start and
+      component (24).
     """
-    per_edge = 36 + 12 * samplers + (16 if proximity else 0)
-    per_node = 27 + 24 * samplers + 8 * (samplers - 1) + (24 if proximity else 0)
+    per_edge = 12 + (16 if proximity else 0)
+    per_node = 35 + 8 * samplers + 8 * (samplers - 1) + (24 if proximity else 0)
     return edges * per_edge + nodes * per_node
 
 

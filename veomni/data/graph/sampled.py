@@ -37,7 +37,7 @@ import torch
 from veomni.data.graph.features import CachedFeatures, FeatureStore, TensorFeatures
 from veomni.data.graph.prefetch import Prefetcher
 from veomni.data.graph.sampling import NeighbourSampler
-from veomni.data.graph.source import checked_manifest, prepared_graph
+from veomni.data.graph.source import checked_manifest, sampled_graph
 from veomni.data.graph.views import split_labels
 from veomni.data.kinds import STEP_STATS, DatasetRequest, ResumableDataset
 from veomni.errors import BadConfig
@@ -64,9 +64,9 @@ class SampledGraphDataset(ResumableDataset):
         super().__init__(request.dp_rank, request.dp_size)
         cfg = request.cfg
         manifest = checked_manifest(cfg, request.path, request.model_config)
-        graph, edges, weights, part, _ = prepared_graph(
+        graph, edges, part = sampled_graph(
             str(Path(request.path).resolve()), manifest["files"]["graph.safetensors"]["sha256"],
-            request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, 1, request.seed,
+            request.model_config.neighbour_norm, cfg.graph_partitioner, request.dp_size, request.seed,
             cfg.graph_features == "mmap")
         self.split, self.prefetch = request.split, cfg.graph_prefetch
         if request.split == "train":
@@ -83,7 +83,7 @@ class SampledGraphDataset(ResumableDataset):
             self.features = CachedFeatures(self.features, cfg.graph_cache_rows, cfg.graph_cache_policy,
                                            training_device())
         mine = (mask & (part == request.dp_rank)).nonzero()[:, 0]
-        self.sampler = NeighbourSampler(edges, weights, graph.num_nodes, mine, {"x": self.features, **fields},
+        self.sampler = NeighbourSampler(edges, mine, {"x": self.features, **fields},
                                         cfg.graph_batch_size, fanouts, request.seed, stream=request.dp_rank,
                                         batches=self.batches, order=self._order(cfg.graph_batch_order),
                                         sequences=cfg.graph_order_sequences)

@@ -28,11 +28,16 @@ mini-batches share neighbours and a feature cache hits more.
 
 Features are read through ``fields["x"]``: a tensor, or a ``FeatureStore``
 (``veomni/data/graph/features.py``) that serves rows from disk and counts what it read.
+
+A sampler reads the graph as ``InEdges`` (each node's in-edges, sources and weights by
+destination: ``in_edges``), which every sampler of a process can share: the run's training and
+evaluation samplers hold one copy (``veomni.data.graph.source.sampled_graph``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +46,28 @@ from veomni.data.graph.order import components, proximity_order, undirected
 from veomni.errors import BadConfig
 
 _MIX = 1_000_003
+
+
+@dataclass(frozen=True)
+class InEdges:
+    """Every node's in-edges: ``source[start[v] : start[v] + degree[v]]`` and their ``weight``."""
+
+    source: torch.Tensor
+    weight: torch.Tensor
+    degree: torch.Tensor
+    start: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.degree.numel()
+
+
+def in_edges(edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int) -> InEdges:
+    """``edge_index`` (source, destination) [2, E] and its weights as ``InEdges``."""
+    src, dst = edge_index[0].long(), edge_index[1].long()
+    by_destination = torch.argsort(dst, stable=True)
+    degree = torch.bincount(dst, minlength=num_nodes)
+    return InEdges(src[by_destination], edge_weight[by_destination].float(), degree, torch.cumsum(degree, 0) - degree)
 
 
 def _generator(*keys: int) -> torch.Generator:
@@ -53,15 +80,15 @@ def _generator(*keys: int) -> torch.Generator:
 class NeighbourSampler:
     """Mini-batches of ``targets`` with their sampled blocks (see the module docstring).
 
-    ``edge_index``/``edge_weight``: the whole graph's normalised edges (source, destination);
+    ``edges``: the whole graph's normalised edges (``in_edges``);
     ``fields``: per-node tensors [N, ...] gathered for the input nodes (``x``, also a
     ``FeatureStore``) or the targets (``labels`` and every other field). ``stream`` and
     ``batches``: see the module docstring (0 batches: ``ceil(targets / batch_size)``).
     """
 
-    def __init__(self, edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, targets: torch.Tensor,
-                 fields: dict[str, torch.Tensor | FeatureStore], batch_size: int, fanouts: list[int], seed: int = 0,
-                 stream: int = 0, batches: int = 0, order: str = "random", sequences: int = 1) -> None:
+    def __init__(self, edges: InEdges, targets: torch.Tensor, fields: dict[str, torch.Tensor | FeatureStore],
+                 batch_size: int, fanouts: list[int], seed: int = 0, stream: int = 0, batches: int = 0,
+                 order: str = "random", sequences: int = 1) -> None:
         if batch_size < 1:
             raise BadConfig(f"sampling batch_size is {batch_size}; give a positive number of target nodes")
         if order not in ("random", "proximity") or sequences < 1:
@@ -70,12 +97,8 @@ class NeighbourSampler:
         if not fanouts or any(f == 0 or f < -1 for f in fanouts):
             raise BadConfig(f"sampling fanouts {fanouts}: give one per message-passing layer, each a positive "
                             "number of neighbours or -1 for all of them")
-        src, dst = edge_index[0].long(), edge_index[1].long()
-        by_destination = torch.argsort(dst, stable=True)
-        self.source, self.weight = src[by_destination], edge_weight[by_destination].float()
-        self.degree = torch.bincount(dst, minlength=num_nodes)
-        self.start = torch.cumsum(self.degree, 0) - self.degree
-        self.num_nodes, self.targets, self.fields = num_nodes, targets.long(), fields
+        self.source, self.weight, self.degree, self.start = edges.source, edges.weight, edges.degree, edges.start
+        self.num_nodes, self.targets, self.fields = edges.num_nodes, targets.long(), fields
         self.batch_size, self.fanouts, self.seed, self.stream = batch_size, list(fanouts), seed, stream
         self.batches = batches or -(-self.targets.numel() // batch_size)
         self.order, self.sequences = order, sequences

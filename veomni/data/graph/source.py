@@ -5,6 +5,7 @@ process, and the checks a launch runs on the recipe and the folder before any wo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -14,6 +15,7 @@ from veomni.config.schema import DataConfig
 from veomni.contract.graph_model import GraphModelConfig
 from veomni.data.graph.format import GraphData, check_graph, load_graph, read_manifest
 from veomni.data.graph.partition import chunk_nodes, metis_binding, partition_nodes
+from veomni.data.graph.sampling import InEdges, in_edges
 from veomni.data.graph.views import edge_weights
 from veomni.errors import BadConfig, BadData
 
@@ -32,6 +34,18 @@ def prepared_graph(folder: str, sha256: str, norm: str, method: str, parts: int,
     part = partition_nodes(graph.edge_index, graph.num_nodes, parts, method, seed)
     chunk = chunk_nodes(graph.edge_index, part, parts, chunks, method, seed)
     return graph, edges, weights, part, chunk
+
+
+@functools.lru_cache(maxsize=1)
+def sampled_graph(folder: str, sha256: str, norm: str, method: str, parts: int, seed: int,
+                  map_features: bool = False) -> tuple[GraphData, InEdges, torch.Tensor]:
+    """(graph, its normalised in-edges, each node's partition) for samplers: the graph (features,
+    labels, splits) without its edge list, which the in-edges replace; loaded, checked and
+    normalised as ``prepared_graph`` does, and kept once however many samplers read it."""
+    graph, edges, weights, part, _ = prepared_graph.__wrapped__(folder, sha256, norm, method, parts, 1, seed,
+                                                                map_features)
+    kept = dataclasses.replace(graph, edge_index=graph.edge_index.new_empty(2, 0), edge_weight=None)  # no view: freed
+    return kept, in_edges(edges, weights, graph.num_nodes), part
 
 
 def config_problems(cfg: DataConfig, model_config: Any) -> list[str]:
