@@ -170,7 +170,7 @@ def halo_rows(path: str, norm: str, parts: int, method: str, seed: int) -> tuple
     src, dst = edges
     cross = part[src] != part[dst]
     # a partition's halo: the distinct other-partition sources of its in-edges
-    pairs = unique_columns(torch.stack([part[dst[cross]], src[cross]]), max(graph.num_nodes, parts))[0]
+    pairs = unique_columns(torch.stack([part[dst[cross]], src[cross]]), max(graph.num_nodes, parts))
     return graph.num_nodes, pairs.shape[1]
 
 

@@ -17,7 +17,7 @@ def test_unique_columns_equal_torch_unique_over_columns(bound: int) -> None:
     generator = torch.Generator().manual_seed(0)
     pairs = torch.randint(0, 50, (2, 3_000), generator=generator)  # many repeated columns
     want, want_slot = torch.unique(pairs, dim=1, return_inverse=True)
-    got, slot = unique_columns(pairs.int(), bound)
+    got, slot = unique_columns(pairs.int(), bound, return_inverse=True)
     assert got.dtype == torch.int64 and torch.equal(got, want) and torch.equal(slot, want_slot)
     assert torch.equal(got[:, slot], pairs)
 

@@ -92,11 +92,12 @@ class KVCache:
     def share(self, slots: list[int], copies: int, length: int) -> None:
         """Copy the first ``length`` positions of each of ``slots`` into the ``copies - 1`` slots after
         it, in every layer: continuations that share a prompt share its prefill."""
-        if copies == 1:
+        layers = [*self.keys.values(), *self.values.values()]
+        if copies == 1 or not layers:
             return
-        for cached in (*self.keys.values(), *self.values.values()):
-            source = torch.tensor(slots, device=cached.device)
-            targets = (source[:, None] + torch.arange(1, copies, device=cached.device)).flatten()
+        source = torch.tensor(slots, device=layers[0].device)
+        targets = (source[:, None] + torch.arange(1, copies, device=source.device)).flatten()
+        for cached in layers:
             cached[targets, :length] = cached[source, :length].repeat_interleave(copies - 1, dim=0)
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from veomni.data.graph.views import unique_columns
+
 
 def destinations(degree: torch.Tensor) -> torch.Tensor:
     """The destination of every in-edge of the CSR (``source`` sorted by destination)."""
@@ -38,9 +40,9 @@ def undirected(source: torch.Tensor, degree: torch.Tensor) -> tuple[torch.Tensor
     ascending order: proximity does not care which way an edge points."""
     num_nodes = degree.numel()
     destination = destinations(degree)
-    key = torch.unique(torch.cat([destination * num_nodes + source, source * num_nodes + destination]))
-    neighbour, degree = key % num_nodes, torch.bincount(key // num_nodes, minlength=num_nodes)
-    return neighbour, torch.cumsum(degree, 0) - degree, degree
+    pairs = unique_columns(torch.stack([torch.cat([destination, source]), torch.cat([source, destination])]), num_nodes)
+    degree = torch.bincount(pairs[0], minlength=num_nodes)
+    return pairs[1].clone(), torch.cumsum(degree, 0) - degree, degree  # a row of its own: the pairs are freed
 
 
 def components(source: torch.Tensor, degree: torch.Tensor) -> torch.Tensor:

@@ -33,17 +33,20 @@ KEY_BOUND = 3_037_000_499
 """The largest id bound whose pair keys ``first * bound + second`` fit in int64."""
 
 
-def unique_columns(pairs: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.unique(pairs, dim=1, return_inverse=True)`` of a [2, M] tensor of ids in [0, bound):
-    the distinct columns sorted (by the first row, then the second) and each column's slot, through
-    one 1-D unique of the keys ``first * bound + second``. ``unique(dim=1)`` builds a tensor object
-    per column while it sorts: on 10M edges 2.3 GiB of small allocations that the process keeps
-    after they are freed (docs/gnn.md)."""
+def unique_columns(pairs: torch.Tensor, bound: int,
+                   return_inverse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(pairs, dim=1, return_inverse=...)`` of a [2, M] tensor of ids in [0, bound):
+    the distinct columns sorted (by the first row, then the second) and, asked for, each column's
+    slot, through one 1-D unique of the keys ``first * bound + second``. ``unique(dim=1)`` builds a
+    tensor object per column while it sorts: on 10M edges 2.3 GiB of small allocations that the
+    process keeps after they are freed (docs/gnn.md)."""
     pairs = pairs.long()
     if bound > KEY_BOUND:
-        return torch.unique(pairs, dim=1, return_inverse=True)
-    keys, slot = torch.unique(pairs[0] * bound + pairs[1], return_inverse=True)
-    return torch.stack([keys // bound, keys % bound]), slot
+        return torch.unique(pairs, dim=1, return_inverse=return_inverse)
+    found = torch.unique(pairs[0] * bound + pairs[1], return_inverse=return_inverse)
+    keys = found[0] if return_inverse else found
+    columns = torch.stack([keys // bound, keys % bound])
+    return (columns, found[1]) if return_inverse else columns
 
 
 def edge_weights(edge_index: torch.Tensor, num_nodes: int, norm: Normalization,
@@ -57,7 +60,7 @@ def edge_weights(edge_index: torch.Tensor, num_nodes: int, norm: Normalization,
     (``torch_geometric``'s ``gcn_norm``); ``mean``: ``g / d_t`` (GraphSAGE's mean aggregation,
     weighted); ``sum``: ``g``.
     """
-    edge_index, slot = unique_columns(edge_index, num_nodes)
+    edge_index, slot = unique_columns(edge_index, num_nodes, return_inverse=True)
     given_weight = torch.ones(edge_index.shape[1], dtype=torch.float64)
     if given is not None:
         given_weight = torch.zeros_like(given_weight).index_add_(0, slot, given.double())
@@ -123,7 +126,7 @@ class _Layout:
         self.table[self.halo] = self.n_own + torch.arange(self.halo.numel())
         # every (receiving partition, node) pair this partition must send, one column each
         cross = (part[src] == rank) & (part[dst] != rank)
-        self.sends = unique_columns(torch.stack([part[dst[cross]], src[cross]]), max(num_nodes, num_parts))[0]
+        self.sends = unique_columns(torch.stack([part[dst[cross]], src[cross]]), max(num_nodes, num_parts))
 
     def view(self, node_fields: dict[str, torch.Tensor], covered: torch.Tensor) -> dict[str, torch.Tensor]:
         """The view whose targets are this partition's nodes in the covered chunks (a [N] mask)."""
